@@ -1,0 +1,91 @@
+"""Paged attention: writing new K/V into their pages, and attending over a sequence's pages.
+
+`paged_attention` is the single dispatch point. Today it has one backend, the pure-JAX reference
+below; the Pallas kernels plug in here, behind the same signature, so the model never knows which
+one ran.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import AttentionKind, SlidingWindow
+
+# Finite, so a row whose keys are all masked (a padding row) gives a uniform softmax, not NaN.
+_MASKED = -1e30
+
+
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters new keys/values into their cache slots.
+
+    Args:
+        k_pages, v_pages: [P, S, K, H] page pools of one layer (donated upstream: updated in place).
+        k, v: [B, T, K, H] new keys/values.
+        slots: [B, T] flat slot index page * S + offset; padding tokens point into the scratch page.
+
+    Returns:
+        The updated (k_pages, v_pages).
+    """
+    p, s, nk, h = k_pages.shape
+    flat = slots.reshape(-1)
+    k_pages = k_pages.reshape(p * s, nk, h).at[flat].set(k.reshape(-1, nk, h).astype(k_pages.dtype))
+    v_pages = v_pages.reshape(p * s, nk, h).at[flat].set(v.reshape(-1, nk, h).astype(v_pages.dtype))
+    return k_pages.reshape(p, s, nk, h), v_pages.reshape(p, s, nk, h)
+
+
+def reference_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    scale: float,
+    kind: AttentionKind,
+) -> jax.Array:
+    """Causal attention of new queries over each row's cached pages (new K/V already written).
+
+    Args:
+        q: [B, T, N, H] queries (RoPE applied).
+        k_pages, v_pages: [P, S, K, H] one layer's page pools.
+        page_table: [B, MP] pages of each row.
+        q_positions: [B, T] absolute position of each query.
+        kv_lens: [B] valid cached tokens per row (0 for a padding row).
+        scale: softmax scale, a Python float.
+        kind: GlobalAttention or SlidingWindow(window).
+
+    Returns:
+        [B, T, N, H] attention output in q's dtype.
+    """
+    b, t, n, h = q.shape
+    _, s, nk, _ = k_pages.shape
+    g = n // nk
+    k = k_pages[page_table].reshape(b, -1, nk, h)  # [B, MP*S, K, H]
+    v = v_pages[page_table].reshape(b, -1, nk, h)
+    kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)  # [S_ctx]
+
+    in_context = kv_pos[None, :] < kv_lens[:, None]  # [B, S_ctx]
+    mask = in_context[:, None, :] & (kv_pos[None, None, :] <= q_positions[:, :, None])  # [B, T, S_ctx]
+    if isinstance(kind, SlidingWindow):
+        mask &= q_positions[:, :, None] - kv_pos[None, None, :] < kind.window
+    # Slots past a row's length may hold another request's stale data (even NaN): zero V there so
+    # a zero probability times garbage cannot leak into the output.
+    v = jnp.where(in_context[:, :, None, None], v, jnp.zeros((), v.dtype))
+
+    qg = q.reshape(b, t, nk, g, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, None, None, :, :], logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def paged_attention(
+    q, k_pages, v_pages, page_table, q_positions, kv_lens, *, scale: float, kind: AttentionKind
+) -> jax.Array:
+    """Dispatch point for paged attention (see module docstring); same contract as the reference."""
+    return reference_paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind)

@@ -1,0 +1,331 @@
+"""Model configuration: frozen, keyword-only, hashable (usable as a static jit argument).
+
+`from_hf_config` is the one place where a Hugging Face `config.json` becomes a `ModelConfig`.
+Anything it does not understand is refused by name rather than silently ignored: a silently
+dropped option (a RoPE scaling, a bias, a window) is the classic source of "loads fine, outputs
+garbage".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
+
+# ----------------------------------------------------------------------------------------------
+# Variants as types.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearRopeScaling:
+    """Position interpolation: every frequency divided by `factor`."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent scaling (long wavelengths scaled, short kept, smooth between)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalAttention:
+    """Every query attends to its whole causal prefix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow:
+    """A query at position p attends to keys at positions in (p - window, p]."""
+
+    window: int
+
+
+AttentionKind = GlobalAttention | SlidingWindow
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer of the Llama family.
+
+    Letters in comments refer to the glossary in WORKSPACE.md (D model width, F MLP width,
+    N query heads, K KV heads, H head dim, L layers, V vocabulary).
+    """
+
+    name: str = "model"
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # One entry per layer; () means "all global".
+    layer_attention: tuple[AttentionKind, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # compute and parameter dtype
+
+    def __post_init__(self):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise UnsupportedModelError(f"config field {field!r} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.layer_attention and len(self.layer_attention) != self.num_layers:
+            raise UnsupportedModelError(
+                f"layer_attention has {len(self.layer_attention)} entries for {self.num_layers} layers"
+            )
+        if self.dtype not in DTYPES:
+            raise UnsupportedModelError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def q_per_kv(self) -> int:
+        """G: query heads sharing one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def attention_kind(self, layer: int) -> AttentionKind:
+        return self.layer_attention[layer] if self.layer_attention else GlobalAttention()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies in the cache, over all layers."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += h * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * h
+        per_layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + d
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face conversion.
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Reads RoPE settings from either the transformers v5 `rope_parameters` or the older keys."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    # Some configs spell the kind "type" (older transformers), some "rope_type".
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, LinearRopeScaling(factor=float(params["factor"]))
+    if kind == "llama3":
+        try:
+            return theta, Llama3RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"rope_scaling of type 'llama3' is missing field {e.args[0]!r}") from None
+    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[AttentionKind, ...]:
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        # Qwen configs carry a sliding_window value even when the feature is off.
+        return ()
+    if layer_types is not None:
+        kinds = []
+        for i, t in enumerate(layer_types):
+            if t == "full_attention":
+                kinds.append(GlobalAttention())
+            elif t == "sliding_attention":
+                if not window:
+                    raise UnsupportedModelError(f"layer_types[{i}] is 'sliding_attention' but sliding_window is unset")
+                kinds.append(SlidingWindow(int(window)))
+            else:
+                raise UnsupportedModelError(f"layer_types[{i}] = {t!r} is not supported")
+        if len(kinds) != num_layers:
+            raise UnsupportedModelError(f"layer_types has {len(kinds)} entries for {num_layers} layers")
+        return tuple(kinds) if any(isinstance(k, SlidingWindow) for k in kinds) else ()
+    if not window:
+        return ()
+    if family == "mistral":
+        return (SlidingWindow(int(window)),) * num_layers
+    first_sliding = int(hf.get("max_window_layers", 0))
+    return tuple(SlidingWindow(int(window)) if i >= first_sliding else GlobalAttention() for i in range(num_layers))
+
+
+def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "model") -> ModelConfig:
+    """Converts a Hugging Face `config.json` dict into a `ModelConfig`.
+
+    Raises:
+        UnsupportedModelError: naming the architecture or option that is not supported.
+    """
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    family = None
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            family = _ARCHITECTURES[arch]
+            break
+    if family is None:
+        if archs:
+            raise UnsupportedModelError(
+                f"architecture {archs[0]!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
+            )
+        if model_type not in _MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_MODEL_TYPES))})"
+            )
+        family = model_type
+
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported for {family} (only 'silu')")
+    if hf.get("mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if int(hf.get("pretraining_tp", 1)) != 1:
+        # Only affects how HF splits matmuls during training, not the maths; accept quietly.
+        pass
+
+    try:
+        hidden = int(hf["hidden_size"])
+        num_heads = int(hf["num_attention_heads"])
+        num_layers = int(hf["num_hidden_layers"])
+        vocab = int(hf["vocab_size"])
+        inter = int(hf["intermediate_size"])
+    except KeyError as e:
+        raise UnsupportedModelError(f"config.json is missing required field {e.args[0]!r}") from None
+    num_kv = int(hf.get("num_key_value_heads") or num_heads)
+    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    theta, scaling = _rope(hf)
+
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+
+    qkv_bias = family == "qwen2" or bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        name=name,
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=family == "qwen3",
+        layer_attention=_layer_attention(hf, family, num_layers),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=dtype,
+    )
+
+
+def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"model directory {model_dir!r} has no config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise UnsupportedModelError(f"{path} must hold a JSON object")
+    # generation_config.json may list extra end-of-turn tokens (Llama 3 instruct does).
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    cfg = from_hf_config(hf, dtype=dtype, name=os.path.basename(os.path.normpath(model_dir)))
+    if os.path.isfile(gen_path):
+        try:
+            with open(gen_path) as f:
+                gen = json.load(f)
+            eos = gen.get("eos_token_id")
+            extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
+            cfg = dataclasses.replace(cfg, eos_token_ids=merged)
+        except (json.JSONDecodeError, TypeError, ValueError):
+            pass  # generation_config is advisory; a broken one must not block loading
+    return cfg
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Per-pair inverse frequencies [H/2] as float64 numpy, with the configured scaling applied."""
+    import numpy as np
+
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = cfg.rope_scaling
+    if isinstance(s, LinearRopeScaling):
+        inv = inv / s.factor
+    elif isinstance(s, Llama3RopeScaling):
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv

@@ -1,0 +1,186 @@
+"""`LLM`: the offline Python API (contract), in the shape vLLM users expect."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+import jax
+
+from jaxinfer import default_model
+from jaxinfer.config import DTYPES
+from jaxinfer.engine import Engine, Request
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.kv_cache import pages_needed
+from jaxinfer.loading import load_hf_checkpoint
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer import load_tokenizer
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result of one prompt. `token_ids` excludes the prompt and any stop/EOS token."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
+    """Enough pages for every slot at full length, capped at a quarter of free memory."""
+    want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
+    bytes_per_page = cfg.kv_bytes_per_token * page_size
+    free = None
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    except Exception:  # memory_stats is unimplemented on some backends
+        free = None
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    budget = int(free * 0.25) // bytes_per_page
+    return max(2, min(want, budget))
+
+
+class LLM:
+    """Loads a model and generates from it.
+
+    Args:
+        model: a local Hugging Face checkpoint directory; None for the embedded default model.
+        dtype: "float32" or "bfloat16", for parameters, activations and the KV cache.
+        max_model_len: longest sequence (prompt + output); defaults to the model's maximum.
+        page_size: tokens per KV-cache page.
+        num_kv_pages: pages in the cache; defaults to what max_num_seqs full-length sequences need,
+            capped at a quarter of free memory.
+        max_num_seqs: sequences decoded together at most.
+        max_num_batched_tokens: prompt tokens (padded) processed in one prefill step at most.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_kv_pages: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 4096,
+    ):
+        if dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if model is None:
+            cfg, params, tokenizer = default_model.load(dtype=dtype)
+            print(
+                f"jaxinfer: using the embedded default model {cfg.name!r} "
+                "(UNTRAINED: random weights, its text is noise)",
+                file=sys.stderr,
+            )
+        else:
+            model = os.fspath(model)
+            cfg, params = load_hf_checkpoint(model, dtype=dtype)
+            tokenizer = load_tokenizer(model, eos_ids=cfg.eos_token_ids)
+            if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
+                cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
+        if max_model_len is None:
+            max_model_len = cfg.max_position_embeddings
+        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_model_len}"
+            )
+        if num_kv_pages is None:
+            num_kv_pages = _default_num_pages(
+                cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
+            )
+        self.cfg = cfg
+        self.params = params
+        self.tokenizer = tokenizer
+        self.engine = Engine(
+            cfg,
+            params,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            num_kv_pages=num_kv_pages,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def _encode(self, text: str, index: int) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"prompts[{index}] must be a string, got {type(text).__name__}")
+        if not text:
+            raise InvalidRequestError(f"prompts[{index}] is empty")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model directory has no tokenizer: pass prompt_token_ids instead")
+        return self.tokenizer.encode(text)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); returns outputs in prompt order.
+
+        Every prompt is validated before any work starts, so a bad one loses nothing.
+        """
+        if (prompts is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is not None:
+            texts = list(prompts)
+            ids = [self._encode(p, i) for i, p in enumerate(texts)]
+        else:
+            texts = [None] * len(prompt_token_ids)
+            ids = []
+            for i, p in enumerate(prompt_token_ids):
+                if isinstance(p, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise InvalidRequestError(f"prompt_token_ids[{i}] must be a list of integers")
+                ids.append(list(p))
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(ids)
+        if len(sampling_params) != len(ids):
+            raise InvalidRequestError(
+                f"got {len(sampling_params)} sampling_params for {len(ids)} prompts (pass one, or one per prompt)"
+            )
+        self._validate(ids, sampling_params)
+
+        requests: list[Request] = [self.engine.add_request(p, sp) for p, sp in zip(ids, sampling_params)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(r, t) for r, t in zip(requests, texts)]
+
+    def _validate(self, ids, sampling_params) -> None:
+        field = "prompt_token_ids" if self.tokenizer is None else "prompts"
+        for i, (p, sp) in enumerate(zip(ids, sampling_params)):
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"sampling_params[{i}] must be a SamplingParams")
+            try:
+                self.engine.validate(p, sp)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"{field}[{i}]: {e}") from None
+
+    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else ""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_ids,
+            token_ids=list(req.output_ids),
+            text=text,
+            finish_reason=req.finish_reason,
+        )

@@ -1,0 +1,211 @@
+"""Loading Hugging Face checkpoints: safetensors (single or sharded) into the parameter pytree.
+
+Tensors are read one at a time through a memory map and placed on device before the next is read,
+so host memory holds about one tensor (in its converted layout), not the model. The safetensors
+format is simple enough (8-byte header length, JSON header, raw little-endian data) that reading it
+directly gives us bfloat16 through ml_dtypes and precise errors for truncated files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxinfer.config import ModelConfig, load_hf_config
+from jaxinfer.errors import CheckpointError
+from jaxinfer.model import abstract_params
+
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file; `get(name)` returns a zero-copy view."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        header.pop("__metadata__", None)
+        self.header = header
+        self._data_start = 8 + n
+        self._data_len = size - 8 - n
+        self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end > self._data_len or end - begin != expected:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is truncated or corrupt "
+                f"(needs bytes {begin}..{end}, data section has {self._data_len})"
+            )
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
+        return raw.view(dtype).reshape(shape)
+
+
+def _checkpoint_files(model_dir: str) -> dict[str, str]:
+    """Maps tensor name -> file for a single-file or index-sharded checkpoint."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+        for fname in set(weight_map.values()):
+            if not os.path.isfile(os.path.join(model_dir, fname)):
+                raise CheckpointError(f"{index} points at missing file {fname!r}")
+        return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"model directory {model_dir!r} has no *.safetensors files")
+    out = {}
+    for fname in files:
+        for k in SafetensorsFile(os.path.join(model_dir, fname)).keys():
+            out[k] = os.path.join(model_dir, fname)
+    return out
+
+
+# HF name -> (our path, how to convert). Converters receive the HF array and the target shape.
+def _linear_in_out(x, shape):  # HF Linear weight [out, in] -> [in, *out_split]
+    return x.T.reshape(shape)
+
+
+def _linear_out_in(x, shape):  # HF o_proj [D, N*H] -> [N, H, D]
+    return x.T.reshape(shape)
+
+
+def _same(x, shape):
+    return x.reshape(shape)
+
+
+def _hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], object]]:
+    yield "model.embed_tokens.weight", ("embedding",), _same
+    yield "model.norm.weight", ("final_norm", "scale"), _same
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", ("lm_head",), lambda x, s: x.T
+    for i in range(cfg.num_layers):
+        pre, ours = f"model.layers.{i}.", f"layer_{i}"
+        yield pre + "input_layernorm.weight", (ours, "attn_norm", "scale"), _same
+        yield pre + "post_attention_layernorm.weight", (ours, "mlp_norm", "scale"), _same
+        for hf, me in (("q", "q"), ("k", "k"), ("v", "v")):
+            yield pre + f"self_attn.{hf}_proj.weight", (ours, "attn", f"w{me}"), _linear_in_out
+            if cfg.qkv_bias:
+                yield pre + f"self_attn.{hf}_proj.bias", (ours, "attn", f"b{me}"), _same
+        yield pre + "self_attn.o_proj.weight", (ours, "attn", "wo"), _linear_out_in
+        if cfg.qk_norm:
+            yield pre + "self_attn.q_norm.weight", (ours, "attn", "q_norm", "scale"), _same
+            yield pre + "self_attn.k_norm.weight", (ours, "attn", "k_norm", "scale"), _same
+        for hf, me in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
+            yield pre + f"mlp.{hf}_proj.weight", (ours, "mlp", me), lambda x, s: x.T
+
+
+# Tensors checkpoints carry that hold no parameters of ours.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None):
+    """Reads a HF safetensors checkpoint into the parameter pytree, one tensor at a time.
+
+    Args:
+        model_dir: directory with `*.safetensors` (optionally `model.safetensors.index.json`).
+        cfg: the model config (from the same directory's config.json).
+        shardings: optional pytree of shardings matching the parameter tree.
+
+    Raises:
+        CheckpointError: naming the tensor or file that is missing, extra, corrupt or misshapen.
+    """
+    files = _checkpoint_files(model_dir)
+    abstract = abstract_params(cfg)
+    opened: dict[str, SafetensorsFile] = {}
+    params: dict = {}
+    expected = set()
+    target_dtype = np.dtype(cfg.dtype) if cfg.dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
+    for hf_name, path, convert in _hf_names(cfg):
+        expected.add(hf_name)
+        if hf_name not in files:
+            raise CheckpointError(f"checkpoint in {model_dir!r} is missing tensor {hf_name!r}")
+        fname = files[hf_name]
+        if fname not in opened:
+            opened[fname] = SafetensorsFile(fname)
+        st = opened[fname]
+        if hf_name not in st.header:
+            raise CheckpointError(f"tensor {hf_name!r} is not in {os.path.basename(fname)} as the index says")
+        target = abstract
+        for key in path:
+            target = target[key]
+        raw = st.get(hf_name)
+        try:
+            arr = convert(raw, target.shape)
+        except ValueError:
+            arr = None
+        if arr is None or arr.shape != target.shape:
+            raise CheckpointError(
+                f"tensor {hf_name!r} has shape {tuple(raw.shape)}, which does not fit the config "
+                f"(expected {target.shape} after conversion)"
+            )
+        arr = np.ascontiguousarray(arr, dtype=target_dtype)
+        sharding = None
+        if shardings is not None:
+            sharding = shardings
+            for key in path:
+                sharding = sharding[key]
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jax.device_put(arr, sharding)
+        del arr, raw
+    extra = sorted(
+        k
+        for k in files
+        if k not in expected and not _IGNORED.search(k) and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    )
+    if extra:
+        raise CheckpointError(
+            f"checkpoint has tensors this {cfg.family} config does not use, e.g. {extra[0]!r} "
+            f"({len(extra)} in all); the config may not match the weights"
+        )
+    return params
+
+
+def load_hf_checkpoint(model_dir: str, *, dtype: str = "float32", shardings=None):
+    """Returns (ModelConfig, params) from a local Hugging Face checkpoint directory."""
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"model directory {model_dir!r} does not exist")
+    cfg = load_hf_config(model_dir, dtype=dtype)
+    return cfg, load_safetensors_params(model_dir, cfg, shardings=shardings)

@@ -1,0 +1,224 @@
+"""The functional Llama-family model and the two jitted entry points, `prefill` and `decode_step`.
+
+The Flax modules describe the computation; parameters are a plain pytree passed to `apply`, and
+the KV cache goes in and comes out as an explicit argument. Nothing keeps state in a module.
+
+Each parameter is declared once, in the module that uses it, with its shape and logical axis
+names; the abstract tree, the initialiser and (later) the sharding all derive from that one
+declaration (`param_axes`, `init_params`). Einsum letters: see the glossary in WORKSPACE.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import attention
+from jaxinfer.config import ModelConfig, rope_inv_freq
+from jaxinfer.kv_cache import Batch, KVCache
+
+_normal = nn.initializers.normal(stddev=0.02)
+
+
+def _param(module: nn.Module, name: str, shape, axes, init=_normal):
+    dtype = jnp.dtype(module.cfg.dtype)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, statistics in float32, scaled in the model dtype (as HF does)."""
+
+    cfg: ModelConfig
+    dim: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = _param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+        return w * y.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, H] for the rotate-half RoPE convention used by HF checkpoints."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, N, H]; cos/sin: [B, T, H]. Computed in x's dtype, like the reference."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, cos, sin, batch: Batch, slots, k_pages, v_pages):
+        cfg = self.cfg
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        wq = _param(self, "wq", (d, n, h), ("embed", "q_heads", "head_dim"))
+        wk = _param(self, "wk", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        wv = _param(self, "wv", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        wo = _param(self, "wo", (n, h, d), ("q_heads", "head_dim", "embed"))
+
+        q = jnp.einsum("BTD,DNH->BTNH", x, wq)
+        kx = jnp.einsum("BTD,DKH->BTKH", x, wk)
+        vx = jnp.einsum("BTD,DKH->BTKH", x, wv)
+        if cfg.qkv_bias:
+            zeros = nn.initializers.zeros
+            q = q + _param(self, "bq", (n, h), ("q_heads", "head_dim"), zeros)
+            kx = kx + _param(self, "bk", (k, h), ("kv_heads", "head_dim"), zeros)
+            vx = vx + _param(self, "bv", (k, h), ("kv_heads", "head_dim"), zeros)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg, h, name="q_norm")(q)
+            kx = RMSNorm(cfg, h, name="k_norm")(kx)
+        q = apply_rope(q, cos, sin)
+        kx = apply_rope(kx, cos, sin)
+
+        k_pages, v_pages = attention.write_kv(k_pages, v_pages, kx, vx, slots)
+        out = attention.paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            batch.page_table,
+            batch.positions(),
+            batch.kv_lens,
+            scale=h**-0.5,
+            kind=cfg.attention_kind(self.layer),
+        )  # [B, T, N, H]
+        return jnp.einsum("BTNH,NHD->BTD", out, wo), k_pages, v_pages
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        d, f = self.cfg.hidden_size, self.cfg.intermediate_size
+        gate = jnp.einsum("BTD,DF->BTF", x, _param(self, "w_gate", (d, f), ("embed", "mlp")))
+        up = jnp.einsum("BTD,DF->BTF", x, _param(self, "w_up", (d, f), ("embed", "mlp")))
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, _param(self, "w_down", (f, d), ("mlp", "embed")))
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, cos, sin, batch, slots, k_pages, v_pages):
+        d = self.cfg.hidden_size
+        with jax.named_scope("attention"):
+            h, k_pages, v_pages = Attention(self.cfg, self.layer, name="attn")(
+                RMSNorm(self.cfg, d, name="attn_norm")(x), cos, sin, batch, slots, k_pages, v_pages
+            )
+        x = x + h
+        with jax.named_scope("mlp"):
+            x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, d, name="mlp_norm")(x))
+        return x, k_pages, v_pages
+
+
+class Transformer(nn.Module):
+    """Embedding -> L decoder layers over the paged cache -> final norm -> last-token logits."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, batch: Batch, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        cfg = self.cfg
+        embedding = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+        x = jnp.take(embedding, batch.tokens, axis=0)  # [B, T, D]
+        cos, sin = rope_tables(cfg, batch.positions())
+        slots = batch.slots(cache.page_size)  # computed once, shared by every layer
+
+        ks, vs = list(cache.k), list(cache.v)
+        for i in range(cfg.num_layers):
+            with jax.named_scope(f"layer_{i}"):
+                x, ks[i], vs[i] = DecoderLayer(cfg, i, name=f"layer_{i}")(x, cos, sin, batch, slots, ks[i], vs[i])
+
+        # Only each row's last new token needs logits: gather before the norm and LM head.
+        last = jnp.maximum(batch.q_lens - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+        x = RMSNorm(cfg, cfg.hidden_size, name="final_norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("BD,VD->BV", x, embedding, preferred_element_type=jnp.float32)
+        else:
+            lm_head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+            logits = jnp.einsum("BD,DV->BV", x, lm_head, preferred_element_type=jnp.float32)
+        return logits, KVCache(k=tuple(ks), v=tuple(vs))
+
+
+# ----------------------------------------------------------------------------------------------
+# The functional core (contract): pure, jitted once, cache donated.
+
+
+def _forward(params, cache: KVCache, batch: Batch, *, cfg: ModelConfig):
+    return Transformer(cfg).apply({"params": params}, batch, cache)
+
+
+def _decode(params, cache: KVCache, batch: Batch, *, cfg: ModelConfig):
+    if batch.tokens.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, got tokens of shape {batch.tokens.shape}")
+    return _forward(params, cache, batch, cfg=cfg)
+
+
+prefill = jax.jit(_forward, static_argnames=("cfg",), donate_argnames=("cache",))
+prefill.__doc__ = """Processes a chunk of prompt tokens for each row and writes their K/V into the cache.
+
+Args:
+    params: parameter pytree (from `init_params` or a checkpoint loader).
+    cache: KVCache, donated: do not use the argument after the call.
+    batch: Batch with tokens [B, T]; rows may start mid-sequence (chunked prefill, prefix reuse).
+    cfg: ModelConfig (static).
+
+Returns:
+    (logits [B, V] float32 at each row's last new token, the new KVCache).
+"""
+decode_step = jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("cache",))
+decode_step.__doc__ = """One new token per row (tokens [B, 1]); otherwise exactly `prefill`."""
+
+
+def _dummy_inputs(cfg: ModelConfig) -> tuple[Batch, KVCache]:
+    one = jnp.ones((1,), jnp.int32)
+    batch = Batch(tokens=jnp.zeros((1, 1), jnp.int32), q_lens=one, kv_lens=one, page_table=jnp.ones((1, 1), jnp.int32))
+    return batch, KVCache.create(cfg, num_pages=2, page_size=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _init(key, *, cfg: ModelConfig):
+    batch, cache = _dummy_inputs(cfg)
+    return nn.unbox(Transformer(cfg).init(key, batch, cache)["params"])
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+    """Random parameters (normal(0.02) weights, unit norms, zero biases) as a pytree."""
+    return _init(jax.random.key(seed), cfg=cfg)
+
+
+def param_axes(cfg: ModelConfig):
+    """The logical axis names of every parameter, as a pytree of PartitionSpec (no compute)."""
+    batch, cache = _dummy_inputs(cfg)
+    boxed = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), batch, cache)["params"])
+    return nn.get_partition_spec(boxed)
+
+
+def abstract_params(cfg: ModelConfig):
+    """ShapeDtypeStructs of every parameter (no compute)."""
+    return jax.eval_shape(lambda: init_params(cfg))
+
+
+def params_nbytes(params) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))

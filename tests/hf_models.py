@@ -1,0 +1,74 @@
+"""Random-weight Hugging Face checkpoints, written by transformers itself, for parity tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (config class, model class, extra config)
+FAMILIES = {
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(rms_norm_eps=1e-5)),
+    "llama3.1": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            max_position_embeddings=256,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama3.2-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+    "mistral-swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+}
+
+
+def make_hf_model(family: str, **overrides):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, cfg_cls)(**{**TINY, **extra, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    if family == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    if family == "qwen3":  # q/k norms start at one; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "q_norm" not in name and "k_norm" not in name:
+                p.normal_(1, 0.2)
+    return model
+
+
+def save_hf_model(model, path, *, dtype=None, max_shard_size=None):
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
