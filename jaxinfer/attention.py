@@ -29,11 +29,15 @@ def write_kv(
     Returns:
         The updated (k_pages, v_pages).
     """
-    p, s, nk, h = k_pages.shape
-    flat = slots.reshape(-1)
-    k_pages = k_pages.reshape(p * s, nk, h).at[flat].set(k.reshape(-1, nk, h).astype(k_pages.dtype))
-    v_pages = v_pages.reshape(p * s, nk, h).at[flat].set(v.reshape(-1, nk, h).astype(v_pages.dtype))
-    return k_pages.reshape(p, s, nk, h), v_pages.reshape(p, s, nk, h)
+    s = k_pages.shape[1]
+    nk, h = k_pages.shape[2:]
+    # Index pages and offsets separately: reshaping the pool to [P*S, ...] first makes XLA copy
+    # the whole pool around the scatter instead of updating the donated buffer in place.
+    page = (slots // s).reshape(-1)
+    offset = (slots % s).reshape(-1)
+    k_pages = k_pages.at[page, offset].set(k.reshape(-1, nk, h).astype(k_pages.dtype))
+    v_pages = v_pages.at[page, offset].set(v.reshape(-1, nk, h).astype(v_pages.dtype))
+    return k_pages, v_pages
 
 
 def reference_paged_attention(

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.config import DTYPES
@@ -146,9 +147,11 @@ class LLM:
             texts = [None] * len(prompt_token_ids)
             ids = []
             for i, p in enumerate(prompt_token_ids):
-                if isinstance(p, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                if isinstance(p, (str, bytes)) or not all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p
+                ):
                     raise InvalidRequestError(f"prompt_token_ids[{i}] must be a list of integers")
-                ids.append(list(p))
+                ids.append([int(t) for t in p])
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -98,7 +98,11 @@ class Attention(nn.Module):
             scale=h**-0.5,
             kind=cfg.attention_kind(self.layer),
         )  # [B, T, N, H]
-        return jnp.einsum("BTNH,NHD->BTD", out, wo), k_pages, v_pages
+        # Contract over one merged N*H axis: with two contracting axes XLA CPU re-lays-out (copies)
+        # the whole of wo on every step.
+        b, t = out.shape[:2]
+        o = jnp.einsum("BTE,ED->BTD", out.reshape(b, t, n * h), wo.reshape(n * h, d))
+        return o, k_pages, v_pages
 
 
 class MLP(nn.Module):

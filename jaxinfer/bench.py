@@ -1,0 +1,254 @@
+"""`jaxinfer bench`: where the time goes in prefill and decode, against ceilings measured in the same run.
+
+Decode streams every weight (and the whole live KV cache) once per step, so its honest yardstick is
+memory bandwidth: we report bytes a step must read / step time, as a fraction of the fastest
+streaming read this process can do on the same device right now (the larger of an XLA reduction and
+an XLA matrix-vector product over a buffer much larger than the caches). Prefill is compute-bound;
+we report its achieved FLOP/s (2 x params x tokens, attention excluded) next to TTFT.
+
+With --vs-hf, Hugging Face transformers runs `generate` on the same weights in the same process,
+and the ratios are printed side by side. Timings are medians over repeats; compilation is excluded
+by a warm-up run of every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PRESETS = {
+    # The ~150M-parameter Llama shape the project's decode targets are stated for.
+    "llama-150m": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
+    "llama-tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    ),
+}
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        values = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="write a random-weight HF checkpoint of this shape (needs transformers) and bench it",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--prompt-lens", type=_ints, default=[32, 128, 512], help="TTFT prompt lengths")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="prompt length for the decode runs")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vs-hf", action="store_true", help="also run HF transformers generate on the same weights")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every figure at the end")
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict[str, float]:
+    """Streaming-read bandwidth (bytes/s) of this device: XLA reduction and XLA matvec."""
+    n = nbytes // 4
+    cols = 4096
+    x = jnp.ones((n // cols, cols), jnp.float32)
+    v = jnp.ones((n // cols,), jnp.float32)
+    reduce_fn = jax.jit(lambda a: jnp.sum(a))
+    matvec_fn = jax.jit(lambda a, b: b @ a)
+    out = {}
+    for name, f, args in (("reduce", reduce_fn, (x,)), ("matvec", matvec_fn, (x, v))):
+        f(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(*args).block_until_ready()
+            times.append(time.perf_counter() - t)
+        out[name] = x.nbytes / min(times)
+    del x, v
+    return out
+
+
+def _write_preset(name: str, path: str) -> None:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(**PRESETS[name])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def run(args) -> dict:
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.model import params_nbytes
+
+    if args.model and args.preset:
+        raise SystemExit("error: pass --model or --preset, not both")
+    if args.vs_hf and not (args.model or args.preset):
+        raise SystemExit("error: --vs-hf needs a Hugging Face checkpoint: pass --model DIR or --preset NAME")
+    if args.new_tokens < 2:
+        raise SystemExit("error: --new-tokens must be >= 2 (decode time is measured between tokens)")
+
+    with contextlib.ExitStack() as stack:
+        model_dir = args.model
+        if args.preset:
+            model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxinfer-bench-"))
+            print(f"writing random-weight {args.preset} checkpoint to {model_dir} ...", file=sys.stderr)
+            _write_preset(args.preset, model_dir)
+        return _run(args, model_dir, LLM, SamplingParams, params_nbytes)
+
+
+def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
+    max_len = max(max(args.prompt_lens), args.context + args.new_tokens) + 1
+    max_seqs = max(args.batch_sizes)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        max_model_len=max_len,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(max(args.prompt_lens), max_seqs * args.context),
+    )
+    cfg = llm.cfg
+    weight_bytes = params_nbytes(llm.params)
+    # Decode reads every weight except the embedding table (only B rows of it) once per step.
+    embed_bytes = cfg.vocab_size * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
+    streamed_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
+    bw = measure_read_bandwidth()
+    ceiling = max(bw.values())
+    rng = np.random.default_rng(0)
+    low = 3  # clear of pad/BOS/EOS in every tokenizer we ship
+    report: dict = {
+        "model": cfg.name,
+        "dtype": cfg.dtype,
+        "params": cfg.num_params,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": cfg.kv_bytes_per_token,
+        "device": str(jax.devices()[0]),
+        "read_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
+        "ttft": [],
+        "decode": [],
+    }
+    print(
+        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}, weights {weight_bytes / 1e6:.1f} MB, "
+        f"KV cache {cfg.kv_bytes_per_token} B/token ({cfg.kv_bytes_per_token / 1024:.1f} KiB)"
+    )
+    print(
+        f"device {jax.devices()[0]}; streaming read ceiling {ceiling / 1e9:.1f} GB/s "
+        f"(reduce {bw['reduce'] / 1e9:.1f}, matvec {bw['matvec'] / 1e9:.1f})"
+    )
+
+    greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    print("\nprefill (batch 1): time to first token")
+    print(f"{'prompt':>8} {'TTFT ms':>10} {'GFLOP/s':>10}")
+    for n in args.prompt_lens:
+        prompt = rng.integers(low, cfg.vocab_size, n).tolist()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy1)  # compile this bucket
+        t = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=greedy1), args.repeats)
+        flops = 2 * (cfg.num_params - cfg.vocab_size * cfg.hidden_size) * n
+        print(f"{n:>8} {t * 1e3:>10.1f} {flops / t / 1e9:>10.1f}")
+        report["ttft"].append({"prompt_len": n, "ttft_s": t, "gflops": flops / t / 1e9})
+
+    print(f"\ndecode: prompt {args.context}, {args.new_tokens} new tokens per sequence")
+    print(f"{'batch':>6} {'step ms':>9} {'tok/s':>9} {'GB/s':>8} {'MBU':>6}")
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    for b in args.batch_sizes:
+        prompts = [rng.integers(low, cfg.vocab_size, args.context).tolist() for _ in range(b)]
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)  # compile every bucket on the way
+        steps = []
+        for _ in range(args.repeats):
+            reqs = [llm.engine.add_request(p, params) for p in prompts]
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            start = max(r.token_times[0] for r in reqs)
+            end = max(r.token_times[-1] for r in reqs)
+            steps.append((end - start) / (args.new_tokens - 1))
+        step = statistics.median(steps)
+        mean_ctx = args.context + args.new_tokens / 2
+        step_bytes = streamed_bytes + b * mean_ctx * cfg.kv_bytes_per_token
+        achieved = step_bytes / step
+        row = {"batch": b, "step_s": step, "tokens_per_s": b / step, "GBps": achieved / 1e9, "mbu": achieved / ceiling}
+        report["decode"].append(row)
+        print(f"{b:>6} {step * 1e3:>9.2f} {b / step:>9.1f} {achieved / 1e9:>8.1f} {achieved / ceiling:>6.0%}")
+
+    if args.vs_hf:
+        report["hf"] = _vs_hf(args, model_dir, llm, report, rng, low)
+    if args.json:
+        print(json.dumps(report))
+    return report
+
+
+def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
+    """HF transformers generate on the same weights; decode time = t(N tokens) - t(1 token)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    cfg = llm.cfg
+    rows = []
+    print(
+        f"\nvs HF transformers {transformers.__version__} (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads), same weights, greedy"
+    )
+    print(f"{'batch':>6} {'HF step ms':>11} {'HF tok/s':>9} {'ours tok/s':>11} {'ratio':>7}")
+    for ours in report["decode"]:
+        b = ours["batch"]
+        ids = torch.tensor(rng.integers(low, cfg.vocab_size, (b, args.context)))
+
+        def gen(n, ids=ids):
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        gen(2)  # warm-up
+        t1 = _median_time(lambda: gen(1), args.repeats)
+        tn = _median_time(lambda: gen(args.new_tokens), args.repeats)
+        step = (tn - t1) / (args.new_tokens - 1)
+        ratio = (b / ours["step_s"]) / (b / step)
+        rows.append({"batch": b, "hf_step_s": step, "hf_tokens_per_s": b / step, "ratio": ratio})
+        print(f"{b:>6} {step * 1e3:>11.2f} {b / step:>9.1f} {ours['tokens_per_s']:>11.1f} {ratio:>6.2f}x")
+    return rows

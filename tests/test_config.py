@@ -1,0 +1,83 @@
+"""Hugging Face config conversion: each family, RoPE scaling against transformers, refusals by name."""
+
+import numpy as np
+import pytest
+import torch
+from hf_models import FAMILIES, TINY
+
+from jaxinfer.config import GlobalAttention, Llama3RopeScaling, SlidingWindow, from_hf_config, rope_inv_freq
+from jaxinfer.errors import UnsupportedModelError
+
+
+def _hf_config(family, **kw):
+    import transformers
+
+    cfg_cls, _, extra = FAMILIES[family]
+    return getattr(transformers, cfg_cls)(**{**TINY, **extra, **kw})
+
+
+def test_each_family_converts():
+    c = from_hf_config(_hf_config("qwen2").to_dict())
+    assert c.family == "qwen2" and c.qkv_bias and not c.qk_norm
+    c = from_hf_config(_hf_config("qwen3").to_dict())
+    assert c.qk_norm and not c.qkv_bias and c.head_dim == 16
+    c = from_hf_config(_hf_config("llama3.2-tied").to_dict())
+    assert c.tie_word_embeddings and c.head_dim == 32
+    c = from_hf_config(_hf_config("mistral-swa").to_dict())
+    assert c.attention_kind(0) == SlidingWindow(8)
+    c = from_hf_config(_hf_config("llama2").to_dict())
+    assert c.attention_kind(1) == GlobalAttention() and c.eos_token_ids == (2,)
+
+
+def test_old_style_llama3_config_keys():
+    """Configs written before transformers v5 keep rope_theta and rope_scaling at top level."""
+    hf = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=10,
+        intermediate_size=8,
+        rope_theta=500000.0,
+        hidden_act="silu",
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    )
+    c = from_hf_config(hf)
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling == Llama3RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3.1"])
+def test_rope_frequencies_match_transformers(family):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = _hf_config(family, head_dim=64)
+    ours = rope_inv_freq(from_hf_config(hf.to_dict()))
+    theirs = LlamaRotaryEmbedding(hf).inv_freq.to(torch.float64).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
+        (dict(architectures=None, model_type="falcon"), "falcon"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "yarn"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(num_key_value_heads=3), "multiple"),
+    ],
+)
+def test_unsupported_is_refused_by_name(change, message):
+    hf = _hf_config("llama2").to_dict()
+    hf.update(change)
+    with pytest.raises(UnsupportedModelError, match=message):
+        from_hf_config(hf)

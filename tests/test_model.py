@@ -1,0 +1,195 @@
+"""The functional core: prefill/decode against a cache-free forward pass, paging, recompiles."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import ModelConfig, SlidingWindow
+from jaxinfer.engine import num_compiles
+from jaxinfer.kv_cache import Batch, KVCache, OutOfPagesError, PageAllocator
+from jaxinfer.model import decode_step, init_params, prefill
+
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
+PS = 4  # page size
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, seed=3)
+
+
+def numpy_forward(cfg, params, tokens):
+    """Independent dense float64 NumPy forward pass (no cache, no paging): logits for every position."""
+    p = {k: np.asarray(v, np.float64) if not isinstance(v, dict) else v for k, v in params.items()}
+
+    def arr(x):
+        return np.asarray(x, np.float64)
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * arr(w)
+
+    t = len(tokens)
+    x = arr(params["embedding"])[tokens]  # [T, D]
+    h = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, h, 2) / h)
+    ang = np.arange(t)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(v):  # [T, N, H]
+        v1, v2 = v[..., : h // 2], v[..., h // 2 :]
+        return v * cos[:, None] + np.concatenate([-v2, v1], -1) * sin[:, None]
+
+    for i in range(cfg.num_layers):
+        lp = params[f"layer_{i}"]
+        a = rms(x, lp["attn_norm"]["scale"])
+        q = rope(np.einsum("td,dnh->tnh", a, arr(lp["attn"]["wq"])))
+        k = rope(np.einsum("td,dkh->tkh", a, arr(lp["attn"]["wk"])))
+        v = np.einsum("td,dkh->tkh", a, arr(lp["attn"]["wv"]))
+        g = cfg.q_per_kv
+        k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+        s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(h)
+        pos = np.arange(t)
+        mask = pos[None, :] <= pos[:, None]
+        kind = cfg.attention_kind(i)
+        if isinstance(kind, SlidingWindow):
+            mask &= pos[:, None] - pos[None, :] < kind.window
+        s = np.where(mask[None], s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("nqk,knh->qnh", pr, v)
+        x = x + np.einsum("qnh,nhd->qd", o, arr(lp["attn"]["wo"]))
+        m = rms(x, lp["mlp_norm"]["scale"])
+        gate = m @ arr(lp["mlp"]["w_gate"])
+        x = x + (gate / (1 + np.exp(-gate)) * (m @ arr(lp["mlp"]["w_up"]))) @ arr(lp["mlp"]["w_down"])
+    x = rms(x, params["final_norm"]["scale"])
+    return x @ arr(params["lm_head"])
+
+
+def _batch(tokens, q_lens, kv_lens, table):
+    return Batch(
+        tokens=jnp.asarray(tokens, jnp.int32),
+        q_lens=jnp.asarray(q_lens, jnp.int32),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+        page_table=jnp.asarray(table, jnp.int32),
+    )
+
+
+def _run_chunks(params, tokens, chunks, cfg=CFG, fill=0.0):
+    """Feeds `tokens` in the given chunk sizes; returns the logits after every chunk."""
+    cache = KVCache.create(cfg, num_pages=16, page_size=PS)
+    if fill:
+        cache = KVCache(
+            k=tuple(jnp.full_like(a, fill) for a in cache.k), v=tuple(jnp.full_like(a, fill) for a in cache.v)
+        )
+    table = [[9, 3, 12, 5, 1, 7, 2, 4, 0, 0]]
+    out, done = [], 0
+    for n in chunks:
+        fn = decode_step if n == 1 else prefill
+        b = _batch([tokens[done : done + n]], [n], [done + n], table)
+        logits, cache = fn(params, cache, b, cfg=cfg)
+        out.append(np.asarray(logits[0]))
+        done += n
+    return out
+
+
+TOKENS = list(np.random.RandomState(0).randint(3, 97, 23))
+
+
+def test_prefill_matches_numpy_forward(params):
+    ref = numpy_forward(CFG, params, TOKENS)
+    (ours,) = _run_chunks(params, TOKENS, [len(TOKENS)])
+    np.testing.assert_allclose(ours, ref[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_then_decode_equals_full_forward(params):
+    ref = numpy_forward(CFG, params, TOKENS)
+    outs = _run_chunks(params, TOKENS, [16] + [1] * 7)
+    for i, o in enumerate(outs):
+        np.testing.assert_allclose(o, ref[15 + i], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_across_page_boundaries(params):
+    ref = numpy_forward(CFG, params, TOKENS)
+    outs = _run_chunks(params, TOKENS, [3, 5, 4, 1, 10])  # chunks start and end mid-page
+    ends = np.cumsum([3, 5, 4, 1, 10]) - 1
+    for o, e in zip(outs, ends):
+        np.testing.assert_allclose(o, ref[e], atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_matches_numpy(params):
+    cfg = dataclasses.replace(CFG, layer_attention=(SlidingWindow(5), SlidingWindow(3)))
+    ref = numpy_forward(cfg, params, TOKENS)
+    outs = _run_chunks(params, TOKENS, [9, 1, 1, 12], cfg=cfg)
+    for o, e in zip(outs, [8, 9, 10, 22]):
+        np.testing.assert_allclose(o, ref[e], atol=1e-5, rtol=1e-5)
+
+
+def test_stale_nan_pages_do_not_leak(params):
+    """Cache slots past a sequence's length (another request's leftovers) never reach its output."""
+    clean = _run_chunks(params, TOKENS, [7, 1, 1, 9])
+    dirty = _run_chunks(params, TOKENS, [7, 1, 1, 9], fill=float("nan"))
+    for a, b in zip(clean, dirty):
+        assert np.isfinite(b).all()
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batched_ragged_rows_equal_single_rows(params):
+    """Rows of different lengths plus a padding row, in one padded batch, give each row's own result."""
+    seqs = [TOKENS[:5], TOKENS[:11], TOKENS[3:20]]
+    cache = KVCache.create(CFG, num_pages=32, page_size=PS)
+    table = [[1, 2, 0, 0, 0], [3, 4, 5, 0, 0], [6, 7, 8, 9, 10], [0, 0, 0, 0, 0]]
+    toks = np.zeros((4, 32), np.int32)
+    for i, s in enumerate(seqs):
+        toks[i, : len(s)] = s
+    lens = [len(s) for s in seqs] + [0]
+    logits, cache = prefill(params, cache, _batch(toks, lens, lens, table), cfg=CFG)
+    for i, s in enumerate(seqs):
+        ref = numpy_forward(CFG, params, s)[-1]
+        np.testing.assert_allclose(np.asarray(logits[i]), ref, atol=1e-5, rtol=1e-5)
+    # One decode step for all rows at once, continuing each from its own pages.
+    nxt = [[5], [6], [7], [0]]
+    logits, cache = decode_step(params, cache, _batch(nxt, [1, 1, 1, 0], [6, 12, 18, 0], table), cfg=CFG)
+    for i, s in enumerate(seqs):
+        ref = numpy_forward(CFG, params, s + nxt[i])[-1]
+        np.testing.assert_allclose(np.asarray(logits[i]), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_no_recompile_for_new_prompt_in_same_bucket(params):
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(max_model_len=256, num_kv_pages=64)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[1, 5, 9, 20, 30, 40, 50]], sampling_params=sp)  # bucket T=16
+    before = num_compiles()
+    llm.generate(prompt_token_ids=[[1, 8, 8, 3, 22, 71, 19, 44, 3, 12, 90]], sampling_params=sp)
+    llm.generate(prompt_token_ids=[[1, 7]], sampling_params=SamplingParams(max_tokens=4, temperature=0.7, seed=1))
+    after_stochastic_compile = num_compiles()
+    llm.generate(prompt_token_ids=[[1, 7, 9]], sampling_params=SamplingParams(max_tokens=4, temperature=0.9, seed=2))
+    assert num_compiles() == after_stochastic_compile
+    assert after_stochastic_compile == before  # sampling settings are data, not shapes
+    llm.generate(prompt_token_ids=[list(range(3, 40))], sampling_params=sp)  # a new bucket (T=64) compiles
+    assert num_compiles() > before
+
+
+def test_page_allocator():
+    a = PageAllocator(5)
+    assert a.capacity == 4 and a.num_free == 4
+    pages = a.allocate(3)
+    assert 0 not in pages and len(set(pages)) == 3
+    with pytest.raises(OutOfPagesError):
+        a.allocate(2)
+    a.free(pages)
+    assert a.num_free == 4
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free([pages[0]])
