@@ -160,15 +160,14 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(sampling_params)} sampling_params for {len(ids)} prompts (pass one, or one per prompt)"
             )
-        self._validate(ids, sampling_params)
+        self._validate(ids, sampling_params, "prompts" if prompts is not None else "prompt_token_ids")
 
         requests: list[Request] = [self.engine.add_request(p, sp) for p, sp in zip(ids, sampling_params)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self._output(r, t) for r, t in zip(requests, texts)]
 
-    def _validate(self, ids, sampling_params) -> None:
-        field = "prompt_token_ids" if self.tokenizer is None else "prompts"
+    def _validate(self, ids, sampling_params, field: str) -> None:
         for i, (p, sp) in enumerate(zip(ids, sampling_params)):
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling_params[{i}] must be a SamplingParams")

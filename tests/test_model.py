@@ -31,7 +31,6 @@ def params():
 
 def numpy_forward(cfg, params, tokens):
     """Independent dense float64 NumPy forward pass (no cache, no paging): logits for every position."""
-    p = {k: np.asarray(v, np.float64) if not isinstance(v, dict) else v for k, v in params.items()}
 
     def arr(x):
         return np.asarray(x, np.float64)

@@ -1,0 +1,135 @@
+"""The public API and CLI: outputs, stopping, batching, and clear errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import LLM, InvalidRequestError, SamplingParams
+from jaxinfer.cli import main
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=64, num_kv_pages=64, max_num_seqs=4)
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_default_model_generates(llm):
+    outs = llm.generate(["Hello", "In the beginning"], GREEDY)
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert outs[0].prompt == "Hello" and outs[0].prompt_token_ids == llm.tokenizer.encode("Hello")
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids)
+
+
+def test_batch_gives_same_greedy_tokens_as_alone(llm):
+    prompts = [[1, 40 + i] * (i + 1) for i in range(7)]  # mixed lengths, more than max_num_seqs
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert together == alone
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[[1, 50, 60]], sampling_params=p)[0].token_ids
+    batch = llm.generate(prompt_token_ids=[[1, 9], [1, 50, 60], [1, 7, 7, 7]],
+                         sampling_params=[GREEDY, p, SamplingParams(max_tokens=3, temperature=0.5)])
+    assert batch[1].token_ids == alone
+
+
+def test_stop_token_ids_and_eos(llm):
+    free = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=GREEDY)[0].token_ids
+    stop_at = free[3]
+    first = free.index(stop_at)
+    out = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=SamplingParams(
+        max_tokens=8, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:first]
+    # The same token as the model's EOS stops too, unless ignore_eos.
+    import dataclasses
+
+    eos_llm = LLM(max_model_len=64, num_kv_pages=16)
+    eos_llm.engine.cfg = dataclasses.replace(eos_llm.engine.cfg, eos_token_ids=(stop_at,))
+    out = eos_llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=SamplingParams(max_tokens=8, temperature=0))
+    assert out[0].finish_reason == "stop" and out[0].token_ids == free[:first]
+
+
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate(prompt_token_ids=[[1] + [5] * 60], sampling_params=SamplingParams(
+        max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.generate([""]), r"prompts\[0\] is empty"),
+    (lambda m: m.generate(prompt_token_ids=[[]]), "empty"),
+    (lambda m: m.generate(prompt_token_ids=[[1] * 64]), r"64 tokens.*max_model_len - 1 = 63"),
+    (lambda m: m.generate(prompt_token_ids=[[1, 999]]), r"999 is outside the vocabulary \[0, 259\)"),
+    (lambda m: m.generate(prompt_token_ids=[[1, -1]]), "outside the vocabulary"),
+    (lambda m: m.generate(prompt_token_ids=[["a"]]), "list of integers"),
+    (lambda m: m.generate(["a", "b"], [GREEDY] * 3), "3 sampling_params for 2 prompts"),
+    (lambda m: m.generate(), "exactly one of"),
+    (lambda m: m.generate([3]), r"prompts\[0\] must be a string"),
+])
+def test_bad_requests_are_refused_clearly(llm, call, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        call(llm)
+
+
+def test_bad_request_loses_nothing(llm):
+    """A batch with one bad prompt fails before any work starts; the engine stays usable."""
+    with pytest.raises(InvalidRequestError, match=r"prompt_token_ids\[1\]"):
+        llm.generate(prompt_token_ids=[[1, 2], [1, 10**6]], sampling_params=GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.capacity
+    assert len(llm.generate(prompt_token_ids=[[1, 2]], sampling_params=GREEDY)[0].token_ids) == 8
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        LLM(dtype="float16")
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        LLM(max_model_len=10**6)
+
+
+def test_cli_json(capsys):
+    assert main(["generate", "--max-tokens", "4", "--json", "--ignore-eos", "hi there"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    obj = json.loads(line)
+    assert len(obj["token_ids"]) == 4 and obj["finish_reason"] == "length" and "untrained" in obj["model"]
+    assert main(["generate", "--max-tokens", "3", "--json", "--prompt-ids", "1,5,6", "--prompt-ids", "1,7"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [json.loads(x)["prompt_token_ids"] for x in lines] == [[1, 5, 6], [1, 7]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-tokens", "0", "x"], "max_tokens"),
+    (["generate", "--temperature", "-1", "x"], "temperature"),
+    (["generate", "--top-p", "0", "x"], "top_p"),
+    (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
+])
+def test_cli_errors_are_one_line_no_traceback(argv, message):
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_runs_and_reports(capsys):
+    from jaxinfer import bench
+
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--preset", "llama-tiny", "--prompt-lens", "8,16", "--batch-sizes", "1,2",
+                         "--new-tokens", "4", "--context", "8", "--repeats", "1", "--vs-hf"])
+    report = bench.run(args)
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "MBU" in out and "ratio" in out
+    assert [r["batch"] for r in report["decode"]] == [1, 2]
+    assert all(r["step_s"] > 0 and 0 < r["mbu"] for r in report["decode"])
+    assert all(r["hf_tokens_per_s"] > 0 for r in report["hf"])
+    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4

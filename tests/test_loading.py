@@ -1,0 +1,150 @@
+"""Checkpoint and tokenizer loading: good files load, bad files fail naming the file or tensor."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from hf_models import make_hf_model, save_hf_model
+from jaxinfer import LLM, CheckpointError, SamplingParams
+from jaxinfer.loading import load_hf_checkpoint
+from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    save_hf_model(make_hf_model("llama2"), path)
+    return path
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_safetensors(path, edit):
+    """Loads a checkpoint's tensors, applies `edit` to the dict, writes it back with safetensors."""
+    from safetensors.numpy import load_file, save_file
+
+    f = str(path / "model.safetensors")
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f)
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_malformed_config(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(Exception, match="config.json is not valid JSON"):
+        load_hf_checkpoint(str(d))
+
+
+def test_missing_tensor_is_named(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    _rewrite_safetensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_hf_checkpoint(str(d))
+
+
+def test_wrong_shape_is_named(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((5, 64), np.float32)
+
+    _rewrite_safetensors(d, edit)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*shape"):
+        load_hf_checkpoint(str(d))
+
+
+def test_truncated_file_is_named(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_hf_checkpoint(str(d))
+
+
+def test_index_pointing_at_missing_file(tmp_path):
+    save_hf_model(make_hf_model("llama2"), tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    os.remove(tmp_path / victim)
+    with pytest.raises(CheckpointError, match=victim):
+        load_hf_checkpoint(str(tmp_path))
+
+
+def test_config_weight_mismatch_extra_tensor(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="does not use"):
+        load_hf_checkpoint(str(d))
+
+
+def _train_bpe(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café ✓"] * 50
+    tok.train_from_iterator(text, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_hf_tokenizer_json_matches_transformers(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    _train_bpe(tmp_path)
+    ours = load_tokenizer(str(tmp_path), eos_ids=(2,))
+    assert isinstance(ours, HFTokenizer)
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    for text in ["the lazy fox", "naïve café ✓ over", " leading space"]:
+        assert ours.encode(text) == theirs(text)["input_ids"]
+        assert ours.encode(text)[0] == 1
+        assert ours.decode(ours.encode(text)) == text
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["In the beginning God created the heaven and the earth."] * 30
+                                + ["And the earth was without form, and void."] * 30))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=30,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, SentencePieceTokenizer)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    text = "the earth was void"
+    assert tok.encode(text) == [1] + sp.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_ids == (2,)
+
+
+def test_text_prompts_through_llm_with_tokenizer(tmp_path):
+    d = tmp_path
+    save_hf_model(make_hf_model("llama2", vocab_size=320), d)
+    _train_bpe(d)
+    llm = LLM(str(d), num_kv_pages=32)
+    out = llm.generate(["the quick fox"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("the quick fox")
+    assert len(out.token_ids) == 5
+    assert out.text == llm.tokenizer.decode(out.token_ids)
