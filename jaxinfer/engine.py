@@ -48,6 +48,16 @@ def num_compiles() -> int:
     return _compile_count
 
 
+def _forward_and_sample(params, cache, batch, sampling, *, cfg):
+    logits, cache = model_lib.forward(params, cache, batch, cfg=cfg)
+    return sample(logits, sampling), cache
+
+
+# The engine runs the model and the sampler as ONE jitted program per step: one dispatch, and the
+# [B, V] logits never leave the device. `prefill` / `decode_step` stay the public functional API.
+_step_fn = jax.jit(_forward_and_sample, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
 def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), clipped to maximum."""
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
@@ -172,12 +182,12 @@ class Engine:
         admitted = self._admit()
         if admitted:
             self.running.extend(admitted)
-            rows, fn = admitted, model_lib.prefill
+            rows, decoding = admitted, False
             q_lens = [len(r.prompt_ids) for r in rows]
             t = bucket(max(q_lens), minimum=16, maximum=bucket(self.max_model_len))
             tokens = [r.prompt_ids for r in rows]
         elif self.running:
-            rows, fn = self.running, model_lib.decode_step
+            rows, decoding = self.running, True
             q_lens = [1] * len(rows)
             t = 1
             tokens = [[r.output_ids[-1]] for r in rows]
@@ -185,12 +195,12 @@ class Engine:
             return []
 
         b = bucket(len(rows))
-        kv_lens = [r.context_len for r in rows] if fn is model_lib.decode_step else q_lens
+        kv_lens = [r.context_len for r in rows] if decoding else q_lens
         mp = bucket(pages_needed(max(kv_lens), self.page_size), maximum=self.max_pages_per_seq)
         batch = self._batch(rows, tokens, q_lens, kv_lens, b, t, mp)
         sampling = SamplingBatch.from_rows([(r.params, r.seed, len(r.output_ids)) for r in rows], b)
-        logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
-        new_tokens = np.asarray(sample(logits, sampling))
+        tokens_out, self.cache = _step_fn(self.params, self.cache, batch, sampling, cfg=self.cfg)
+        new_tokens = np.asarray(tokens_out)
         now = time.perf_counter()
         finished = []
         for req, tok in zip(rows, new_tokens[: len(rows)].tolist()):

@@ -169,17 +169,18 @@ class Transformer(nn.Module):
 # The functional core (contract): pure, jitted once, cache donated.
 
 
-def _forward(params, cache: KVCache, batch: Batch, *, cfg: ModelConfig):
+def forward(params, cache: KVCache, batch: Batch, *, cfg: ModelConfig):
+    """The un-jitted step behind `prefill` and `decode_step`, for composing into larger jitted programs."""
     return Transformer(cfg).apply({"params": params}, batch, cache)
 
 
 def _decode(params, cache: KVCache, batch: Batch, *, cfg: ModelConfig):
     if batch.tokens.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got tokens of shape {batch.tokens.shape}")
-    return _forward(params, cache, batch, cfg=cfg)
+    return forward(params, cache, batch, cfg=cfg)
 
 
-prefill = jax.jit(_forward, static_argnames=("cfg",), donate_argnames=("cache",))
+prefill = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("cache",))
 prefill.__doc__ = """Processes a chunk of prompt tokens for each row and writes their K/V into the cache.
 
 Args:

@@ -36,8 +36,10 @@ def test_batch_gives_same_greedy_tokens_as_alone(llm):
 def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[[1, 50, 60]], sampling_params=p)[0].token_ids
-    batch = llm.generate(prompt_token_ids=[[1, 9], [1, 50, 60], [1, 7, 7, 7]],
-                         sampling_params=[GREEDY, p, SamplingParams(max_tokens=3, temperature=0.5)])
+    batch = llm.generate(
+        prompt_token_ids=[[1, 9], [1, 50, 60], [1, 7, 7, 7]],
+        sampling_params=[GREEDY, p, SamplingParams(max_tokens=3, temperature=0.5)],
+    )
     assert batch[1].token_ids == alone
 
 
@@ -45,8 +47,10 @@ def test_stop_token_ids_and_eos(llm):
     free = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=GREEDY)[0].token_ids
     stop_at = free[3]
     first = free.index(stop_at)
-    out = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=SamplingParams(
-        max_tokens=8, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[[1, 70, 71]],
+        sampling_params=SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == free[:first]
     # The same token as the model's EOS stops too, unless ignore_eos.
     import dataclasses
@@ -58,22 +62,27 @@ def test_stop_token_ids_and_eos(llm):
 
 
 def test_generation_stops_at_max_model_len(llm):
-    out = llm.generate(prompt_token_ids=[[1] + [5] * 60], sampling_params=SamplingParams(
-        max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[[1] + [5] * 60],
+        sampling_params=SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+    )[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda m: m.generate([""]), r"prompts\[0\] is empty"),
-    (lambda m: m.generate(prompt_token_ids=[[]]), "empty"),
-    (lambda m: m.generate(prompt_token_ids=[[1] * 64]), r"64 tokens.*max_model_len - 1 = 63"),
-    (lambda m: m.generate(prompt_token_ids=[[1, 999]]), r"999 is outside the vocabulary \[0, 259\)"),
-    (lambda m: m.generate(prompt_token_ids=[[1, -1]]), "outside the vocabulary"),
-    (lambda m: m.generate(prompt_token_ids=[["a"]]), "list of integers"),
-    (lambda m: m.generate(["a", "b"], [GREEDY] * 3), "3 sampling_params for 2 prompts"),
-    (lambda m: m.generate(), "exactly one of"),
-    (lambda m: m.generate([3]), r"prompts\[0\] must be a string"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.generate([""]), r"prompts\[0\] is empty"),
+        (lambda m: m.generate(prompt_token_ids=[[]]), "empty"),
+        (lambda m: m.generate(prompt_token_ids=[[1] * 64]), r"64 tokens.*max_model_len - 1 = 63"),
+        (lambda m: m.generate(prompt_token_ids=[[1, 999]]), r"999 is outside the vocabulary \[0, 259\)"),
+        (lambda m: m.generate(prompt_token_ids=[[1, -1]]), "outside the vocabulary"),
+        (lambda m: m.generate(prompt_token_ids=[["a"]]), "list of integers"),
+        (lambda m: m.generate(["a", "b"], [GREEDY] * 3), "3 sampling_params for 2 prompts"),
+        (lambda m: m.generate(), "exactly one of"),
+        (lambda m: m.generate([3]), r"prompts\[0\] must be a string"),
+    ],
+)
 def test_bad_requests_are_refused_clearly(llm, call, match):
     with pytest.raises(InvalidRequestError, match=match):
         call(llm)
@@ -105,12 +114,15 @@ def test_cli_json(capsys):
     assert [json.loads(x)["prompt_token_ids"] for x in lines] == [[1, 5, 6], [1, 7]]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "--max-tokens", "0", "x"], "max_tokens"),
-    (["generate", "--temperature", "-1", "x"], "temperature"),
-    (["generate", "--top-p", "0", "x"], "top_p"),
-    (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--max-tokens", "0", "x"], "max_tokens"),
+        (["generate", "--temperature", "-1", "x"], "temperature"),
+        (["generate", "--top-p", "0", "x"], "top_p"),
+        (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
+    ],
+)
 def test_cli_errors_are_one_line_no_traceback(argv, message):
     r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
@@ -118,14 +130,29 @@ def test_cli_errors_are_one_line_no_traceback(argv, message):
 
 
 def test_bench_runs_and_reports(capsys):
-    from jaxinfer import bench
-
     import argparse
+
+    from jaxinfer import bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(["--preset", "llama-tiny", "--prompt-lens", "8,16", "--batch-sizes", "1,2",
-                         "--new-tokens", "4", "--context", "8", "--repeats", "1", "--vs-hf"])
+    args = p.parse_args(
+        [
+            "--preset",
+            "llama-tiny",
+            "--prompt-lens",
+            "8,16",
+            "--batch-sizes",
+            "1,2",
+            "--new-tokens",
+            "4",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--vs-hf",
+        ]
+    )
     report = bench.run(args)
     out = capsys.readouterr().out
     assert "TTFT" in out and "MBU" in out and "ratio" in out

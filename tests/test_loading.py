@@ -6,8 +6,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from hf_models import make_hf_model, save_hf_model
+
 from jaxinfer import LLM, CheckpointError, SamplingParams
 from jaxinfer.loading import load_hf_checkpoint
 from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
@@ -101,8 +101,11 @@ def _train_bpe(path):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=120,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     text = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café ✓"] * 50
     tok.train_from_iterator(text, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
@@ -126,10 +129,22 @@ def test_sentencepiece_tokenizer(tmp_path):
     import sentencepiece as spm
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(["In the beginning God created the heaven and the earth."] * 30
-                                + ["And the earth was without form, and void."] * 30))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=30,
-                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    corpus.write_text(
+        "\n".join(
+            ["In the beginning God created the heaven and the earth."] * 30
+            + ["And the earth was without form, and void."] * 30
+        )
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "tokenizer"),
+        vocab_size=30,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
     tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, SentencePieceTokenizer)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
