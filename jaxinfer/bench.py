@@ -150,6 +150,8 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     # Decode reads every weight except the embedding table (only B rows of it) once per step.
     embed_bytes = cfg.vocab_size * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
     streamed_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
+    # The ceiling is re-measured after the decode runs and the best figure of each kind is kept: on a
+    # shared, noisy machine that makes MBU err on the low side, never the high side.
     bw = measure_read_bandwidth()
     ceiling = max(bw.values())
     rng = np.random.default_rng(0)
@@ -191,21 +193,42 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     for b in args.batch_sizes:
         prompts = [rng.integers(low, cfg.vocab_size, args.context).tolist() for _ in range(b)]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)  # compile every bucket on the way
-        steps = []
+        steps, totals = [], []
         for _ in range(args.repeats):
+            t0 = time.perf_counter()
             reqs = [llm.engine.add_request(p, params) for p in prompts]
             while llm.engine.has_unfinished():
                 llm.engine.step()
             start = max(r.token_times[0] for r in reqs)
             end = max(r.token_times[-1] for r in reqs)
             steps.append((end - start) / (args.new_tokens - 1))
+            totals.append(end - t0)
         step = statistics.median(steps)
         mean_ctx = args.context + args.new_tokens / 2
         step_bytes = streamed_bytes + b * mean_ctx * cfg.kv_bytes_per_token
         achieved = step_bytes / step
-        row = {"batch": b, "step_s": step, "tokens_per_s": b / step, "GBps": achieved / 1e9, "mbu": achieved / ceiling}
+        row = {
+            "batch": b,
+            "step_s": step,
+            "tokens_per_s": b / step,
+            "GBps": achieved / 1e9,
+            "mbu": achieved / ceiling,
+            "total_s": statistics.median(totals),
+        }
         report["decode"].append(row)
         print(f"{b:>6} {step * 1e3:>9.2f} {b / step:>9.1f} {achieved / 1e9:>8.1f} {achieved / ceiling:>6.0%}")
+
+    again = measure_read_bandwidth()
+    if max(again.values()) > ceiling:
+        bw = {k: max(v, again[k]) for k, v in bw.items()}
+        ceiling = max(bw.values())
+        report["read_bandwidth_GBps"] = {k: v / 1e9 for k, v in bw.items()}
+        for row in report["decode"]:
+            row["mbu"] = row["GBps"] * 1e9 / ceiling
+        print(
+            f"ceiling re-measured after decode: {ceiling / 1e9:.1f} GB/s; MBU at that ceiling: "
+            + ", ".join(f"batch {r['batch']} {r['mbu']:.0%}" for r in report["decode"])
+        )
 
     if args.vs_hf:
         report["hf"] = _vs_hf(args, model_dir, llm, report, rng, low)
@@ -228,7 +251,10 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
         f"\nvs HF transformers {transformers.__version__} (torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads), same weights, greedy"
     )
-    print(f"{'batch':>6} {'HF step ms':>11} {'HF tok/s':>9} {'ours tok/s':>11} {'ratio':>7}")
+    print(
+        f"{'batch':>6} {'HF step ms':>11} {'HF tok/s':>9} {'ours tok/s':>11} {'decode ratio':>13} "
+        f"{'HF total s':>11} {'ours total s':>13} {'total ratio':>12}"
+    )
     for ours in report["decode"]:
         b = ours["batch"]
         ids = torch.tensor(rng.integers(low, cfg.vocab_size, (b, args.context)))
@@ -248,7 +274,20 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
         t1 = _median_time(lambda: gen(1), args.repeats)
         tn = _median_time(lambda: gen(args.new_tokens), args.repeats)
         step = (tn - t1) / (args.new_tokens - 1)
-        ratio = (b / ours["step_s"]) / (b / step)
-        rows.append({"batch": b, "hf_step_s": step, "hf_tokens_per_s": b / step, "ratio": ratio})
-        print(f"{b:>6} {step * 1e3:>11.2f} {b / step:>9.1f} {ours['tokens_per_s']:>11.1f} {ratio:>6.2f}x")
+        ratio = step / ours["step_s"]
+        total_ratio = tn / ours["total_s"]
+        rows.append(
+            {
+                "batch": b,
+                "hf_step_s": step,
+                "hf_tokens_per_s": b / step,
+                "ratio": ratio,
+                "hf_total_s": tn,
+                "total_ratio": total_ratio,
+            }
+        )
+        print(
+            f"{b:>6} {step * 1e3:>11.2f} {b / step:>9.1f} {ours['tokens_per_s']:>11.1f} {ratio:>12.2f}x "
+            f"{tn:>11.2f} {ours['total_s']:>13.2f} {total_ratio:>11.2f}x"
+        )
     return rows

@@ -237,9 +237,6 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
         raise UnsupportedModelError("mlp_bias=true is not supported")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
-    if int(hf.get("pretraining_tp", 1)) != 1:
-        # Only affects how HF splits matmuls during training, not the maths; accept quietly.
-        pass
 
     try:
         hidden = int(hf["hidden_size"])

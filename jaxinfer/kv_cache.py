@@ -43,16 +43,13 @@ class KVCache:
         return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
 
     @classmethod
-    def create(cls, cfg: ModelConfig, *, num_pages: int, page_size: int, sharding=None) -> KVCache:
+    def create(cls, cfg: ModelConfig, *, num_pages: int, page_size: int) -> KVCache:
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = jnp.dtype(cfg.dtype)
-
-        def zeros():
-            if sharding is None:
-                return jnp.zeros(shape, dtype)
-            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-        return cls(k=tuple(zeros() for _ in range(cfg.num_layers)), v=tuple(zeros() for _ in range(cfg.num_layers)))
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        )
 
 
 @struct.dataclass
