@@ -13,6 +13,9 @@ _DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": "-individual_dot"}
 
 
 def apply_defaults() -> None:
+    """Appends each default flag the user has not set; JAXINFER_XLA_DEFAULTS=0 turns this off."""
+    if os.environ.get("JAXINFER_XLA_DEFAULTS", "1") == "0":
+        return
     flags = os.environ.get("XLA_FLAGS", "")
     for name, value in _DEFAULTS.items():
         if name not in flags:
