@@ -199,8 +199,9 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
             reqs = [llm.engine.add_request(p, params) for p in prompts]
             while llm.engine.has_unfinished():
                 llm.engine.step()
-            start = max(r.token_times[0] for r in reqs)
-            end = max(r.token_times[-1] for r in reqs)
+            seqs = [s for r in reqs for s in r.seqs]
+            start = max(s.first_token_time for s in seqs)
+            end = max(s.last_token_time for s in seqs)
             steps.append((end - start) / (args.new_tokens - 1))
             totals.append(end - t0)
         step = statistics.median(steps)

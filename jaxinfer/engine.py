@@ -1,30 +1,35 @@
-"""The generation engine: requests in, jitted steps out, tokens back to requests.
+"""The continuous-batching engine: requests in, one stream of jitted steps, tokens and text out.
 
-This first version batches continuously at step granularity: waiting requests are admitted when
-a sequence slot and enough KV pages for their whole prompt plus `max_tokens` are free; a step is
-either one prefill of all newly admitted prompts or one decode of every running sequence; a
-finished sequence frees its pages at once and its slot goes to the next request.
+Each `step()` asks the scheduler for a `StepPlan` (which chunks of which sequences run), turns it
+into at most two jitted calls - one for prompt chunks ([B, T] rows), one for single-token rows
+([B, 1]) - dispatches both before waiting on either, then feeds the sampled tokens back to their
+sequences: stop conditions, incremental detokenization, metrics.
 
-All shapes come from a small set of buckets (powers of two for batch rows, prompt length and
-page-table width), so a new request whose sizes fall in a bucket already seen never recompiles.
+Shapes come from a fixed set of buckets decided at construction (`prefill_shapes`, `decode_shapes`),
+all compiled by `warmup()`, so a serving engine never compiles after it starts taking traffic.
+`LLM.generate` and the gRPC server both drive this one engine.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import model as model_lib
 from jaxinfer.config import ModelConfig
+from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PageAllocator, pages_needed
+from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, pages_needed
+from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
+from jaxinfer.scheduler import Chunk, Scheduler, Sequence
+from jaxinfer.tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------------------------
 # Compilation counting: every XLA backend compile in this process, however it was triggered.
@@ -53,9 +58,15 @@ def _forward_and_sample(params, cache, batch, sampling, *, cfg):
     return sample(logits, sampling), cache
 
 
-# The engine runs the model and the sampler as ONE jitted program per step: one dispatch, and the
+# The engine runs the model and the sampler as ONE jitted program per call: one dispatch, and the
 # [B, V] logits never leave the device. `prefill` / `decode_step` stay the public functional API.
 _step_fn = jax.jit(_forward_and_sample, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+@jax.jit
+def _poison(cache: KVCache, pages: jax.Array) -> KVCache:
+    nan = jnp.asarray(jnp.nan, cache.k[0].dtype)
+    return KVCache(k=tuple(a.at[pages].set(nan) for a in cache.k), v=tuple(a.at[pages].set(nan) for a in cache.v))
 
 
 def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
@@ -64,59 +75,143 @@ def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
     return min(b, maximum) if maximum is not None else b
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+@dataclasses.dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top-n token ids and their log-probabilities
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int
-    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
+    seqs: list[Sequence]
+    arrival_time: float
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(s.finished for s in self.seqs)
 
-    @property
-    def context_len(self) -> int:
-        """Tokens whose K/V are in the cache once the last generated token is fed back."""
-        return len(self.prompt_ids) + len(self.output_ids)
+
+@dataclasses.dataclass
+class SeqUpdate:
+    """What one step did to one sequence: tokens added, text released, finished or not."""
+
+    seq: Sequence
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
 
 
 class Engine:
-    """Owns the parameters, the KV cache and the scheduler; `step()` advances every request."""
+    """Owns the parameters, the KV cache and the scheduler; `step()` advances every request.
+
+    Args:
+        cfg, params: the model.
+        tokenizer: for text output and stop strings; None for token-ids-only use.
+        max_model_len: longest sequence (prompt + output).
+        page_size: tokens per KV page (a power of two).
+        num_kv_pages: pages in the cache (one is scratch).
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
+        enable_prefix_caching: share cached prompt pages between requests.
+        poison_freed_pages: fill freed pages with NaN (tests: proves stale data never leaks).
+    """
 
     def __init__(
         self,
         cfg: ModelConfig,
         params,
+        tokenizer: Tokenizer | None = None,
         *,
         max_model_len: int,
         page_size: int = 16,
         num_kv_pages: int,
         max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        poison_freed_pages: bool = False,
     ):
-        if page_size < 1 or page_size & (page_size - 1):
-            raise InvalidRequestError(f"page_size must be a power of two >= 1, got {page_size}")
-        if max_num_seqs < 1:
-            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        for name, value, lo in (
+            ("page_size", page_size, 1),
+            ("max_num_seqs", max_num_seqs, 1),
+            ("num_kv_pages", num_kv_pages, 2),
+            ("max_num_batched_tokens", max_num_batched_tokens, 16),
+        ):
+            if not isinstance(value, int) or value < lo:
+                raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if page_size & (page_size - 1):
+            raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
         self.cfg = cfg
         self.params = params
+        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max(max_num_batched_tokens, 16)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = pages_needed(max_model_len, page_size)
-        self.allocator = PageAllocator(num_kv_pages)
+        self.max_prefill_tokens = min(_pow2_floor(max_num_batched_tokens), bucket(max_model_len, minimum=16))
+        self.poison_freed_pages = poison_freed_pages
+        self.pool = PagePool(num_kv_pages, enable_prefix_cache=enable_prefix_caching)
+        self.scheduler = Scheduler(
+            pool=self.pool,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_tokens=self.max_prefill_tokens,
+        )
         self.cache = KVCache.create(cfg, num_pages=num_kv_pages, page_size=page_size)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.metrics = EngineMetrics(kv_pages_total=self.pool.capacity, kv_cache_bytes=self.cache.nbytes)
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
+
+    # -- shapes -----------------------------------------------------------------------------
+
+    def _decode_mp(self, max_kv_len: int) -> int:
+        return bucket(pages_needed(max_kv_len, self.page_size), minimum=self._min_mp, maximum=self.max_pages_per_seq)
+
+    def decode_shapes(self) -> list[tuple[int, int, int]]:
+        """(rows, tokens per row, page-table width) of every single-token call the engine can make."""
+        rows = sorted({bucket(b) for b in range(1, self.max_num_seqs + 1)})
+        widths = sorted({self._decode_mp(n) for n in range(1, self.max_model_len + 1, self.page_size)})
+        return [(b, 1, w) for b in rows for w in widths]
+
+    def prefill_shapes(self) -> list[tuple[int, int, int]]:
+        """(rows, tokens per row, page-table width) of every prompt-chunk call the engine can make."""
+        shapes = []
+        t = 16
+        while t <= self.max_prefill_tokens:
+            b = 1
+            while b * t <= self.max_prefill_tokens and b <= bucket(self.max_num_seqs):
+                shapes.append((b, t, self.max_pages_per_seq))
+                b *= 2
+            t *= 2
+        return shapes
+
+    def warmup(self) -> int:
+        """Compiles every step shape now. Returns how many XLA compilations that took."""
+        before = num_compiles()
+        for b, t, mp in self.decode_shapes() + self.prefill_shapes():
+            batch = Batch(
+                tokens=np.zeros((b, t), np.int32),
+                q_lens=np.zeros(b, np.int32),
+                kv_lens=np.zeros(b, np.int32),
+                page_table=np.full((b, mp), SCRATCH_PAGE, np.int32),
+            )
+            sampling = SamplingBatch.from_rows([], b, self.max_model_len)
+            out, self.cache = _step_fn(self.params, self.cache, batch, sampling, cfg=self.cfg)
+        jax.block_until_ready(self.cache)
+        if self.poison_freed_pages:
+            self.cache = _poison(self.cache, np.zeros(1, np.int32))
+        return num_compiles() - before
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -131,121 +226,199 @@ class Engine:
         bad = [t for t in prompt_ids if not (0 <= t < self.cfg.vocab_size)]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        need = pages_needed(self._reserved_tokens(len(prompt_ids), params), self.page_size)
-        if need > self.allocator.capacity:
+        need = pages_needed(min(len(prompt_ids) + params.max_tokens, self.max_model_len), self.page_size)
+        if need > self.pool.capacity:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages; "
-                f"the cache has {self.allocator.capacity}: lower max_tokens or raise num_kv_pages"
+                f"the cache has {self.pool.capacity}: lower max_tokens or raise num_kv_pages"
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model has none")
 
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None, seed: int | None = None
-    ) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None) -> Request:
         self.validate(prompt_ids, params)
-        if seed is None:
-            seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**32, dtype=np.uint64))
-        req = Request(
-            request_id=request_id or str(next(self._ids)), prompt_ids=list(prompt_ids), params=params, seed=seed
-        )
-        self.waiting.append(req)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use")
+        now = time.perf_counter()
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else int(np.random.randint(0, 2**32, dtype=np.uint64))
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=rid,
+                index=i,
+                params=params,
+                seed=seed % 2**32,
+                tokens=list(prompt_ids),
+                prompt_len=len(prompt_ids),
+                arrival_time=now,
+            )
+            seq.detok = (
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if self.tokenizer is not None else None
+            )
+            seq.logprobs = [] if params.logprobs is not None else None
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        req = Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, seqs=seqs, arrival_time=now)
+        self.requests[rid] = req
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def _reserved_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        # The last generated token is never fed back, so it needs no cache slot.
-        return min(prompt_len + params.max_tokens - 1, self.max_model_len)
-
-    # -- scheduling -------------------------------------------------------------------------
-
-    def _admit(self) -> list[Request]:
-        admitted: list[Request] = []
-        longest = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            req = self.waiting[0]
-            longest_next = max(longest, len(req.prompt_ids))
-            rows = bucket(len(admitted) + 1)
-            if admitted and rows * bucket(longest_next, minimum=16) > self.max_num_batched_tokens:
-                break
-            need = pages_needed(self._reserved_tokens(len(req.prompt_ids), req.params), self.page_size)
-            if need > self.allocator.num_free:
-                break
-            self.waiting.popleft()
-            req.pages = self.allocator.allocate(need)
-            admitted.append(req)
-            longest = longest_next
-        return admitted
-
-    def step(self) -> list[Request]:
-        """Runs one prefill or decode step. Returns the requests that finished in it."""
-        admitted = self._admit()
-        if admitted:
-            self.running.extend(admitted)
-            rows, decoding = admitted, False
-            q_lens = [len(r.prompt_ids) for r in rows]
-            t = bucket(max(q_lens), minimum=16, maximum=bucket(self.max_model_len))
-            tokens = [r.prompt_ids for r in rows]
-        elif self.running:
-            rows, decoding = self.running, True
-            q_lens = [1] * len(rows)
-            t = 1
-            tokens = [[r.output_ids[-1]] for r in rows]
-        else:
+    def abort(self, request_id: str) -> list[SeqUpdate]:
+        """Ends a request now (finish reason 'abort') and frees its pages; unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
             return []
+        updates = []
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+                updates.append(SeqUpdate(seq, [], self._final_text(seq), "abort"))
+        self._after_step()
+        return updates
 
-        b = bucket(len(rows))
-        kv_lens = [r.context_len for r in rows] if decoding else q_lens
-        mp = bucket(pages_needed(max(kv_lens), self.page_size), maximum=self.max_pages_per_seq)
-        batch = self._batch(rows, tokens, q_lens, kv_lens, b, t, mp)
-        sampling = SamplingBatch.from_rows([(r.params, r.seed, len(r.output_ids)) for r in rows], b)
-        tokens_out, self.cache = _step_fn(self.params, self.cache, batch, sampling, cfg=self.cfg)
-        new_tokens = np.asarray(tokens_out)
-        now = time.perf_counter()
-        finished = []
-        for req, tok in zip(rows, new_tokens[: len(rows)].tolist()):
-            self._append(req, tok, now)
-            if req.finished:
-                finished.append(req)
-        if finished:
-            self.running = [r for r in self.running if not r.finished]
-            for req in finished:
-                self.allocator.free(req.pages)
-                req.pages = []
-        return finished
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request (the caller has taken its outputs)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.finished:
+            del self.requests[request_id]
 
-    def _batch(self, rows, tokens, q_lens, kv_lens, b, t, mp) -> Batch:
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[SeqUpdate]:
+        """Runs one scheduled step. Returns an update for every sequence that advanced or ended."""
+        plan = self.scheduler.schedule()
+        self._take_freed_pages()
+        if plan.empty:
+            self._after_step()
+            return []
+        calls = []
+        if plan.prefill:
+            t = bucket(max(c.length for c in plan.prefill), minimum=16)
+            calls.append((plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
+        if plan.decode:
+            mp = self._decode_mp(max(c.start + 1 for c in plan.decode))
+            calls.append((plan.decode, self._dispatch(plan.decode, 1, mp)))
+        updates = []
+        now = None
+        for chunks, out in calls:
+            tokens = np.asarray(out.tokens)
+            want_lp = any(c.seq.logprobs is not None for c in chunks)
+            lp = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if want_lp else None
+            now = time.perf_counter()
+            for i, chunk in enumerate(chunks):
+                seq = chunk.seq
+                seq.num_computed += chunk.length
+                self.scheduler.register_full_pages(seq)
+                if chunk.samples:
+                    update = self._append(seq, int(tokens[i]), now, None if lp is None else (lp, i))
+                    if update is not None:
+                        updates.append(update)
+        self._after_step()
+        return updates
+
+    def _dispatch(self, chunks: list[Chunk], t: int, mp: int):
+        b = bucket(len(chunks))
         tok = np.zeros((b, t), np.int32)
         q = np.zeros(b, np.int32)
         kv = np.zeros(b, np.int32)
         table = np.full((b, mp), SCRATCH_PAGE, np.int32)
-        for i, req in enumerate(rows):
-            tok[i, : q_lens[i]] = tokens[i]
-            q[i], kv[i] = q_lens[i], kv_lens[i]
-            used = pages_needed(kv_lens[i], self.page_size)
-            table[i, :used] = req.pages[:used]
-        return Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=table)
+        rows = []
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            tok[i, : c.length] = seq.tokens[c.start : c.start + c.length]
+            q[i], kv[i] = c.length, c.start + c.length
+            table[i, : len(seq.pages)] = seq.pages
+            rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, seq.tokens, seq.prompt_len))
+        batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=table)
+        sampling = SamplingBatch.from_rows(rows, b, self.max_model_len)
+        out, self.cache = _step_fn(self.params, self.cache, batch, sampling, cfg=self.cfg)
+        return out
 
-    def _append(self, req: Request, token: int, now: float) -> None:
-        p = req.params
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.token_times.append(now)
+    def _append(self, seq: Sequence, token: int, now: float, lp) -> SeqUpdate | None:
+        if seq.finished:  # aborted while its step ran
+            return None
+        p = seq.params
+        m = self.metrics
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            m.ttft.observe(now - seq.arrival_time)
+        else:
+            m.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
         if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            req.finish_reason = "stop"
-            return
-        req.output_ids.append(token)
-        if len(req.output_ids) >= p.max_tokens or req.context_len >= self.max_model_len:
-            req.finish_reason = "length"
+            return self._finish(seq, [], "stop")
+        seq.tokens.append(token)
+        m.generated_tokens.inc()
+        if lp is not None and seq.logprobs is not None:
+            (chosen, top_ids, top_lps), i = lp
+            n = p.logprobs
+            seq.logprobs.append(
+                Logprob(token, float(chosen[i]), {int(a): float(b) for a, b in zip(top_ids[i, :n], top_lps[i, :n])})
+            )
+        if seq.detok is not None:
+            seq.detok.add(token)
+            if seq.detok.stopped:
+                return self._finish(seq, [token], "stop")
+        if len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return self._finish(seq, [token], "length")
+        text = seq.detok.pop_delta() if seq.detok is not None else ""
+        return SeqUpdate(seq, [token], text, None)
 
-    def abort(self, req: Request) -> None:
-        """Ends a request now and frees its pages (finish reason 'abort')."""
-        if req.finished:
-            return
-        req.finish_reason = "abort"
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-            self.allocator.free(req.pages)
-            req.pages = []
+    def _finish(self, seq: Sequence, new_tokens: list[int], reason: str) -> SeqUpdate:
+        self.scheduler.finish(seq, reason)
+        self.metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
+        return SeqUpdate(seq, new_tokens, self._final_text(seq), reason)
+
+    def _final_text(self, seq: Sequence) -> str:
+        if seq.detok is None:
+            return ""
+        seq.detok.flush()
+        return seq.detok.pop_delta(final=True)
+
+    def _take_freed_pages(self) -> None:
+        """Pages freed since the last step; with poison_freed_pages, fills them with NaN now.
+
+        Runs after scheduling and before the step's dispatch: a page freed and handed to another
+        sequence within the same schedule() is poisoned before its new owner writes into it.
+        """
+        s = self.scheduler
+        if s.freed_pages and self.poison_freed_pages:
+            pages = np.asarray(s.freed_pages, np.int32)
+            pad = bucket(len(pages)) - len(pages)
+            self.cache = _poison(self.cache, np.pad(pages, (0, pad), constant_values=SCRATCH_PAGE))
+        s.freed_pages = []
+
+    def _after_step(self) -> None:
+        s = self.scheduler
+        m = self.metrics
+        m.kv_pages_free.set(self.pool.num_free)
+        m.kv_pages_used.set(self.pool.capacity - self.pool.num_free)
+        m.running.set(len(s.running))
+        m.waiting.set(len(s.waiting))
+        m.compiles.set(num_compiles())
+        m.sync_counters(preemptions=s.num_preemptions, prefix_hits=s.prefix_cache_hit_tokens)
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        s, m = self.scheduler, self.metrics
+        return {
+            "kv_pages_total": self.pool.capacity,
+            "kv_pages_free": self.pool.num_free,
+            "kv_pages_cached": self.pool.num_cached,
+            "kv_cache_bytes": self.cache.nbytes,
+            "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "num_compiles": num_compiles(),
+            "ttft_seconds": m.ttft.as_dict(),
+            "itl_seconds": m.itl.as_dict(),
+            "request_latency_seconds": m.e2e.as_dict(),
+        }

@@ -13,6 +13,9 @@ travel in `Batch`. The cache is only ever replaced by the output of a jitted fun
 
 from __future__ import annotations
 
+import collections
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,42 +89,104 @@ class Batch:
 
 
 class OutOfPagesError(RuntimeError):
-    """The allocator cannot satisfy a request; the scheduler decides what to do about it."""
+    """The pool cannot satisfy an allocation; the scheduler decides what to do about it."""
 
 
-class PageAllocator:
-    """Host-side free list of cache pages. Page 0 (scratch) is never handed out."""
+def page_hash(parent: bytes, tokens) -> bytes:
+    """Key of a full page: a digest of its tokens and of the key of the page before it.
 
-    def __init__(self, num_pages: int):
+    A cryptographic digest, not Python's hash(): a collision would hand one request the K/V of
+    different tokens, so it must be out of reach of anyone choosing prompts.
+    """
+    return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+
+class PagePool:
+    """Host-side owner of page ids: the free list, reference counts, and the prefix cache.
+
+    A page is in exactly one of three states:
+      * free: in `_free`, content meaningless;
+      * in use: refcount > 0, owned by one sequence, or shared read-only by several through the
+        prefix cache (only full pages are ever shared, and nobody writes into a full page);
+      * cached: refcount 0 but its content is a known prefix page (`_hash_of`); kept in LRU order
+        and reused by a later request with the same prefix, or evicted when pages run short.
+    Cached pages count as free capacity. Page 0 (scratch) is never handed out.
+    """
+
+    def __init__(self, num_pages: int, *, enable_prefix_cache: bool = True):
         if num_pages < 2:
             raise ValueError(f"num_kv_pages must be at least 2 (one is scratch), got {num_pages}")
         self.num_pages = num_pages
-        # Pop from the end: low page numbers first, which keeps tests readable.
-        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
-        self._owned = np.zeros(num_pages, dtype=bool)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+        self.enable_prefix_cache = enable_prefix_cache
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() gives low ids first
+        self._refs = np.zeros(num_pages, np.int32)
+        self._page_of: dict[bytes, int] = {}  # prefix hash -> page
+        self._hash_of: dict[int, bytes] = {}  # page -> prefix hash
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
 
     @property
     def capacity(self) -> int:
         """Pages that can ever be allocated (all but scratch)."""
         return self.num_pages - 1
 
+    @property
+    def num_free(self) -> int:
+        """Pages allocatable now: free plus cached-but-unused (evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
+
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPagesError(f"need {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._owned[pages] = True
+        """n private pages, evicting least-recently-used cached pages if the free list runs short."""
+        if n > self.num_free:
+            raise OutOfPagesError(f"need {n} KV pages, {self.num_free} free")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._hash_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def release(self, pages: list[int]) -> list[int]:
+        """Drops one reference to each page. Returns the pages that became free (not cached)."""
+        freed = []
         for p in pages:
-            if not (0 < p < self.num_pages) or not self._owned[p]:
+            if not (0 < p < self.num_pages) or self._refs[p] <= 0:
                 raise ValueError(f"page {p} is not allocated")
-            self._owned[p] = False
-            self._free.append(p)
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                if p in self._hash_of:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+                    freed.append(p)
+        return freed
+
+    def lookup(self, key: bytes) -> int | None:
+        """The cached page holding this prefix page, with a reference taken; None on a miss."""
+        page = self._page_of.get(key) if self.enable_prefix_cache else None
+        if page is None:
+            return None
+        if self._refs[page] == 0:
+            del self._evictable[page]
+        self._refs[page] += 1
+        return page
+
+    def register(self, page: int, key: bytes) -> None:
+        """Records that `page` (full, in use) holds the prefix page `key`, for later requests to share."""
+        if not self.enable_prefix_cache or key in self._page_of or page in self._hash_of:
+            return
+        self._page_of[key] = page
+        self._hash_of[page] = key
+
+    def refcount(self, page: int) -> int:
+        return int(self._refs[page])
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.config import DTYPES
-from jaxinfer.engine import Engine, Request
+from jaxinfer.engine import Engine, Logprob, Request
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.loading import load_hf_checkpoint
@@ -21,15 +21,50 @@ from jaxinfer.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One sample. `token_ids` excludes the prompt and any stop/EOS token that ended it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[Logprob] | None = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
-    """The result of one prompt. `token_ids` excludes the prompt and any stop/EOS token."""
+    """The result of one prompt: `outputs` holds its n samples; the fields below mirror sample 0."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[Logprob] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    """What one step added to a streamed request."""
+
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str | None = None
+    index: int = 0  # which sample, when n > 1
 
 
 def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
@@ -59,8 +94,10 @@ class LLM:
         page_size: tokens per KV-cache page.
         num_kv_pages: pages in the cache; defaults to what max_num_seqs full-length sequences need,
             capped at a quarter of free memory.
-        max_num_seqs: sequences decoded together at most.
-        max_num_batched_tokens: prompt tokens (padded) processed in one prefill step at most.
+        max_num_seqs: sequences running together at most.
+        max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
+        enable_prefix_caching: share the KV pages of common prompt prefixes between requests.
+        warmup: compile every step shape now, so no request ever waits for a compilation.
     """
 
     def __init__(
@@ -72,7 +109,9 @@ class LLM:
         page_size: int = 16,
         num_kv_pages: int | None = None,
         max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 4096,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        warmup: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -110,7 +149,11 @@ class LLM:
             num_kv_pages=num_kv_pages,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            tokenizer=tokenizer,
         )
+        if warmup:
+            self.engine.warmup()
 
     @property
     def max_model_len(self) -> int:
@@ -125,17 +168,8 @@ class LLM:
             raise InvalidRequestError("this model directory has no tokenizer: pass prompt_token_ids instead")
         return self.tokenizer.encode(text)
 
-    def generate(
-        self,
-        prompts: str | Sequence[str] | None = None,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-    ) -> list[RequestOutput]:
-        """Generates for every prompt (text or token ids); returns outputs in prompt order.
-
-        Every prompt is validated before any work starts, so a bad one loses nothing.
-        """
+    def _prompts(self, prompts, sampling_params, prompt_token_ids):
+        """Normalises and validates inputs; returns (texts, ids, params). Raises before any work starts."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -143,6 +177,7 @@ class LLM:
         if prompts is not None:
             texts = list(prompts)
             ids = [self._encode(p, i) for i, p in enumerate(texts)]
+            field = "prompts"
         else:
             texts = [None] * len(prompt_token_ids)
             ids = []
@@ -152,22 +187,16 @@ class LLM:
                 ):
                     raise InvalidRequestError(f"prompt_token_ids[{i}] must be a list of integers")
                 ids.append([int(t) for t in p])
+            field = "prompt_token_ids"
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(ids)
+        sampling_params = list(sampling_params)
         if len(sampling_params) != len(ids):
             raise InvalidRequestError(
                 f"got {len(sampling_params)} sampling_params for {len(ids)} prompts (pass one, or one per prompt)"
             )
-        self._validate(ids, sampling_params, "prompts" if prompts is not None else "prompt_token_ids")
-
-        requests: list[Request] = [self.engine.add_request(p, sp) for p, sp in zip(ids, sampling_params)]
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return [self._output(r, t) for r, t in zip(requests, texts)]
-
-    def _validate(self, ids, sampling_params, field: str) -> None:
         for i, (p, sp) in enumerate(zip(ids, sampling_params)):
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling_params[{i}] must be a SamplingParams")
@@ -175,14 +204,77 @@ class LLM:
                 self.engine.validate(p, sp)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"{field}[{i}]: {e}") from None
+        return texts, ids, sampling_params
 
-    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else ""
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=prompt,
-            prompt_token_ids=req.prompt_ids,
-            token_ids=list(req.output_ids),
-            text=text,
-            finish_reason=req.finish_reason,
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); returns outputs in prompt order.
+
+        All prompts run through the continuous-batching engine together. Every prompt is validated
+        before any work starts, so a bad one loses nothing.
+        """
+        texts, ids, params = self._prompts(prompts, sampling_params, prompt_token_ids)
+        requests = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
+        texts_so_far = {s.seq_id: [] for r in requests for s in r.seqs}
+        while not all(r.finished for r in requests):
+            for u in self.engine.step():
+                if u.seq.seq_id in texts_so_far:
+                    texts_so_far[u.seq.seq_id].append(u.text)
+        outs = []
+        for r, t in zip(requests, texts):
+            outs.append(self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}))
+            self.engine.release(r.request_id)
+        return outs
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Yields the tokens and text of one request as they are made.
+
+        Text deltas come from incremental detokenization: never a broken UTF-8 character, never a
+        lost leading space, never any part of a stop string. Closing the generator early aborts the
+        request and frees its pages.
+        """
+        texts, ids, params = self._prompts(
+            None if prompt is None else [prompt],
+            sampling_params,
+            None if prompt_token_ids is None else [prompt_token_ids],
         )
+        req = self.engine.add_request(ids[0], params[0])
+        try:
+            while not req.finished:
+                for u in self.engine.step():
+                    if u.seq.request_id == req.request_id and (u.token_ids or u.text or u.finish_reason):
+                        yield StreamDelta(
+                            token_ids=u.token_ids, text=u.text, finish_reason=u.finish_reason, index=u.seq.index
+                        )
+        finally:
+            if not req.finished:
+                self.engine.abort(req.request_id)
+            self.engine.release(req.request_id)
+
+    def stats(self) -> dict:
+        """Engine gauges, counters and latency histograms (see `Engine.stats`)."""
+        return self.engine.stats()
+
+    def _output(self, req: Request, prompt: str | None, texts: dict[int, str]) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                token_ids=list(s.output_ids),
+                text=texts.get(s.seq_id, ""),
+                finish_reason=s.finish_reason,
+                logprobs=s.logprobs,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_ids, outputs=outputs)

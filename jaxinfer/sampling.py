@@ -27,6 +27,10 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+MAX_LOGPROBS = 20  # top-n logprobs per generated token, at most
+MAX_N = 64  # samples per prompt, at most
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to pick each generated token, and when to stop.
@@ -37,9 +41,18 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
         min_p: drop tokens less likely than min_p times the most likely one, in [0, 1].
+        presence_penalty: subtracted once from every token already generated, in [-2, 2].
+        frequency_penalty: subtracted per occurrence of a token already generated, in [-2, 2].
+        repetition_penalty: > 1 discourages tokens seen in the prompt or output (positive logits are
+            divided by it, negative ones multiplied), in (0, 2]; 1 is off.
         seed: makes sampling reproducible for this request, independent of its batch mates.
+        stop: strings that end generation when they appear in the text (not included in the text).
         stop_token_ids: extra token ids that end generation (not included in the output).
         ignore_eos: keep generating past the end-of-sequence token.
+        logprobs: also return the log-probabilities of the top-n tokens (0..20) at each step, and of
+            the chosen token; None for none. Log-probabilities are those of the model's raw
+            distribution (before penalties, temperature and filtering).
+        n: independent samples per prompt (1..64); sample i uses seed + i when a seed is given.
     """
 
     max_tokens: int = 16
@@ -47,13 +60,25 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         def bad(field, value, limit):
             raise InvalidRequestError(f"SamplingParams.{field} {limit}, got {value!r}")
+
+        def number_in(field, lo, hi, *, lo_open=False):
+            v = getattr(self, field)
+            ok = _is_number(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+            if not ok:
+                bad(field, v, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "must be an integer >= 1")
@@ -61,47 +86,116 @@ class SamplingParams:
             bad("temperature", self.temperature, "must be a finite number >= 0")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to disable")
-        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
-            bad("top_p", self.top_p, "must be in (0, 1]")
-        if not _is_number(self.min_p) or not (0 <= self.min_p <= 1):
-            bad("min_p", self.min_p, "must be in [0, 1]")
+        number_in("top_p", 0, 1, lo_open=True)
+        number_in("min_p", 0, 1)
+        number_in("presence_penalty", -2, 2)
+        number_in("frequency_penalty", -2, 2)
+        number_in("repetition_penalty", 0, 2, lo_open=True)
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**32)):
             bad("seed", self.seed, "must be an integer in [0, 2**32)")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            bad("stop", self.stop, "must be a string or a list of strings")
+        if any(x == "" for x in stop):
+            bad("stop", self.stop, "must not contain an empty string")
+        object.__setattr__(self, "stop", tuple(stop))
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", self.ignore_eos, "must be a bool")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
 
 @struct.dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as device arrays (a pytree), shaped [B] each."""
+    """Per-row sampling inputs as device arrays (a pytree)."""
 
     temperature: jax.Array  # [B] float32, 0 = greedy
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32
     min_p: jax.Array  # [B] float32
+    presence: jax.Array  # [B] float32
+    frequency: jax.Array  # [B] float32
+    repetition: jax.Array  # [B] float32, 1 = off
     seed: jax.Array  # [B] uint32
-    step: jax.Array  # [B] int32, tokens this request has generated so far
+    step: jax.Array  # [B] int32, tokens this sequence has generated so far
+    want_logprobs: jax.Array  # [B] bool
+    history: jax.Array  # [B, L] int32: prompt then output token ids, -1 past the end (penalties only)
+    prompt_lens: jax.Array  # [B] int32: history[:, :prompt_len] is prompt, the rest output
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[SamplingParams, int, int]], batch_size: int) -> SamplingBatch:
-        """rows: (params, seed, step) per live row; padded with greedy rows up to batch_size."""
-        temp = np.zeros(batch_size, np.float32)
-        top_k = np.zeros(batch_size, np.int32)
-        top_p = np.ones(batch_size, np.float32)
-        min_p = np.zeros(batch_size, np.float32)
-        seed = np.zeros(batch_size, np.uint32)
-        step = np.zeros(batch_size, np.int32)
-        for i, (p, s, n) in enumerate(rows):
+    def from_rows(cls, rows, batch_size: int, history_len: int) -> SamplingBatch:
+        """rows: (params, seed, step, tokens, prompt_len) per live row; padded with greedy rows.
+
+        The token history is only filled when some row uses a penalty (it is all -1 otherwise).
+        """
+        b = batch_size
+        temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
+        top_p, min_p = np.ones(b, np.float32), np.zeros(b, np.float32)
+        presence, frequency, repetition = np.zeros(b, np.float32), np.zeros(b, np.float32), np.ones(b, np.float32)
+        seed, step = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+        want = np.zeros(b, bool)
+        history = np.full((b, history_len), -1, np.int32)
+        prompt_lens = np.zeros(b, np.int32)
+        for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
-            seed[i], step[i] = s, n
-        return cls(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step)
+            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            seed[i], step[i], want[i] = s, n, p.logprobs is not None
+            if p.has_penalties:
+                history[i, : len(tokens)] = tokens
+                prompt_lens[i] = prompt_len
+        return cls(
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            seed=seed,
+            step=step,
+            want_logprobs=want,
+            history=history,
+            prompt_lens=prompt_lens,
+        )
+
+
+@struct.dataclass
+class SampleOutput:
+    tokens: jax.Array  # [B] int32
+    logprob: jax.Array  # [B] float32, raw log-probability of the chosen token
+    top_ids: jax.Array  # [B, min(MAX_LOGPROBS, V)] int32, most likely first
+    top_logprobs: jax.Array  # [B, min(MAX_LOGPROBS, V)] float32
+
+
+def apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """Presence/frequency penalties over output tokens, repetition penalty over prompt + output."""
+    b, v = logits.shape
+    hist = sb.history
+    valid = hist >= 0
+    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= sb.prompt_lens[:, None])
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], hist.shape)
+    ids = jnp.where(valid, hist, 0)
+    out_counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    seen = jnp.zeros((b, v), jnp.bool_).at[rows, ids].max(valid)
+    rep = sb.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - sb.frequency[:, None] * out_counts
+    return logits - sb.presence[:, None] * (out_counts > 0)
 
 
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
@@ -122,23 +216,43 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
 
 
 @jax.jit
-def sample(logits: jax.Array, params: SamplingBatch) -> jax.Array:
-    """Picks one token per row.
+def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
+    """Picks one token per row, and the log-probabilities rows asked for.
 
     Args:
-        logits: [B, V] float32.
+        logits: [B, V] float32 raw model logits.
         params: SamplingBatch with [B] fields.
 
     Returns:
-        [B] int32 token ids. Greedy rows (temperature 0) take the argmax; when every row is
-        greedy the sort-based path is skipped entirely.
+        SampleOutput. Each optional stage (penalties, the sort-based stochastic path, log-probability
+        top-n) sits behind a `lax.cond` on whether any row needs it, so an all-greedy batch pays for
+        an argmax only.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    processed = jax.lax.cond(
+        jnp.any((params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)),
+        lambda: apply_penalties(logits, params),
+        lambda: logits,
+    )
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     def stochastic():
         drawn = jax.vmap(_sample_row)(
-            logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step
+            processed, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step
         )
         return jnp.where(params.temperature == 0, greedy, drawn)
 
-    return jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
+    tokens = jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def logprobs():
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        chosen = jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def no_logprobs():
+        b = logits.shape[0]
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(params.want_logprobs), logprobs, no_logprobs)
+    return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids, top_logprobs=top_lp)

@@ -93,7 +93,7 @@ def test_bad_request_loses_nothing(llm):
     with pytest.raises(InvalidRequestError, match=r"prompt_token_ids\[1\]"):
         llm.generate(prompt_token_ids=[[1, 2], [1, 10**6]], sampling_params=GREEDY)
     assert not llm.engine.has_unfinished()
-    assert llm.engine.allocator.num_free == llm.engine.allocator.capacity
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
     assert len(llm.generate(prompt_token_ids=[[1, 2]], sampling_params=GREEDY)[0].token_ids) == 8
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig, SlidingWindow
 from jaxinfer.engine import num_compiles
-from jaxinfer.kv_cache import Batch, KVCache, OutOfPagesError, PageAllocator
+from jaxinfer.kv_cache import Batch, KVCache, OutOfPagesError, PagePool
 from jaxinfer.model import decode_step, init_params, prefill
 
 CFG = ModelConfig(
@@ -182,14 +182,23 @@ def test_no_recompile_for_new_prompt_in_same_bucket(params):
     assert num_compiles() > before
 
 
-def test_page_allocator():
-    a = PageAllocator(5)
+def test_page_pool_refcounts_and_lru_eviction():
+    a = PagePool(5)
     assert a.capacity == 4 and a.num_free == 4
     pages = a.allocate(3)
     assert 0 not in pages and len(set(pages)) == 3
     with pytest.raises(OutOfPagesError):
         a.allocate(2)
-    a.free(pages)
-    assert a.num_free == 4
+    a.register(pages[0], b"k0")
+    a.register(pages[1], b"k1")
+    assert a.release(pages) == [pages[2]]  # registered pages stay cached, not free
+    assert a.num_free == 4 and a.num_cached == 2
     with pytest.raises(ValueError, match="not allocated"):
-        a.free([pages[0]])
+        a.release([pages[2]])
+    assert a.lookup(b"k1") == pages[1] and a.refcount(pages[1]) == 1
+    assert a.lookup(b"k1") == pages[1] and a.refcount(pages[1]) == 2  # shared
+    assert a.num_free == 3
+    # Two free pages, then the least recently used cached page (k0) is evicted; k1 is in use.
+    got = a.allocate(3)
+    assert pages[0] in got and pages[1] not in got
+    assert a.lookup(b"k0") is None and a.num_cached == 1

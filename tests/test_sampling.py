@@ -26,10 +26,10 @@ def allowed_set(logits, temperature, top_k, top_p, min_p):
     return set(order[keep].tolist()), dict(zip(order.tolist(), p / p[keep].sum() * keep))
 
 
-def draw(params_list, steps, logits=LOGITS):
-    rows = [(p, p.seed or 0, s) for p, s in zip(params_list, steps)]
-    sb = SamplingBatch.from_rows(rows, len(rows))
-    return np.asarray(sample(jnp.asarray(np.tile(logits, (len(rows), 1))), sb))
+def draw(params_list, steps, logits=LOGITS, history=None, prompt_len=0):
+    rows = [(p, p.seed or 0, s, history or [], prompt_len) for p, s in zip(params_list, steps)]
+    sb = SamplingBatch.from_rows(rows, len(rows), history_len=16)
+    return np.asarray(sample(jnp.asarray(np.tile(logits, (len(rows), 1))), sb).tokens)
 
 
 @pytest.mark.parametrize(
@@ -86,5 +86,71 @@ def test_mixed_rows_and_seed_independent_of_batch_mates():
     ],
 )
 def test_bad_values_name_the_field(kw, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kw)
+
+
+def test_penalties_match_numpy():
+    """Penalised greedy choice equals argmax of the NumPy-penalised logits (vLLM's definitions)."""
+    logits = np.array([2.0, 1.9, 1.8, -0.5, -0.4, 0.3], np.float32)
+    history, prompt_len = [0, 3, 1, 1, 2], 2  # prompt [0, 3]; output [1, 1, 2]
+    for kw in [
+        dict(presence_penalty=0.15),
+        dict(frequency_penalty=0.1),
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=-0.5, frequency_penalty=0.2, repetition_penalty=1.1),
+    ]:
+        p = SamplingParams(temperature=0.0, **kw)
+        ref = logits.astype(np.float64).copy()
+        seen = set(history)
+        counts = np.bincount(history[prompt_len:], minlength=len(logits))
+        r = kw.get("repetition_penalty", 1.0)
+        for t in seen:
+            ref[t] = ref[t] / r if ref[t] > 0 else ref[t] * r
+        ref -= kw.get("frequency_penalty", 0.0) * counts
+        ref -= kw.get("presence_penalty", 0.0) * (counts > 0)
+        got = draw([p], [3], logits=logits, history=history, prompt_len=prompt_len)[0]
+        assert got == int(np.argmax(ref)), kw
+    # Without penalties the raw argmax wins; with a strong one the choice moves.
+    assert draw([SamplingParams(temperature=0.0)], [0], logits=logits, history=history, prompt_len=2)[0] == 0
+    assert (
+        draw(
+            [SamplingParams(temperature=0.0, frequency_penalty=0.5)],
+            [0],
+            logits=logits,
+            history=[3, 0, 0, 1],
+            prompt_len=1,
+        )[0]
+        == 2
+    )
+
+
+def test_logprobs_are_raw_log_softmax():
+    p = SamplingParams(temperature=0.0, logprobs=5)
+    sb = SamplingBatch.from_rows([(p, 0, 0, [], 0)], 1, history_len=4)
+    out = sample(jnp.asarray(LOGITS[None]), sb)
+    ref = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    order = np.argsort(-ref)
+    np.testing.assert_array_equal(np.asarray(out.top_ids[0, :5]), order[:5])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs[0, :5]), ref[order[:5]], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(out.logprob[0]), ref[int(out.tokens[0])], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(stop=3), "stop"),
+        (dict(stop=["ok", 5]), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(n=0), "n"),
+        (dict(n=65), "n"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
+def test_bad_engine_sampling_values_name_the_field(kw, field):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**kw)

@@ -1,0 +1,63 @@
+"""Incremental detokenization: text deltas as tokens arrive, with stop strings that never leak.
+
+Decoding one token at a time is wrong for both tokenizer families we support: a byte-level BPE
+token can hold half of a UTF-8 character, and SentencePiece drops the space of a word-initial
+piece when it is decoded on its own. So every new token is decoded together with a few tokens
+before it, and only the text that grew past what those earlier tokens already gave is emitted,
+once it no longer ends in an incomplete character (U+FFFD).
+
+Stop strings: the text is searched for them as it grows; the last `max(len(stop)) - 1` characters
+are held back from the stream until they can no longer begin a stop string, so a stop string is
+never emitted, not even in part.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.tokenizer import Tokenizer
+
+_CONTEXT = 6  # prompt tokens of context for the first output tokens
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self._tok = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT:])
+        self._prefix = 0  # start of the decoding window
+        self._read = len(self._ids)  # tokens before this are already in `text`
+        self.text = ""  # the output text so far (stop string and what follows removed)
+        self._emitted = 0  # characters of `text` already returned by `pop_delta`
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.stopped = False
+
+    def add(self, token_id: int) -> None:
+        """Appends one generated token; sets `stopped` if the text now contains a stop string."""
+        if self.stopped:
+            return
+        self._ids.append(token_id)
+        self._advance(final=False)
+
+    def flush(self) -> None:
+        """At the end of generation: takes in whatever is pending, even an incomplete character."""
+        if not self.stopped and self._read < len(self._ids):
+            self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> None:
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return  # nothing new yet, or a character still incomplete
+        start = max(0, len(self.text) - self._holdback)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def pop_delta(self, *, final: bool = False) -> str:
+        """New text since the last call; holds back a possible stop-string start unless final."""
+        end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._holdback)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

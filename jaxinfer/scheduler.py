@@ -1,0 +1,235 @@
+"""The host-side scheduler: which tokens of which sequences run in the next step.
+
+Every step gets a token budget (`max_num_batched_tokens`). Running sequences come first, oldest
+first: a sequence in decode costs one token; a sequence still working through its prompt gets the
+next chunk of it (chunked prefill), so a long prompt never stalls the running streams for more
+than one chunk. Waiting sequences are admitted with what budget, sequence slots and KV pages
+remain. Pages are allocated as a sequence grows, never reserved ahead.
+
+When a running sequence needs a page and none is free, the most recently admitted running
+sequence is preempted: its pages are released and it goes back to the front of the queue, to be
+recomputed from its tokens (prompt + what it has generated) when there is room again. Recomputing
+gives the same K/V, so its output is unchanged.
+
+Prefix caching: a sequence's full pages are registered under a digest of all tokens up to the end
+of the page. A newly admitted sequence walks its prompt page by page and takes every page already
+cached (shared read-only, reference counted) instead of computing it.
+
+The output is a `StepPlan`: plain host data. The engine turns it into device arrays; on several
+hosts the leader broadcasts it so every process runs the same step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+
+from jaxinfer.kv_cache import OutOfPagesError, PagePool, page_hash, pages_needed
+from jaxinfer.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One generated sample: its tokens (prompt then output), pages and progress."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    params: SamplingParams
+    seed: int
+    tokens: list[int]
+    prompt_len: int
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its full pages
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    detok: object = None  # IncrementalDetokenizer, owned by the engine
+    logprobs: list | None = None  # Logprob per output token, when asked for
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, start + length) of `seq` run this step; `samples` if the last one yields a token."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == len(self.seq.tokens)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    prefill: list[Chunk]  # chunks of more than one token
+    decode: list[Chunk]  # single-token chunks (decode, or the last token of a prompt)
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(
+        self, *, pool: PagePool, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_tokens: int
+    ):
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Padded tokens of one prefill call at most (rows bucket x length bucket).
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.freed_pages: list[int] = []  # pages freed since the engine last looked (for poisoning)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    # -- pages ------------------------------------------------------------------------------
+
+    def _release(self, seq: Sequence) -> None:
+        self.freed_pages += self.pool.release(seq.pages)
+        seq.pages = []
+        seq.page_keys = []
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Gives `seq` enough pages for `num_tokens` tokens; False if the pool is short."""
+        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        try:
+            seq.pages += self.pool.allocate(need)
+        except OutOfPagesError:
+            return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Takes the cached pages that hold this sequence's leading full pages."""
+        s = self.page_size
+        # Always leave at least one token to compute: it produces the logits to sample from.
+        max_pages = (len(seq.tokens) - 1) // s
+        key = b""
+        for i in range(max_pages):
+            key = page_hash(key, seq.tokens[i * s : (i + 1) * s])
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            seq.pages.append(page)
+            seq.page_keys.append(key)
+        seq.num_computed = len(seq.pages) * s
+        self.prefix_cache_hit_tokens += seq.num_computed
+
+    def register_full_pages(self, seq: Sequence) -> None:
+        """After a step: offers the sequence's newly completed full pages to the prefix cache."""
+        s = self.page_size
+        for i in range(len(seq.page_keys), seq.num_computed // s):
+            key = page_hash(seq.page_keys[-1] if seq.page_keys else b"", seq.tokens[i * s : (i + 1) * s])
+            self.pool.register(seq.pages[i], key)
+            seq.page_keys.append(key)
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        decode: list[Chunk] = []
+        prefill: list[Chunk] = []
+        preempted: list[Sequence] = []
+        prefill_rows_cap = self.max_prefill_tokens
+
+        def fits_prefill(length: int) -> bool:
+            rows = _bucket(len(prefill) + 1)
+            longest = max([c.length for c in prefill] + [length])
+            return rows * _bucket(longest, minimum=16) <= prefill_rows_cap
+
+        # Running sequences: decode first (cheap, latency-critical), then prompt chunks, oldest first.
+        order = sorted(self.running, key=lambda q: (len(q.tokens) - q.num_computed > 1,))
+        for seq in order:
+            if seq.status is not SeqStatus.RUNNING or budget <= 0:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens)
+            if n > 1 and not fits_prefill(n):
+                continue  # its next chunk runs next step
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            (prefill if n > 1 else decode).append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+
+        # Waiting sequences, first come first served; none in a step that had to preempt.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.pages:
+                self._reuse_prefix(seq)
+            remaining = len(seq.tokens) - seq.num_computed
+            n = min(remaining, budget, self.max_prefill_tokens)
+            if n > 1 and not fits_prefill(n):
+                break
+            if not self._grow(seq, seq.num_computed + n):
+                self.prefix_cache_hit_tokens -= seq.num_computed
+                self._release(seq)
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            (prefill if n > 1 else decode).append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+
+        # A preempted sequence may have been scheduled before it was chosen as a victim.
+        decode = [c for c in decode if c.seq.status is SeqStatus.RUNNING]
+        prefill = [c for c in prefill if c.seq.status is SeqStatus.RUNNING]
+        return StepPlan(prefill=prefill, decode=decode, preempted=preempted)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (any state) and releases its pages."""
+        if seq.finished:
+            return
+        seq.finish_reason = reason
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+
+
+def _bucket(n: int, *, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))

@@ -1,0 +1,183 @@
+"""The continuous-batching engine: batch invariance, preemption, isolation, prefix reuse, recompiles."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import InvalidRequestError, SamplingParams
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import Engine, num_compiles
+from jaxinfer.model import init_params
+
+CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    eos_token_ids=(2,),
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    # Larger weights than the 0.02 default: peaked logits, so greedy continuations are varied
+    # (a degenerate model repeating one token would make every comparison below trivially pass).
+    p = init_params(CFG, seed=11)
+    return jax.tree.map(lambda x: x * 6 if x.ndim >= 2 else x, p)
+
+
+def make_engine(params, **kw):
+    args = dict(max_model_len=256, page_size=8, num_kv_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    args.update(kw)
+    return Engine(CFG, params, **args)
+
+
+def run(engine, prompts, params_list):
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.seqs[0].output_ids for r in reqs], reqs
+
+
+def workload(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 128, 40).tolist()
+    prompts, params = [], []
+    for i in range(n):
+        if i % 3 == 0:
+            p = shared + rng.integers(3, 128, int(rng.integers(1, 20))).tolist()  # long common prefix
+        else:
+            p = rng.integers(3, 128, int(rng.integers(2, 90))).tolist()
+        prompts.append(p)
+        params.append(SamplingParams(max_tokens=int(rng.integers(3, 20)), temperature=0.0, ignore_eos=True))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def alone(params):
+    """Every workload request run by itself on a fresh engine without prefix caching."""
+    prompts, sps = workload()
+    out = []
+    for p, sp in zip(prompts, sps):
+        e = make_engine(params, enable_prefix_caching=False, max_num_batched_tokens=256)
+        out.append(run(e, [p], [sp])[0][0])
+    assert len({tuple(o) for o in out}) > 40  # the model really is varied
+    return out
+
+
+def test_batch_invariance_with_chunked_prefill_and_prefix_sharing(params, alone):
+    prompts, sps = workload()
+    e = make_engine(params)
+    got, _ = run(e, prompts, sps)
+    assert got == alone
+    stats = e.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_preemption_under_a_tiny_kv_budget(params, alone):
+    prompts, sps = workload()
+    # 14 usable pages of 8 tokens: two or three sequences at a time, far below the workload.
+    e = make_engine(params, num_kv_pages=15, enable_prefix_caching=False)
+    got, _ = run(e, prompts, sps)
+    assert got == alone
+    stats = e.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_freed_pages_full_of_nan_never_leak(params, alone):
+    prompts, sps = workload()
+    e = make_engine(params, num_kv_pages=40, poison_freed_pages=True)
+    e.warmup()
+    got, _ = run(e, prompts, sps)
+    assert got == alone
+
+
+def test_prefix_cache_hit_gives_same_output(params):
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, 128, 70).tolist()
+    a, b = prefix + [5, 6, 7], prefix + [9, 10]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cold = make_engine(params, enable_prefix_caching=False)
+    expected = run(cold, [b], [sp])[0][0]
+    e = make_engine(params)
+    run(e, [a], [sp])
+    hits = e.stats()["prefix_cache_hit_tokens"]
+    got = run(e, [b], [sp])[0][0]
+    assert e.stats()["prefix_cache_hit_tokens"] - hits == 64  # 8 full pages of the 70-token prefix
+    assert got == expected
+
+
+def test_no_compilation_after_warmup(params):
+    e = make_engine(params, num_kv_pages=60, max_num_seqs=8)
+    e.warmup()
+    before = num_compiles()
+    prompts, _ = workload(24, seed=3)
+    sps = [
+        SamplingParams(
+            max_tokens=6 + i % 7,
+            temperature=(i % 3) * 0.5,
+            top_k=i % 5,
+            top_p=0.9,
+            presence_penalty=0.1 * (i % 2),
+            repetition_penalty=1.0 + 0.1 * (i % 3),
+            logprobs=(i % 4) or None,
+            n=1 + i % 2,
+            seed=i,
+        )
+        for i in range(24)
+    ]
+    run(e, prompts, sps)
+    assert num_compiles() == before
+    assert e.stats()["num_compiles"] == before
+
+
+def test_abort_frees_pages_within_a_step(params):
+    e = make_engine(params)
+    sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    keep = e.add_request([5, 6, 7, 8] * 5, sp)
+    victim = e.add_request([9, 10, 11] * 7, sp)
+    for _ in range(4):
+        e.step()
+    used = e.stats()["kv_pages_total"] - e.stats()["kv_pages_free"]
+    (update,) = e.abort(victim.request_id)
+    assert update.finish_reason == "abort" and victim.seqs[0].finish_reason == "abort"
+    assert e.stats()["kv_pages_total"] - e.stats()["kv_pages_free"] < used
+    n_before = len(keep.seqs[0].output_ids)
+    e.step()
+    assert len(keep.seqs[0].output_ids) == n_before + 1 and len(victim.seqs[0].output_ids) <= 4
+    e.abort(keep.request_id)
+    assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
+    assert not e.has_unfinished()
+
+
+def test_n_samples_and_seeds(params):
+    e = make_engine(params)
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    (req,) = run(e, [[4, 5, 6, 7]], [sp])[1]
+    outs = [s.output_ids for s in req.seqs]
+    assert len(outs) == 3 and len({tuple(o) for o in outs}) == 3
+    # Sample i uses seed + i: the same request again reproduces every sample.
+    (again,) = run(make_engine(params), [[4, 5, 6, 7]], [sp])[1]
+    assert [s.output_ids for s in again.seqs] == outs
+
+
+def test_bad_capacity_and_requests(params):
+    with pytest.raises(InvalidRequestError, match="page_size"):
+        make_engine(params, page_size=6)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+        make_engine(params, max_num_seqs=0)
+    e = make_engine(params, num_kv_pages=5)
+    with pytest.raises(InvalidRequestError, match="needs 7 KV pages; the cache has 4"):
+        e.add_request([3] * 40, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequestError, match="stop needs a tokenizer"):
+        e.add_request([3, 4], SamplingParams(stop=["x"]))
+    r = e.add_request([3, 4], SamplingParams(max_tokens=2), request_id="a")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        e.add_request([3, 4], SamplingParams(max_tokens=2), request_id="a")
+    assert r.request_id == "a"

@@ -1,0 +1,152 @@
+"""Incremental detokenization and streaming: UTF-8, leading spaces, stop strings, cancellation."""
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.detokenizer import IncrementalDetokenizer
+from jaxinfer.tokenizer import ByteTokenizer, SentencePieceTokenizer
+
+
+def feed(tok, prompt_ids, ids, stop=()):
+    d = IncrementalDetokenizer(tok, prompt_ids, stop)
+    deltas = []
+    for i in ids:
+        d.add(i)
+        deltas.append(d.pop_delta())
+        if d.stopped:
+            break
+    d.flush()
+    deltas.append(d.pop_delta(final=True))
+    return deltas, d
+
+
+def test_multibyte_utf8_never_broken_mid_stream():
+    tok = ByteTokenizer()
+    text = "héllo wörld ✓ 日本語 🙂"
+    deltas, d = feed(tok, tok.encode("x"), tok.encode(text)[1:])
+    assert "".join(deltas) == text == d.text
+    assert all("\ufffd" not in x for x in deltas)
+    assert len([x for x in deltas if x]) > 5  # it really streamed
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    import sentencepiece as sp
+
+    d = tmp_path_factory.mktemp("spm")
+    corpus = d / "c.txt"
+    corpus.write_text(
+        "\n".join(
+            ["In the beginning God created the heaven and the earth."] * 40
+            + ["And the earth was without form, and void; and darkness was upon the deep."] * 40
+        )
+    )
+    sp.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(d / "tokenizer"),
+        vocab_size=36,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+        byte_fallback=False,
+    )
+    return SentencePieceTokenizer(str(d / "tokenizer.model"))
+
+
+def test_sentencepiece_keeps_leading_spaces(spm):
+    prompt = spm.encode("In the beginning")
+    out_text = " God created the heaven and the earth"
+    ids = spm.encode(out_text)[1:]  # without BOS
+    deltas, d = feed(spm, prompt, ids)
+    assert "".join(deltas) == d.text
+    # Decoded with its prompt, the output keeps the space before "God" (decoding alone would drop it).
+    assert d.text == spm.decode(prompt + ids)[len(spm.decode(prompt)) :]
+    assert d.text.startswith(" God")
+
+
+def test_stop_string_never_leaks_into_the_stream():
+    tok = ByteTokenizer()
+    deltas, d = feed(tok, [1], tok.encode("abc END tail")[1:], stop=("END", "zz"))
+    assert d.stopped and d.text == "abc "
+    assert "".join(deltas) == "abc " and not any("E" in x for x in deltas)
+
+
+def test_earliest_stop_string_wins():
+    tok = ByteTokenizer()
+    _, d = feed(tok, [1], tok.encode("one two three")[1:], stop=("three", "two"))
+    assert d.text == "one "
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=128, num_kv_pages=64, max_num_seqs=4)
+
+
+def test_stream_matches_generate(llm):
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    deltas = list(llm.stream("Hello", sp))
+    full = llm.generate(["Hello"], sp)[0]
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+    assert "".join(d.text for d in deltas) == full.text
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_stop_strings_end_generation_through_the_api(llm):
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["The"], sp)[0]
+    stop = free.text[5:7]
+    assert stop and stop in free.text
+    out = llm.generate(["The"], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: free.text.index(stop)]
+    assert stop not in "".join(
+        d.text for d in llm.stream("The", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))
+    )
+
+
+def test_closing_a_stream_aborts_and_frees_pages(llm):
+    gen = llm.stream("abc", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    next(gen)
+    next(gen)
+    assert llm.stats()["running"] == 1
+    gen.close()
+    stats = llm.stats()
+    assert stats["running"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_n_samples_and_logprobs_through_the_api(llm):
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=3, logprobs=3, ignore_eos=True))[
+        0
+    ]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        assert len(o.logprobs) == len(o.token_ids) == 6
+        for lp, t in zip(o.logprobs, o.token_ids):
+            assert lp.token_id == t and lp.logprob <= 0 and len(lp.top) == 3
+            assert max(lp.top.values()) >= lp.logprob - 1e-6
+
+
+def test_stats_and_prometheus_registry(llm):
+    llm.generate(["abc", "defg"], SamplingParams(max_tokens=4, temperature=0.0))
+    s = llm.stats()
+    for key in (
+        "kv_pages_total",
+        "kv_pages_free",
+        "running",
+        "waiting",
+        "num_preemptions",
+        "prefix_cache_hit_tokens",
+        "num_compiles",
+        "kv_cache_bytes",
+    ):
+        assert key in s
+    assert s["ttft_seconds"]["count"] >= 2 and s["itl_seconds"]["count"] >= 1
+    assert s["kv_cache_bytes"] == 64 * 16 * s["kv_bytes_per_token"]
+    from prometheus_client import generate_latest
+
+    text = generate_latest(llm.engine.metrics.registry).decode()
+    assert "jaxinfer_time_to_first_token_seconds_count" in text
+    assert "jaxinfer_kv_pages_free" in text
