@@ -22,22 +22,21 @@ def write_kv(
     """Scatters new keys/values into their cache slots.
 
     Args:
-        k_pages, v_pages: [P, S, K, H] page pools of one layer (donated upstream: updated in place).
+        k_pages, v_pages: [K, P, S, H] page pools of one layer (donated upstream: updated in place).
         k, v: [B, T, K, H] new keys/values.
         slots: [B, T] flat slot index page * S + offset; padding tokens point into the scratch page.
 
     Returns:
         The updated (k_pages, v_pages).
     """
-    s = k_pages.shape[1]
-    nk, h = k_pages.shape[2:]
-    # Index pages and offsets separately: reshaping the pool to [P*S, ...] first makes XLA copy
+    nk, _, s, h = k_pages.shape
+    # Index pages and offsets separately: reshaping the pool to [K, P*S, H] first makes XLA copy
     # the whole pool around the scatter instead of updating the donated buffer in place.
     page = (slots // s).reshape(-1)
     offset = (slots % s).reshape(-1)
-    k_pages = k_pages.at[page, offset].set(k.reshape(-1, nk, h).astype(k_pages.dtype))
-    v_pages = v_pages.at[page, offset].set(v.reshape(-1, nk, h).astype(v_pages.dtype))
-    return k_pages, v_pages
+    new_k = k.reshape(-1, nk, h).transpose(1, 0, 2).astype(k_pages.dtype)  # [K, B*T, H]
+    new_v = v.reshape(-1, nk, h).transpose(1, 0, 2).astype(v_pages.dtype)
+    return k_pages.at[:, page, offset].set(new_k), v_pages.at[:, page, offset].set(new_v)
 
 
 def reference_paged_attention(
@@ -53,9 +52,13 @@ def reference_paged_attention(
 ) -> jax.Array:
     """Causal attention of new queries over each row's cached pages (new K/V already written).
 
+    The pools are head-major, so gathering a row's pages yields [K, B, S_ctx, H] with the KV-head and
+    batch axes already leading: both contractions are plain batched matmuls, no transposes of the
+    gathered context (the large operand in decode).
+
     Args:
         q: [B, T, N, H] queries (RoPE applied).
-        k_pages, v_pages: [P, S, K, H] one layer's page pools.
+        k_pages, v_pages: [K, P, S, H] one layer's page pools.
         page_table: [B, MP] pages of each row.
         q_positions: [B, T] absolute position of each query.
         kv_lens: [B] valid cached tokens per row (0 for a padding row).
@@ -66,11 +69,11 @@ def reference_paged_attention(
         [B, T, N, H] attention output in q's dtype.
     """
     b, t, n, h = q.shape
-    _, s, nk, _ = k_pages.shape
+    nk = k_pages.shape[0]
     g = n // nk
-    k = k_pages[page_table].reshape(b, -1, nk, h)  # [B, MP*S, K, H]
-    v = v_pages[page_table].reshape(b, -1, nk, h)
-    kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)  # [S_ctx]
+    k = k_pages[:, page_table].reshape(nk, b, -1, h)  # [K, B, S_ctx, H]
+    v = v_pages[:, page_table].reshape(nk, b, -1, h)
+    kv_pos = jnp.arange(k.shape[2], dtype=jnp.int32)  # [S_ctx]
 
     in_context = kv_pos[None, :] < kv_lens[:, None]  # [B, S_ctx]
     mask = in_context[:, None, :] & (kv_pos[None, None, :] <= q_positions[:, :, None])  # [B, T, S_ctx]
@@ -78,13 +81,15 @@ def reference_paged_attention(
         mask &= q_positions[:, :, None] - kv_pos[None, None, :] < kind.window
     # Slots past a row's length may hold another request's stale data (even NaN): zero V there so
     # a zero probability times garbage cannot leak into the output.
-    v = jnp.where(in_context[:, :, None, None], v, jnp.zeros((), v.dtype))
+    v = jnp.where(in_context[None, :, :, None], v, jnp.zeros((), v.dtype))
 
-    qg = q.reshape(b, t, nk, g, h)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, None, None, :, :], logits, _MASKED)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    qg = q.reshape(b, t, nk, g, h).transpose(2, 0, 3, 1, 4).reshape(nk, b, g * t, h)  # [K, B, G*T, H]
+    logits = jnp.einsum("KBQH,KBSH->KBQS", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = logits.reshape(nk, b, g, t, -1)
+    logits = jnp.where(mask[None, :, None, :, :], logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1).reshape(nk, b, g * t, -1)
+    out = jnp.einsum("KBQS,KBSH->KBQH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.reshape(nk, b, g, t, h).transpose(1, 3, 0, 2, 4)  # [B, T, K, G, H]
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -66,7 +66,7 @@ _step_fn = jax.jit(_forward_and_sample, static_argnames=("cfg",), donate_argname
 @jax.jit
 def _poison(cache: KVCache, pages: jax.Array) -> KVCache:
     nan = jnp.asarray(jnp.nan, cache.k[0].dtype)
-    return KVCache(k=tuple(a.at[pages].set(nan) for a in cache.k), v=tuple(a.at[pages].set(nan) for a in cache.v))
+    return KVCache(k=tuple(a.at[:, pages].set(nan) for a in cache.k), v=tuple(a.at[:, pages].set(nan) for a in cache.v))
 
 
 def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:

@@ -1,7 +1,8 @@
 """The paged KV cache (device pytree), the per-step batch metadata, and the host page allocator.
 
-Layout. Each layer owns one K and one V page pool of shape [P, S, K, H]: P pages of S token slots,
-each slot holding all K KV-heads of one token. A sequence's tokens live in the pages listed in its
+Layout. Each layer owns one K and one V page pool of shape [K, P, S, H]: for each of the K KV heads,
+P pages of S token slots (head-major: attention's gathers come out batched by head, and the pools
+shard over KV heads on the leading axis). A sequence's tokens live in the pages listed in its
 row of the page table, in order: token at position p sits in page `page_table[p // S]`, slot
 `p % S`. Page 0 is reserved as a scratch page: padding tokens write there and unused page-table
 entries point there, so no write ever lands in a page another sequence owns. It is never handed
@@ -30,16 +31,16 @@ SCRATCH_PAGE = 0
 class KVCache:
     """K/V page pools for all layers. Replaced, never mutated; donated to the jitted steps."""
 
-    k: tuple[jax.Array, ...]  # L x [P, S, K, H]
-    v: tuple[jax.Array, ...]  # L x [P, S, K, H]
+    k: tuple[jax.Array, ...]  # L x [K, P, S, H]
+    v: tuple[jax.Array, ...]  # L x [K, P, S, H]
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -47,7 +48,7 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: ModelConfig, *, num_pages: int, page_size: int) -> KVCache:
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         dtype = jnp.dtype(cfg.dtype)
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
