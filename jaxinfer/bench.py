@@ -60,6 +60,14 @@ def _ints(s: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "mode",
+        nargs="?",
+        default="latency",
+        choices=["latency", "throughput"],
+        help="latency: TTFT, decode step, MBU (default); throughput: many requests offline, "
+        "continuous batching against one request at a time",
+    )
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
     p.add_argument(
         "--preset",
@@ -74,6 +82,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--vs-hf", action="store_true", help="also run HF transformers generate on the same weights")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure at the end")
+    t = p.add_argument_group("throughput mode")
+    t.add_argument("--num-requests", type=int, default=256)
+    t.add_argument("--prompt-len-range", type=_ints, default=[16, 256], help="min,max prompt tokens")
+    t.add_argument("--output-len-range", type=_ints, default=[16, 256], help="min,max generated tokens")
+    t.add_argument("--max-num-seqs", type=int, default=64)
+    t.add_argument("--max-num-batched-tokens", type=int, default=512)
+    t.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=None,
+        help="run only the first K requests one at a time for the baseline (default: all)",
+    )
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -132,7 +152,123 @@ def run(args) -> dict:
             model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxinfer-bench-"))
             print(f"writing random-weight {args.preset} checkpoint to {model_dir} ...", file=sys.stderr)
             _write_preset(args.preset, model_dir)
+        if args.mode == "throughput":
+            return _throughput(args, model_dir, LLM, SamplingParams)
         return _run(args, model_dir, LLM, SamplingParams, params_nbytes)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def _drive(engine, prompts, params) -> tuple[float, list]:
+    """Submits all requests at once and steps until done; returns (wall seconds, sequences)."""
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - t0
+    for r in reqs:
+        engine.release(r.request_id)
+    return wall, [s for r in reqs for s in r.seqs]
+
+
+def _latencies(seqs) -> dict:
+    ttft = [s.first_token_time - s.arrival_time for s in seqs]
+    itl = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
+    return {
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "itl_p50_s": _pct(itl, 50),
+        "itl_p99_s": _pct(itl, 99),
+    }
+
+
+def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
+    """Offline throughput: N mixed requests through one continuous batch vs one at a time."""
+    lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
+    lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
+    rng = np.random.default_rng(0)
+    prompt_lens = rng.integers(lo_p, hi_p + 1, args.num_requests)
+    output_lens = rng.integers(lo_o, hi_o + 1, args.num_requests)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        max_model_len=hi_p + hi_o + 1,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    cfg = llm.cfg
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in prompt_lens]
+    params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
+    from jaxinfer.engine import num_compiles
+
+    t = time.perf_counter()
+    compiled = llm.engine.warmup()
+    after_warmup = num_compiles()
+    print(
+        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}; warm-up compiled {compiled} step "
+        f"shapes in {time.perf_counter() - t:.0f} s; KV cache {llm.stats()['kv_pages_total']} pages, "
+        f"{llm.stats()['kv_cache_bytes'] / 1e6:.0f} MB"
+    )
+    print(
+        f"{args.num_requests} requests: prompts {lo_p}-{hi_p} tokens, outputs {lo_o}-{hi_o} tokens, "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
+    )
+
+    k = min(args.baseline_requests or args.num_requests, args.num_requests)
+    base_wall, base_seqs = 0.0, []
+    for p, sp in zip(prompts[:k], params[:k]):
+        wall, seqs = _drive(llm.engine, [p], [sp])
+        base_wall += wall
+        base_seqs += seqs
+    base_tokens = sum(len(s.output_ids) for s in base_seqs)
+
+    cb_wall, cb_seqs = _drive(llm.engine, prompts, params)
+    cb_tokens = sum(len(s.output_ids) for s in cb_seqs)
+    stats = llm.stats()
+    rows = {
+        "one_at_a_time": {
+            "requests": k,
+            "wall_s": base_wall,
+            "output_tokens_per_s": base_tokens / base_wall,
+            "requests_per_s": k / base_wall,
+            **_latencies(base_seqs),
+        },
+        "continuous": {
+            "requests": args.num_requests,
+            "wall_s": cb_wall,
+            "output_tokens_per_s": cb_tokens / cb_wall,
+            "requests_per_s": args.num_requests / cb_wall,
+            **_latencies(cb_seqs),
+        },
+    }
+    ratio = rows["continuous"]["output_tokens_per_s"] / rows["one_at_a_time"]["output_tokens_per_s"]
+    print(
+        f"\n{'mode':>14} {'requests':>9} {'wall s':>8} {'out tok/s':>10} {'req/s':>7} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+    )
+    for name, r in rows.items():
+        print(
+            f"{name:>14} {r['requests']:>9} {r['wall_s']:>8.1f} {r['output_tokens_per_s']:>10.1f} "
+            f"{r['requests_per_s']:>7.2f} {r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>7.0f}ms "
+            f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms"
+        )
+    note = "" if k == args.num_requests else f" (baseline measured on the first {k} requests)"
+    print(f"continuous batching / one at a time: {ratio:.2f}x output-token throughput{note}")
+    print(
+        f"preemptions {stats['num_preemptions']}, prefix-cache hit tokens {stats['prefix_cache_hit_tokens']}, "
+        f"XLA compilations after warm-up: {num_compiles() - after_warmup}"
+    )
+    report = {
+        "model": cfg.name,
+        "ratio": ratio,
+        **rows,
+        "stats": {k2: v for k2, v in stats.items() if not isinstance(v, dict)},
+    }
+    if args.json:
+        print(json.dumps(report))
+    return report
 
 
 def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
