@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-num-seqs", type=int, default=64)
     t.add_argument("--max-num-batched-tokens", type=int, default=512)
     t.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="keep the prefix cache on (off by default: the baseline run would warm it for the other)",
+    )
+    t.add_argument(
         "--baseline-requests",
         type=int,
         default=None,
@@ -197,6 +202,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
         max_model_len=hi_p + hi_o + 1,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.prefix_caching,
     )
     cfg = llm.cfg
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in prompt_lens]

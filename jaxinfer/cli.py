@@ -17,6 +17,28 @@ def _prompt_ids(s: str) -> list[int]:
     return ids
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Capacity flags shared by every command that builds an engine."""
+    e = p.add_argument_group("engine capacity")
+    e.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    e.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    e.add_argument("--num-kv-pages", type=int, default=None, help="KV-cache pages (default: from free memory)")
+    e.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once")
+    e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
+    e.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of common prefixes")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        num_kv_pages=args.num_kv_pages,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,7 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="top-n log-probabilities per token (JSON output)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
+    add_engine_arguments(g)
     g.add_argument(
         "--prompt-ids", type=_prompt_ids, action="append", help="a prompt as comma-separated token ids (repeatable)"
     )
@@ -66,28 +96,50 @@ def _generate(args) -> int:
         min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        n=args.n,
+        logprobs=args.logprobs,
     )
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
+    if args.stream:
+        if len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1:
+            raise SystemExit("error: --stream takes exactly one prompt and --n 1")
+        if args.prompt:
+            print(args.prompt[0], end="", flush=True)
+            deltas = llm.stream(args.prompt[0], params)
+        else:
+            deltas = llm.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
+        for d in deltas:
+            print(d.text, end="", flush=True)
+        print()
+        return 0
     if args.prompt:
         outs = llm.generate(args.prompt, params)
     else:
         outs = llm.generate(prompt_token_ids=args.prompt_ids, sampling_params=params)
     for out in outs:
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "model": llm.cfg.name,
-                        "prompt": out.prompt,
-                        "prompt_token_ids": out.prompt_token_ids,
-                        "token_ids": out.token_ids,
-                        "text": out.text,
-                        "finish_reason": out.finish_reason,
-                    }
-                )
-            )
-        else:
-            print(out.text if out.prompt is None else out.prompt + out.text)
+        for o in out.outputs:
+            if args.json:
+                obj = {
+                    "model": llm.cfg.name,
+                    "prompt": out.prompt,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "index": o.index,
+                    "token_ids": o.token_ids,
+                    "text": o.text,
+                    "finish_reason": o.finish_reason,
+                }
+                if o.logprobs is not None:
+                    obj["logprobs"] = [
+                        {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
+                        for lp in o.logprobs
+                    ]
+                print(json.dumps(obj))
+            else:
+                print(o.text if out.prompt is None else out.prompt + o.text)
     return 0
 
 

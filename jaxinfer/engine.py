@@ -295,6 +295,11 @@ class Engine:
         self._take_freed_pages()
         if plan.empty:
             self._after_step()
+            if self.has_unfinished():  # a scheduler bug; fail loudly rather than spin forever
+                raise RuntimeError(
+                    f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
+                    f"{len(self.scheduler.running)} running, {self.pool.num_free} pages free"
+                )
             return []
         calls = []
         if plan.prefill:

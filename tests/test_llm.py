@@ -160,3 +160,51 @@ def test_bench_runs_and_reports(capsys):
     assert all(r["step_s"] > 0 and 0 < r["mbu"] for r in report["decode"])
     assert all(r["hf_tokens_per_s"] > 0 for r in report["hf"])
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
+
+
+def test_cli_stream_n_and_capacity_flags(capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+                "--stream",
+                "--max-num-seqs",
+                "2",
+                "--num-kv-pages",
+                "16",
+                "--max-model-len",
+                "64",
+                "Hi",
+            ]
+        )
+        == 0
+    )
+    streamed = capsys.readouterr().out
+    assert main(["generate", "--max-tokens", "5", "--ignore-eos", "--json", "--max-model-len", "64", "Hi"]) == 0
+    assert streamed.rstrip("\n") == "Hi" + json.loads(capsys.readouterr().out)["text"]
+    assert (
+        main(
+            [
+                "generate",
+                "--max-tokens",
+                "3",
+                "--json",
+                "--n",
+                "2",
+                "--temperature",
+                "1",
+                "--seed",
+                "4",
+                "--logprobs",
+                "2",
+                "--prompt-ids",
+                "1,5,6",
+            ]
+        )
+        == 0
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["index"] for x in lines] == [0, 1] and all(len(x["logprobs"]) == len(x["token_ids"]) for x in lines)
