@@ -80,6 +80,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention output projection (Llama's attention_bias does both)
     qk_norm: bool = False
     # One entry per layer; () means "all global".
     layer_attention: tuple[AttentionKind, ...] = ()
@@ -133,6 +134,8 @@ class ModelConfig:
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_bias:
+            attn += d
         if self.qk_norm:
             attn += 2 * h
         per_layer = attn + 3 * d * f + 2 * d
@@ -253,7 +256,8 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
     eos = hf.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
 
-    qkv_bias = family == "qwen2" or bool(hf.get("attention_bias", False))
+    attention_bias = bool(hf.get("attention_bias", False))
+    qkv_bias = family == "qwen2" or attention_bias
     return ModelConfig(
         name=name,
         family=family,
@@ -270,6 +274,7 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
+        o_bias=attention_bias,
         qk_norm=family == "qwen3",
         layer_attention=_layer_attention(hf, family, num_layers),
         bos_token_id=hf.get("bos_token_id"),

@@ -128,6 +128,8 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], object]]
             if cfg.qkv_bias:
                 yield pre + f"self_attn.{hf}_proj.bias", (ours, "attn", f"b{me}"), _same
         yield pre + "self_attn.o_proj.weight", (ours, "attn", "wo"), _linear_out_in
+        if cfg.o_bias:
+            yield pre + "self_attn.o_proj.bias", (ours, "attn", "bo"), _same
         if cfg.qk_norm:
             yield pre + "self_attn.q_norm.weight", (ours, "attn", "q_norm", "scale"), _same
             yield pre + "self_attn.k_norm.weight", (ours, "attn", "k_norm", "scale"), _same

@@ -102,6 +102,8 @@ class Attention(nn.Module):
         # the whole of wo on every step.
         b, t = out.shape[:2]
         o = jnp.einsum("BTE,ED->BTD", out.reshape(b, t, n * h), wo.reshape(n * h, d))
+        if cfg.o_bias:
+            o = o + _param(self, "bo", (d,), ("embed",), nn.initializers.zeros)
         return o, k_pages, v_pages
 
 

@@ -40,6 +40,18 @@ FAMILIES = {
     "mistral-swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    # Configurations beyond the headline families' defaults.
+    "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3-tied-mqa": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+    "llama-bias-linear-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(attention_bias=True, rope_scaling=dict(rope_type="linear", factor=4.0)),
+    ),
 }
 
 
@@ -49,12 +61,18 @@ def make_hf_model(family: str, **overrides):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
-    if family == "qwen2":  # biases start at zero; make them matter
+    if family.startswith("qwen2") or family.startswith("llama-bias"):  # biases start at zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    if family == "qwen3":  # q/k norms start at one; make them matter
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                    layer.self_attn.o_proj,
+                ):
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.5)
+    if family.startswith("qwen3"):  # q/k norms start at one; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)

@@ -81,3 +81,25 @@ def test_unsupported_is_refused_by_name(change, message):
     hf.update(change)
     with pytest.raises(UnsupportedModelError, match=message):
         from_hf_config(hf)
+
+
+@pytest.mark.parametrize(
+    "flags", [dict(), dict(qkv_bias=True, o_bias=True), dict(qk_norm=True, tie_word_embeddings=True)]
+)
+def test_num_params_counts_the_real_tree(flags):
+    import jax
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.model import abstract_params
+
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        **flags,
+    )
+    assert cfg.num_params == sum(x.size for x in jax.tree.leaves(abstract_params(cfg)))
