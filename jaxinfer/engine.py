@@ -1,9 +1,10 @@
 """The continuous-batching engine: requests in, one stream of jitted steps, tokens and text out.
 
 Each `step()` asks the scheduler for a `StepPlan` (which chunks of which sequences run), turns it
-into at most two jitted calls - one for prompt chunks ([B, T] rows), one for single-token rows
-([B, 1]) - dispatches both before waiting on either, then feeds the sampled tokens back to their
-sequences: stop conditions, incremental detokenization, metrics.
+into at most two model calls - `prefill` for prompt chunks ([B, T] rows), `decode_step` for
+single-token rows ([B, 1]) - each followed by the jitted sampler, dispatches everything before
+waiting on any of it, then feeds the sampled tokens back to their sequences: stop conditions,
+incremental detokenization, metrics.
 
 Shapes come from a fixed set of buckets decided at construction (`prefill_shapes`, `decode_shapes`),
 all compiled by `warmup()`, so a serving engine never compiles after it starts taking traffic.
@@ -27,7 +28,7 @@ from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, pages_needed
 from jaxinfer.metrics import EngineMetrics
-from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
+from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, sample
 from jaxinfer.scheduler import Chunk, Scheduler, Sequence
 from jaxinfer.tokenizer import Tokenizer
 
@@ -51,16 +52,6 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 def num_compiles() -> int:
     """XLA compilations so far in this process (the test for "no recompiles" reads this)."""
     return _compile_count
-
-
-def _forward_and_sample(params, cache, batch, sampling, *, cfg):
-    logits, cache = model_lib.forward(params, cache, batch, cfg=cfg)
-    return sample(logits, sampling), cache
-
-
-# The engine runs the model and the sampler as ONE jitted program per call: one dispatch, and the
-# [B, V] logits never leave the device. `prefill` / `decode_step` stay the public functional API.
-_step_fn = jax.jit(_forward_and_sample, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
 @jax.jit
@@ -206,8 +197,12 @@ class Engine:
                 kv_lens=np.zeros(b, np.int32),
                 page_table=np.full((b, mp), SCRATCH_PAGE, np.int32),
             )
-            sampling = SamplingBatch.from_rows([], b, self.max_model_len)
-            out, self.cache = _step_fn(self.params, self.cache, batch, sampling, cfg=self.cfg)
+            fn = model_lib.decode_step if t == 1 else model_lib.prefill
+            logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
+        rows = sorted({b for b, _, _ in self.decode_shapes() + self.prefill_shapes()})
+        for b in rows:
+            for w in history_widths(self.max_model_len):
+                sample(np.zeros((b, self.cfg.vocab_size), np.float32), SamplingBatch.from_rows([], b, w))
         jax.block_until_ready(self.cache)
         if self.poison_freed_pages:
             self.cache = _poison(self.cache, np.zeros(1, np.int32))
@@ -340,9 +335,11 @@ class Engine:
             table[i, : len(seq.pages)] = seq.pages
             rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, seq.tokens, seq.prompt_len))
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=table)
-        sampling = SamplingBatch.from_rows(rows, b, self.max_model_len)
-        out, self.cache = _step_fn(self.params, self.cache, batch, sampling, cfg=self.cfg)
-        return out
+        fn = model_lib.decode_step if t == 1 else model_lib.prefill
+        logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
+        # The token history is only sent (and only as wide as needed) when some row has a penalty.
+        width = history_width(rows, maximum=self.max_model_len)
+        return sample(logits, SamplingBatch.from_rows(rows, b, width))
 
     def _append(self, seq: Sequence, token: int, now: float, lp) -> SeqUpdate | None:
         if seq.finished:  # aborted while its step ran

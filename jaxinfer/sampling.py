@@ -134,14 +134,15 @@ class SamplingBatch:
     seed: jax.Array  # [B] uint32
     step: jax.Array  # [B] int32, tokens this sequence has generated so far
     want_logprobs: jax.Array  # [B] bool
-    history: jax.Array  # [B, L] int32: prompt then output token ids, -1 past the end (penalties only)
+    history: jax.Array  # [B, W] int32: prompt then output ids, -1 past the end; W = 1 when no row has a penalty
     prompt_lens: jax.Array  # [B] int32: history[:, :prompt_len] is prompt, the rest output
 
     @classmethod
-    def from_rows(cls, rows, batch_size: int, history_len: int) -> SamplingBatch:
+    def from_rows(cls, rows, batch_size: int, history_len: int = 1) -> SamplingBatch:
         """rows: (params, seed, step, tokens, prompt_len) per live row; padded with greedy rows.
 
-        The token history is only filled when some row uses a penalty (it is all -1 otherwise).
+        `history_len` must hold the tokens of every row that uses a penalty (see `history_width`);
+        rows without penalties leave their history at -1.
         """
         b = batch_size
         temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
@@ -172,6 +173,24 @@ class SamplingBatch:
             history=history,
             prompt_lens=prompt_lens,
         )
+
+
+def history_width(rows, *, maximum: int) -> int:
+    """Bucketed history width for these rows: 1 when none uses a penalty (the common case), else
+    the power of two >= 64 that holds the longest penalised row, capped at `maximum`."""
+    longest = max((len(tokens) for p, _, _, tokens, _ in rows if p.has_penalties), default=0)
+    if not longest:
+        return 1
+    return min(max(64, 1 << (longest - 1).bit_length()), maximum)
+
+
+def history_widths(maximum: int) -> list[int]:
+    """Every width `history_width` can return (for warm-up)."""
+    widths, w = [1], 64
+    while w < maximum:
+        widths.append(w)
+        w *= 2
+    return widths + [maximum]
 
 
 @struct.dataclass
