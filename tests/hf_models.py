@@ -90,3 +90,28 @@ def save_hf_model(model, path, *, dtype=None, max_shard_size=None):
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+SPM_CORPUS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void; and darkness was upon the deep.",
+]
+
+
+def train_sentencepiece(directory, vocab_size: int = 36) -> str:
+    """Trains a small SentencePiece model (BOS 1, EOS 2, UNK 0) into directory/tokenizer.model."""
+    import sentencepiece as spm
+
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(SPM_CORPUS * 40))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(directory / "tokenizer"),
+        vocab_size=vocab_size,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return str(directory / "tokenizer.model")

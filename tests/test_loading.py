@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from hf_models import make_hf_model, save_hf_model
+from hf_models import make_hf_model, save_hf_model, train_sentencepiece
 
 from jaxinfer import LLM, CheckpointError, SamplingParams
 from jaxinfer.loading import load_hf_checkpoint
@@ -128,23 +128,7 @@ def test_hf_tokenizer_json_matches_transformers(tmp_path):
 def test_sentencepiece_tokenizer(tmp_path):
     import sentencepiece as spm
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(
-        "\n".join(
-            ["In the beginning God created the heaven and the earth."] * 30
-            + ["And the earth was without form, and void."] * 30
-        )
-    )
-    spm.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(tmp_path / "tokenizer"),
-        vocab_size=30,
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        pad_id=-1,
-        minloglevel=2,
-    )
+    train_sentencepiece(tmp_path)
     tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, SentencePieceTokenizer)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))

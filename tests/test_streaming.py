@@ -1,6 +1,7 @@
 """Incremental detokenization and streaming: UTF-8, leading spaces, stop strings, cancellation."""
 
 import pytest
+from hf_models import train_sentencepiece
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.detokenizer import IncrementalDetokenizer
@@ -31,28 +32,7 @@ def test_multibyte_utf8_never_broken_mid_stream():
 
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
-    import sentencepiece as sp
-
-    d = tmp_path_factory.mktemp("spm")
-    corpus = d / "c.txt"
-    corpus.write_text(
-        "\n".join(
-            ["In the beginning God created the heaven and the earth."] * 40
-            + ["And the earth was without form, and void; and darkness was upon the deep."] * 40
-        )
-    )
-    sp.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(d / "tokenizer"),
-        vocab_size=36,
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        pad_id=-1,
-        minloglevel=2,
-        byte_fallback=False,
-    )
-    return SentencePieceTokenizer(str(d / "tokenizer.model"))
+    return SentencePieceTokenizer(train_sentencepiece(tmp_path_factory.mktemp("spm")))
 
 
 def test_sentencepiece_keeps_leading_spaces(spm):
