@@ -208,3 +208,34 @@ def test_cli_stream_n_and_capacity_flags(capsys):
     )
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x["index"] for x in lines] == [0, 1] and all(len(x["logprobs"]) == len(x["token_ids"]) for x in lines)
+
+
+def test_bench_throughput_runs_and_reports(capsys):
+    import argparse
+
+    from jaxinfer import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(
+        [
+            "throughput",
+            "--preset",
+            "llama-tiny",
+            "--num-requests",
+            "8",
+            "--prompt-len-range",
+            "8,32",
+            "--output-len-range",
+            "4,8",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+        ]
+    )
+    report = bench.run(args)
+    out = capsys.readouterr().out
+    assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
+    assert report["continuous"]["requests"] == report["one_at_a_time"]["requests"] == 8
+    assert report["ratio"] > 0 and report["continuous"]["ttft_p99_s"] >= report["continuous"]["ttft_p50_s"]
