@@ -29,7 +29,7 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, pages_needed
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, sample
-from jaxinfer.scheduler import Chunk, Scheduler, Sequence
+from jaxinfer.scheduler import Chunk, Scheduler, Sequence, bucket
 from jaxinfer.tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------------------------
@@ -58,12 +58,6 @@ def num_compiles() -> int:
 def _poison(cache: KVCache, pages: jax.Array) -> KVCache:
     nan = jnp.asarray(jnp.nan, cache.k[0].dtype)
     return KVCache(k=tuple(a.at[:, pages].set(nan) for a in cache.k), v=tuple(a.at[:, pages].set(nan) for a in cache.v))
-
-
-def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
-    """Smallest power of two >= max(n, minimum), clipped to maximum."""
-    b = max(minimum, 1 << max(0, (n - 1).bit_length()))
-    return min(b, maximum) if maximum is not None else b
 
 
 def _pow2_floor(n: int) -> int:

@@ -170,9 +170,9 @@ class Scheduler:
         prefill_rows_cap = self.max_prefill_tokens
 
         def fits_prefill(length: int) -> bool:
-            rows = _bucket(len(prefill) + 1)
+            rows = bucket(len(prefill) + 1)
             longest = max([c.length for c in prefill] + [length])
-            return rows * _bucket(longest, minimum=16) <= prefill_rows_cap
+            return rows * bucket(longest, minimum=16) <= prefill_rows_cap
 
         # Running sequences: decode first (cheap, latency-critical), then prompt chunks, oldest first.
         order = sorted(self.running, key=lambda q: (len(q.tokens) - q.num_computed > 1,))
@@ -231,5 +231,7 @@ class Scheduler:
         self._release(seq)
 
 
-def _bucket(n: int, *, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum), clipped to maximum: the shape buckets of every step."""
+    b = max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return min(b, maximum) if maximum is not None else b
