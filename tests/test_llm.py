@@ -129,14 +129,20 @@ def test_cli_errors_are_one_line_no_traceback(argv, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bench_runs_and_reports(capsys):
+def _bench_args(argv):
     import argparse
 
     from jaxinfer import bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(
+    return p.parse_args(argv)
+
+
+def test_bench_runs_and_reports(capsys):
+    from jaxinfer import bench
+
+    args = _bench_args(
         [
             "--preset",
             "llama-tiny",
@@ -211,13 +217,9 @@ def test_cli_stream_n_and_capacity_flags(capsys):
 
 
 def test_bench_throughput_runs_and_reports(capsys):
-    import argparse
-
     from jaxinfer import bench
 
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    args = p.parse_args(
+    args = _bench_args(
         [
             "throughput",
             "--preset",
