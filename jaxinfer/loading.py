@@ -101,12 +101,9 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
     return out
 
 
-# HF name -> (our path, how to convert). Converters receive the HF array and the target shape.
+# (HF names, our path, converter): the converter gets the HF arrays (one, or several to merge) and
+# the target shape.
 def _linear_in_out(x, shape):  # HF Linear weight [out, in] -> [in, *out_split]
-    return x.T.reshape(shape)
-
-
-def _linear_out_in(x, shape):  # HF o_proj [D, N*H] -> [N, H, D]
     return x.T.reshape(shape)
 
 
@@ -114,27 +111,32 @@ def _same(x, shape):
     return x.reshape(shape)
 
 
-def _hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], object]]:
-    yield "model.embed_tokens.weight", ("embedding",), _same
-    yield "model.norm.weight", ("final_norm", "scale"), _same
+def _gate_up(gate, up, shape):  # two HF [F, D] -> [D, 2, F]
+    return np.stack([gate.T, up.T], axis=1).reshape(shape)
+
+
+def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], object]]:
+    yield ("model.embed_tokens.weight",), ("embedding",), _same
+    yield ("model.norm.weight",), ("final_norm", "scale"), _same
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", ("lm_head",), lambda x, s: x.T
+        yield ("lm_head.weight",), ("lm_head",), lambda x, s: x.T
     for i in range(cfg.num_layers):
         pre, ours = f"model.layers.{i}.", f"layer_{i}"
-        yield pre + "input_layernorm.weight", (ours, "attn_norm", "scale"), _same
-        yield pre + "post_attention_layernorm.weight", (ours, "mlp_norm", "scale"), _same
+        yield (pre + "input_layernorm.weight",), (ours, "attn_norm", "scale"), _same
+        yield (pre + "post_attention_layernorm.weight",), (ours, "mlp_norm", "scale"), _same
         for hf, me in (("q", "q"), ("k", "k"), ("v", "v")):
-            yield pre + f"self_attn.{hf}_proj.weight", (ours, "attn", f"w{me}"), _linear_in_out
+            yield (pre + f"self_attn.{hf}_proj.weight",), (ours, "attn", f"w{me}"), _linear_in_out
             if cfg.qkv_bias:
-                yield pre + f"self_attn.{hf}_proj.bias", (ours, "attn", f"b{me}"), _same
-        yield pre + "self_attn.o_proj.weight", (ours, "attn", "wo"), _linear_out_in
+                yield (pre + f"self_attn.{hf}_proj.bias",), (ours, "attn", f"b{me}"), _same
+        # o_proj [D, N*H] -> [N, H, D]
+        yield (pre + "self_attn.o_proj.weight",), (ours, "attn", "wo"), _linear_in_out
         if cfg.o_bias:
-            yield pre + "self_attn.o_proj.bias", (ours, "attn", "bo"), _same
+            yield (pre + "self_attn.o_proj.bias",), (ours, "attn", "bo"), _same
         if cfg.qk_norm:
-            yield pre + "self_attn.q_norm.weight", (ours, "attn", "q_norm", "scale"), _same
-            yield pre + "self_attn.k_norm.weight", (ours, "attn", "k_norm", "scale"), _same
-        for hf, me in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
-            yield pre + f"mlp.{hf}_proj.weight", (ours, "mlp", me), lambda x, s: x.T
+            yield (pre + "self_attn.q_norm.weight",), (ours, "attn", "q_norm", "scale"), _same
+            yield (pre + "self_attn.k_norm.weight",), (ours, "attn", "k_norm", "scale"), _same
+        yield (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), (ours, "mlp", "w_gate_up"), _gate_up
+        yield (pre + "mlp.down_proj.weight",), (ours, "mlp", "w_down"), lambda x, s: x.T
 
 
 # Tensors checkpoints carry that hold no parameters of ours.
@@ -158,28 +160,30 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
     params: dict = {}
     expected = set()
     target_dtype = np.dtype(cfg.dtype) if cfg.dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
-    for hf_name, path, convert in _hf_names(cfg):
-        expected.add(hf_name)
-        if hf_name not in files:
-            raise CheckpointError(f"checkpoint in {model_dir!r} is missing tensor {hf_name!r}")
-        fname = files[hf_name]
-        if fname not in opened:
-            opened[fname] = SafetensorsFile(fname)
-        st = opened[fname]
-        if hf_name not in st.header:
-            raise CheckpointError(f"tensor {hf_name!r} is not in {os.path.basename(fname)} as the index says")
+    for hf_names, path, convert in _hf_names(cfg):
+        raws = []
+        for hf_name in hf_names:
+            expected.add(hf_name)
+            if hf_name not in files:
+                raise CheckpointError(f"checkpoint in {model_dir!r} is missing tensor {hf_name!r}")
+            fname = files[hf_name]
+            if fname not in opened:
+                opened[fname] = SafetensorsFile(fname)
+            st = opened[fname]
+            if hf_name not in st.header:
+                raise CheckpointError(f"tensor {hf_name!r} is not in {os.path.basename(fname)} as the index says")
+            raws.append(st.get(hf_name))
         target = abstract
         for key in path:
             target = target[key]
-        raw = st.get(hf_name)
         try:
-            arr = convert(raw, target.shape)
+            arr = convert(*raws, target.shape)
         except ValueError:
             arr = None
         if arr is None or arr.shape != target.shape:
+            shapes = ", ".join(f"{n!r} {tuple(r.shape)}" for n, r in zip(hf_names, raws))
             raise CheckpointError(
-                f"tensor {hf_name!r} has shape {tuple(raw.shape)}, which does not fit the config "
-                f"(expected {target.shape} after conversion)"
+                f"tensor {shapes} does not fit the config (expected {target.shape} after conversion): wrong shape"
             )
         arr = np.ascontiguousarray(arr, dtype=target_dtype)
         sharding = None
@@ -191,7 +195,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = jax.device_put(arr, sharding)
-        del arr, raw
+        del arr, raws
     extra = sorted(
         k
         for k in files

@@ -69,8 +69,8 @@ def numpy_forward(cfg, params, tokens):
         o = np.einsum("nqk,knh->qnh", pr, v)
         x = x + np.einsum("qnh,nhd->qd", o, arr(lp["attn"]["wo"]))
         m = rms(x, lp["mlp_norm"]["scale"])
-        gate = m @ arr(lp["mlp"]["w_gate"])
-        x = x + (gate / (1 + np.exp(-gate)) * (m @ arr(lp["mlp"]["w_up"]))) @ arr(lp["mlp"]["w_down"])
+        gate = m @ arr(lp["mlp"]["w_gate_up"])[:, 0]
+        x = x + (gate / (1 + np.exp(-gate)) * (m @ arr(lp["mlp"]["w_gate_up"])[:, 1])) @ arr(lp["mlp"]["w_down"])
     x = rms(x, params["final_norm"]["scale"])
     return x @ arr(params["lm_head"])
 
