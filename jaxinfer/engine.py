@@ -77,7 +77,6 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    arrival_time: float
 
     @property
     def finished(self) -> bool:
@@ -249,7 +248,7 @@ class Engine:
             seq.logprobs = [] if params.logprobs is not None else None
             seqs.append(seq)
             self.scheduler.add(seq)
-        req = Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, seqs=seqs, arrival_time=now)
+        req = Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, seqs=seqs)
         self.requests[rid] = req
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return req

@@ -112,10 +112,6 @@ class SamplingParams:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
