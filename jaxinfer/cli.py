@@ -1,4 +1,4 @@
-"""The `jaxinfer` command line: generate and bench (serve and convert arrive with their issues)."""
+"""The `jaxinfer` command line: generate, serve and bench (convert arrives with the checkpoint work)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,17 @@ def _parser() -> argparse.ArgumentParser:
         "--prompt-ids", type=_prompt_ids, action="append", help="a prompt as comma-separated token ids (repeatable)"
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--server", metavar="HOST:PORT", help="generate on a running `jaxinfer serve` instead of locally")
+
+    from serving import main as serve_main
+
+    s = sub.add_parser(
+        "serve",
+        help="serve the model over gRPC",
+        description="Serve jaxinfer.v1, JetStream's Orchestrator, gRPC health and reflection on one "
+        "continuous-batching engine. SIGTERM drains requests in flight, then exits 0.",
+    )
+    serve_main.add_arguments(s)
 
     from jaxinfer import bench
 
@@ -103,6 +114,8 @@ def _generate(args) -> int:
         n=args.n,
         logprobs=args.logprobs,
     )
+    if args.server:
+        return _generate_remote(args, params)
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
     if args.stream:
         if len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1:
@@ -120,11 +133,40 @@ def _generate(args) -> int:
         outs = llm.generate(args.prompt, params)
     else:
         outs = llm.generate(prompt_token_ids=args.prompt_ids, sampling_params=params)
+    _print_outputs(args, llm.cfg.name, outs)
+    return 0
+
+
+def _generate_remote(args, params) -> int:
+    from jaxinfer.client import Client
+
+    with Client(args.server) as client:
+        if args.stream:
+            if len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1:
+                raise SystemExit("error: --stream takes exactly one prompt and --n 1")
+            if args.prompt:
+                print(args.prompt[0], end="", flush=True)
+                deltas = client.stream(args.prompt[0], params)
+            else:
+                deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
+            for d in deltas:
+                print(d.text, end="", flush=True)
+            print()
+            return 0
+        if args.prompt:
+            outs = [client.generate(p, params) for p in args.prompt]
+        else:
+            outs = [client.generate(prompt_token_ids=p, sampling_params=params) for p in args.prompt_ids]
+        _print_outputs(args, client.model_info()["model_name"], outs)
+    return 0
+
+
+def _print_outputs(args, model_name: str, outs) -> None:
     for out in outs:
         for o in out.outputs:
             if args.json:
                 obj = {
-                    "model": llm.cfg.name,
+                    "model": model_name,
                     "prompt": out.prompt,
                     "prompt_token_ids": out.prompt_token_ids,
                     "index": o.index,
@@ -140,7 +182,6 @@ def _generate(args) -> int:
                 print(json.dumps(obj))
             else:
                 print(o.text if out.prompt is None else out.prompt + o.text)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from serving import main as serve_main
+
+            return serve_main.run(args)
         if args.command == "bench":
             from jaxinfer import bench
 

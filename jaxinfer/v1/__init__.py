@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (see serving/protogen.py)."""

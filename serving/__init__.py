@@ -1,0 +1,1 @@
+"""The gRPC server of jaxinfer: `jaxinfer serve` (see serving/server.py)."""

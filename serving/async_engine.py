@@ -1,0 +1,231 @@
+"""The engine on its own thread, fed from asyncio: every RPC shares one continuous batch.
+
+The `Engine` is single-threaded by design. `AsyncEngine` gives it a thread that loops: take the
+commands the event loop queued (add a request, abort one), run one `step()`, hand each request's
+deltas back to the event loop in one `call_soon_threadsafe` per step. RPC handlers only ever
+`submit()` and read a `RequestStream`; they never touch the engine.
+
+An abort (client cancel, disconnect, deadline) is a command like any other, taken before the next
+step runs: the request stops within one step and its pages go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+
+from jaxinfer.engine import Engine, Logprob
+from jaxinfer.sampling import SamplingParams
+
+log = logging.getLogger("jaxinfer.serving")
+
+
+class QueueFullError(Exception):
+    """The admission queue is full; the message says how full and what the limit is."""
+
+
+class DrainingError(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+class EngineFailedError(Exception):
+    """The engine raised while running this request's step (a bug); the message says what."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one step added to one sample of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[Logprob]
+
+
+@dataclasses.dataclass
+class RequestStream:
+    """The consumer side of one request: deltas arrive on `queue`, then None when it is done."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    queue: asyncio.Queue
+    first_token_time: float | None = None
+    completion_tokens: int = 0
+    finished: bool = False
+    error: Exception | None = None
+    finish_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    async def __aiter__(self):
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+
+
+class AsyncEngine:
+    """Runs `engine` on a daemon thread; `submit`/`abort` are called from the event loop.
+
+    Args:
+        engine: the engine (already warmed up, if compilations must not delay requests).
+        max_queued: requests admitted beyond the `engine.max_num_seqs` that can run at once;
+            `submit` raises QueueFullError past `max_num_seqs + max_queued` requests in flight.
+    """
+
+    def __init__(self, engine: Engine, *, max_queued: int = 256):
+        self.engine = engine
+        self.max_queued = max_queued
+        self.max_in_flight = engine.max_num_seqs + max_queued
+        self.draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # owned by the event loop
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
+        self._sent_logprobs: dict[int, int] = {}  # seq_id -> logprobs already delivered (engine thread)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- event-loop side --------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queues a validated request for the engine. Raises QueueFullError or DrainingError."""
+        if self.draining:
+            raise DrainingError("the server is draining (shutting down) and takes no new requests")
+        if len(self._streams) >= self.max_in_flight:
+            raise QueueFullError(
+                f"the admission queue is full: {len(self._streams)} requests in flight, the limit is "
+                f"max_num_seqs ({self.engine.max_num_seqs}) + max_queued_requests ({self.max_queued}); retry later"
+            )
+        rid = f"r{next(self._ids)}"
+        stream = RequestStream(
+            request_id=rid, prompt_ids=prompt_ids, params=params, arrival=time.perf_counter(), queue=asyncio.Queue()
+        )
+        self._streams[rid] = stream
+        self._commands.put(("add", rid, prompt_ids, params))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stops a request within one step and frees its pages (a no-op once it has finished)."""
+        if not stream.finished:
+            self._commands.put(("abort", stream.request_id))
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight; False if `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self._streams:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def shutdown(self) -> None:
+        """Aborts whatever is left and stops the engine thread."""
+        for stream in list(self._streams.values()):
+            self.abort(stream)
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=30)
+
+    def _deliver(self, batch: list[tuple[str, object]]) -> None:
+        """Runs on the event loop: routes one step's deltas (or a failure) to their streams."""
+        now = time.perf_counter()
+        for rid, item in batch:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if isinstance(item, Delta):
+                if item.token_ids and stream.first_token_time is None:
+                    stream.first_token_time = now
+                stream.completion_tokens += len(item.token_ids)
+                if item.finish_reason is not None:
+                    stream.finish_reasons[item.index] = item.finish_reason
+                stream.queue.put_nowait(item)
+            else:  # the request is over: None, or the exception that ended it
+                stream.error = item
+                stream.finished = True
+                del self._streams[rid]
+                stream.queue.put_nowait(None)
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            batch: list[tuple[str, object]] = []
+            try:
+                block = not engine.has_unfinished()
+                while True:
+                    try:
+                        cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    block = False
+                    self._apply(cmd, batch)
+                if engine.has_unfinished():
+                    self._collect(engine.step(), batch)
+            except Exception as e:  # a bug in a step: fail what is running, keep serving
+                log.exception("engine step failed; failing the requests in flight")
+                batch += self._fail_all(e)
+            if batch:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _apply(self, cmd: tuple, batch: list) -> None:
+        engine = self.engine
+        if cmd[0] == "add":
+            _, rid, prompt_ids, params = cmd
+            try:
+                engine.add_request(prompt_ids, params, request_id=rid)
+            except Exception as e:  # validated already; anything left is reported, not raised
+                batch.append((rid, e))
+        elif cmd[0] == "abort":
+            self._collect(engine.abort(cmd[1]), batch)
+
+    def _collect(self, updates, batch: list) -> None:
+        done = set()
+        for u in updates:
+            seq = u.seq
+            logprobs = []
+            if seq.logprobs is not None:
+                sent = self._sent_logprobs.get(seq.seq_id, 0)
+                logprobs = seq.logprobs[sent:]
+                self._sent_logprobs[seq.seq_id] = len(seq.logprobs)
+            batch.append((seq.request_id, Delta(seq.index, u.token_ids, u.text, u.finish_reason, logprobs)))
+            if u.finish_reason is not None:
+                self._sent_logprobs.pop(seq.seq_id, None)
+                done.add(seq.request_id)
+        for rid in done:
+            req = self.engine.requests.get(rid)
+            if req is not None and req.finished:
+                self.engine.release(rid)
+                batch.append((rid, None))
+
+    def _fail_all(self, error: Exception) -> list:
+        batch = []
+        failure = EngineFailedError(f"the engine failed while running this request: {type(error).__name__}: {error}")
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            self.engine.requests.pop(rid, None)
+            batch.append((rid, failure))
+        self._sent_logprobs.clear()
+        return batch

@@ -1,0 +1,522 @@
+"""The gRPC server: jaxinfer.v1 + JetStream's Orchestrator + health + reflection, on one engine.
+
+Life of a server: `start()` binds the port at once and answers health checks with NOT_SERVING (and
+every RPC with UNAVAILABLE) while the model loads and every step shape compiles; then it turns
+SERVING. `stop()` drains: health goes NOT_SERVING, new RPCs get UNAVAILABLE, requests in flight
+finish (or are aborted after `drain_timeout`), then the port closes.
+
+Every generating RPC is validated here (naming the field and limit on INVALID_ARGUMENT), then
+submitted to the `AsyncEngine`, whose one thread batches all of them. A client that cancels,
+disconnects or runs out of deadline aborts its request before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import time
+
+import grpc
+import jax
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+import jaxinfer
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.jetstream import jetstream_pb2 as js
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.v1 import jaxinfer_pb2 as pb
+from serving import wire
+from serving.async_engine import AsyncEngine, DrainingError, EngineFailedError, QueueFullError, RequestStream
+
+log = logging.getLogger("jaxinfer.serving")
+
+SERVICE = "jaxinfer.v1.InferenceService"
+JETSTREAM_SERVICE = "jetstream_proto.Orchestrator"
+HEALTH_SERVICES = ("", SERVICE, JETSTREAM_SERVICE)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerConfig:
+    """What `jaxinfer serve` takes. `engine` holds the LLM capacity arguments (page_size, ...)."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 9000
+    metrics_port: int | None = None
+    max_queued_requests: int = 256
+    drain_timeout: float = 30.0
+    engine: dict = dataclasses.field(default_factory=dict)
+
+
+class RpcError(Exception):
+    """Ends an RPC with `code` and a message for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _invalid(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class Server:
+    def __init__(self, config: ServerConfig, *, llm: jaxinfer.LLM | None = None):
+        self.config = config
+        self.llm = llm  # tests pass a loaded LLM; otherwise start() loads config.model
+        self.engine: AsyncEngine | None = None
+        self.state = "loading"  # loading -> serving -> draining -> stopped
+        self.port: int | None = None
+        self.load_error: BaseException | None = None
+        self.ready = asyncio.Event()
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._metrics_http = None
+        self._stopped = asyncio.Event()
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "jaxinfer_requests", "Finished RPCs by method and status code", ["method", "code"], registry=self.registry
+        )
+        self._in_flight = Gauge(
+            "jaxinfer_requests_in_flight", "Generating requests admitted and not finished", registry=self.registry
+        )
+        self._in_flight.set_function(lambda: self.engine.num_in_flight if self.engine else 0)
+        self._queue_depth = Gauge(
+            "jaxinfer_queue_depth", "Sequences admitted and waiting for a running slot or pages", registry=self.registry
+        )
+        self._queue_depth.set_function(lambda: len(self.engine.engine.scheduler.waiting) if self.engine else 0)
+        self.registry.register(_EngineCollector(self))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Binds and starts serving health checks; loads the model in the background. Returns the port."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((self._inference_handler(), self._jetstream_handler()))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = (SERVICE, JETSTREAM_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+        address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
+        self.port = server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}: is the port in use?")
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._grpc = server
+        if self.config.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.registry
+            )
+        asyncio.get_running_loop().create_task(self._load())
+        return self.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_http.server_port if self._metrics_http else None
+
+    async def _load(self) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def load():  # a daemon thread: a SIGTERM during loading must not wait for it
+            try:
+                llm = self.llm
+                if llm is None:
+                    llm = jaxinfer.LLM(self.config.model, dtype=self.config.dtype, **self.config.engine)
+                t0 = time.perf_counter()
+                n = llm.engine.warmup()
+                log.info(json.dumps({"event": "warmup", "compilations": n, "seconds": time.perf_counter() - t0}))
+                loop.call_soon_threadsafe(done.set_result, llm)
+            except BaseException as e:  # reported by the health check and the log
+                loop.call_soon_threadsafe(done.set_exception, e)
+
+        threading.Thread(target=load, name="jaxinfer-load", daemon=True).start()
+        try:
+            self.llm = await done
+        except BaseException as e:
+            self.load_error = e
+            log.error("loading the model failed: %s", e)
+            self.state = "failed"
+            self.ready.set()
+            return
+        if self.state != "loading":  # stop() came first
+            return
+        self.engine = AsyncEngine(self.llm.engine, max_queued=self.config.max_queued_requests)
+        self.engine.start()
+        self.state = "serving"
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(json.dumps({"event": "ready", "model": self.llm.cfg.name, "port": self.port}))
+        self.ready.set()
+
+    async def stop(self, drain_timeout: float | None = None) -> bool:
+        """Drains and stops. Returns True if every request in flight finished within the drain time."""
+        if self.state in ("draining", "stopped"):
+            await self._stopped.wait()
+            return True
+        timeout = self.config.drain_timeout if drain_timeout is None else drain_timeout
+        self.state = "draining"
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        drained = True
+        if self.engine is not None:
+            self.engine.draining = True
+            drained = await self.engine.wait_idle(timeout)
+            if not drained:
+                log.warning("drain time (%.1f s) is up: aborting %d requests", timeout, self.engine.num_in_flight)
+            self.engine.shutdown()
+            await self.engine.wait_idle(5.0)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self.state = "stopped"
+        self.ready.set()  # wakes anyone still waiting for a load that will never be used
+        self._stopped.set()
+        return drained
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- shared request path ------------------------------------------------------------------
+
+    def _check_serving(self) -> None:
+        if self.state == "loading":
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is loading and warming up the model; retry soon")
+        if self.state == "failed":
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the model failed to load: {self.load_error}")
+        if self.state != "serving":
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); retry elsewhere")
+
+    def _tokenize(self, text: str, field: str) -> list[int]:
+        if not text:
+            raise _invalid(f"{field}: the prompt is empty")
+        tok = self.llm.tokenizer
+        if tok is None:
+            raise _invalid(f"{field}: this model has no tokenizer; send token ids instead")
+        return tok.encode(text)
+
+    def _admit(self, prompt_ids: list[int], params: SamplingParams, field: str) -> RequestStream:
+        try:
+            self.llm.engine.validate(prompt_ids, params)
+        except InvalidRequestError as e:
+            raise _invalid(f"{field}: {e}") from None
+        try:
+            return self.engine.submit(prompt_ids, params)
+        except QueueFullError as e:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except DrainingError as e:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    def _observe(self, method: str, handler, *, streaming: bool):
+        """Wraps a handler: RpcError -> status, cancellation -> abort, metrics and the log line."""
+
+        def finish(ctx, info: dict, code: grpc.StatusCode, t0: float) -> None:
+            self._requests.labels(method, code.name).inc()
+            stream: RequestStream | None = info.get("stream")
+            if stream is None and method not in ("Generate", "GenerateStream", "Decode"):
+                return
+            line = {"event": "request", "method": method, "code": code.name, "client_request_id": info.get("cid")}
+            if stream is not None:
+                line.update(
+                    id=stream.request_id,
+                    prompt_tokens=len(stream.prompt_ids),
+                    completion_tokens=stream.completion_tokens,
+                    n=stream.params.n,
+                    max_tokens=stream.params.max_tokens,
+                    finish_reasons=[stream.finish_reasons.get(i) for i in range(stream.params.n)],
+                    ttft_s=None
+                    if stream.first_token_time is None
+                    else round(stream.first_token_time - stream.arrival, 6),
+                )
+            line["latency_s"] = round(time.perf_counter() - t0, 6)
+            if info.get("error"):
+                line["error"] = info["error"]
+            log.info(json.dumps(line))
+
+        def classify(ctx, e: BaseException, info: dict) -> grpc.StatusCode:
+            if isinstance(e, RpcError):
+                info["error"] = str(e)
+                return e.code
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                remaining = ctx.time_remaining()
+                return (
+                    grpc.StatusCode.DEADLINE_EXCEEDED
+                    if remaining is not None and remaining <= 0
+                    else (grpc.StatusCode.CANCELLED)
+                )
+            info["error"] = f"{type(e).__name__}: {e}"
+            return grpc.StatusCode.INTERNAL
+
+        def cleanup(info: dict) -> None:
+            stream = info.get("stream")
+            if stream is not None and not stream.finished and self.engine is not None:
+                self.engine.abort(stream)
+
+        if streaming:
+
+            async def wrapped(request, ctx):
+                t0, info, code = time.perf_counter(), {}, grpc.StatusCode.OK
+                try:
+                    if isinstance(request, wire.BadMessage):
+                        raise _invalid(request.error)
+                    self._check_serving()
+                    async for item in handler(request, ctx, info):
+                        yield item
+                except BaseException as e:
+                    code = classify(ctx, e, info)
+                    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                        raise
+                    if code is grpc.StatusCode.INTERNAL:
+                        log.exception("%s failed", method)
+                    await ctx.abort(code, info.get("error", code.name))
+                finally:
+                    cleanup(info)
+                    finish(ctx, info, code, t0)
+
+        else:
+
+            async def wrapped(request, ctx):
+                t0, info, code = time.perf_counter(), {}, grpc.StatusCode.OK
+                try:
+                    if isinstance(request, wire.BadMessage):
+                        raise _invalid(request.error)
+                    if method not in ("GetModelInfo",):
+                        self._check_serving()
+                    return await handler(request, ctx, info)
+                except BaseException as e:
+                    code = classify(ctx, e, info)
+                    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                        raise
+                    if code is grpc.StatusCode.INTERNAL:
+                        log.exception("%s failed", method)
+                    await ctx.abort(code, info.get("error", code.name))
+                finally:
+                    cleanup(info)
+                    finish(ctx, info, code, t0)
+
+        return wrapped
+
+    # -- jaxinfer.v1 ----------------------------------------------------------------------------
+
+    def _inference_handler(self):
+        def unary(name, fn, req_cls, resp_cls):
+            return grpc.unary_unary_rpc_method_handler(
+                self._observe(name, fn, streaming=False),
+                request_deserializer=wire.Parser(req_cls),
+                response_serializer=resp_cls.SerializeToString,
+            )
+
+        handlers = {
+            "Generate": unary("Generate", self._generate, pb.GenerateRequest, pb.GenerateResponse),
+            "GenerateStream": grpc.unary_stream_rpc_method_handler(
+                self._observe("GenerateStream", self._generate_stream, streaming=True),
+                request_deserializer=wire.Parser(pb.GenerateRequest),
+                response_serializer=pb.GenerateStreamResponse.SerializeToString,
+            ),
+            "Tokenize": unary("Tokenize", self._tokenize_rpc, pb.TokenizeRequest, pb.TokenizeResponse),
+            "GetModelInfo": unary("GetModelInfo", self._model_info, pb.GetModelInfoRequest, pb.ModelInfo),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _start_generate(self, request: pb.GenerateRequest, info: dict) -> RequestStream:
+        info["cid"] = request.request_id or None
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise _invalid("prompt: set one of text or token_ids")
+        if which == "text":
+            ids = self._tokenize(request.text, "text")
+        else:
+            ids = list(request.token_ids.ids)
+        try:
+            params = wire.sampling_params(request.sampling_params)
+        except InvalidRequestError as e:
+            raise _invalid(f"sampling_params: {e}") from None
+        stream = self._admit(ids, params, which)
+        info["stream"] = stream
+        return stream
+
+    def _usage(self, stream: RequestStream) -> pb.Usage:
+        return pb.Usage(prompt_tokens=len(stream.prompt_ids), completion_tokens=stream.completion_tokens)
+
+    async def _generate(self, request, ctx, info):
+        stream = self._start_generate(request, info)
+        n = stream.params.n
+        comps = [pb.Completion(index=i) for i in range(n)]
+        texts = [[] for _ in range(n)]
+        try:
+            async for d in stream:
+                c = comps[d.index]
+                c.token_ids.extend(d.token_ids)
+                texts[d.index].append(d.text)
+                c.logprobs.extend(wire.logprobs_proto(d.logprobs))
+                if d.finish_reason is not None:
+                    c.finish_reason = wire.FINISH_REASONS[d.finish_reason]
+        except EngineFailedError as e:
+            raise RpcError(grpc.StatusCode.INTERNAL, str(e)) from None
+        for c, t in zip(comps, texts):
+            c.text = "".join(t)
+        return pb.GenerateResponse(
+            request_id=stream.request_id,
+            prompt_token_ids=stream.prompt_ids,
+            completions=comps,
+            usage=self._usage(stream),
+        )
+
+    async def _generate_stream(self, request, ctx, info):
+        stream = self._start_generate(request, info)
+        try:
+            async for d in stream:
+                if not (d.token_ids or d.text or d.finish_reason):
+                    continue
+                msg = pb.GenerateStreamResponse(
+                    request_id=stream.request_id,
+                    index=d.index,
+                    token_ids=d.token_ids,
+                    text=d.text,
+                    finish_reason=wire.FINISH_REASONS[d.finish_reason],
+                    logprobs=wire.logprobs_proto(d.logprobs),
+                )
+                if len(stream.finish_reasons) == stream.params.n and d.finish_reason is not None:
+                    msg.usage.CopyFrom(self._usage(stream))  # the last message of the request
+                yield msg
+        except EngineFailedError as e:
+            raise RpcError(grpc.StatusCode.INTERNAL, str(e)) from None
+
+    async def _tokenize_rpc(self, request, ctx, info):
+        return pb.TokenizeResponse(token_ids=self._tokenize(request.text, "text"))
+
+    async def _model_info(self, request, ctx, info):
+        if self.llm is None or self.state in ("loading", "failed"):
+            self._check_serving()
+        cfg, eng = self.llm.cfg, self.llm.engine
+        dev = jax.devices()[0]
+        return pb.ModelInfo(
+            model_name=cfg.name,
+            family=cfg.family,
+            max_model_len=eng.max_model_len,
+            vocab_size=cfg.vocab_size,
+            dtype=cfg.dtype,
+            mesh=f"1 device ({dev.platform}: {dev.device_kind}), unsharded",
+            kv_pages_total=eng.pool.capacity,
+            page_size=eng.page_size,
+            kv_cache_bytes=eng.cache.nbytes,
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            max_num_seqs=eng.max_num_seqs,
+            max_num_batched_tokens=eng.max_num_batched_tokens,
+            eos_token_ids=list(cfg.eos_token_ids),
+            has_tokenizer=self.llm.tokenizer is not None,
+            version=jaxinfer.__version__,
+        )
+
+    # -- JetStream ------------------------------------------------------------------------------
+
+    def _jetstream_handler(self):
+        handlers = {
+            "Decode": grpc.unary_stream_rpc_method_handler(
+                self._observe("Decode", self._decode, streaming=True),
+                request_deserializer=wire.Parser(js.DecodeRequest),
+                response_serializer=js.DecodeResponse.SerializeToString,
+            ),
+            "HealthCheck": grpc.unary_unary_rpc_method_handler(
+                self._jetstream_health,
+                request_deserializer=js.HealthCheckRequest.FromString,
+                response_serializer=js.HealthCheckResponse.SerializeToString,
+            ),
+        }
+        return grpc.method_handlers_generic_handler(JETSTREAM_SERVICE, handlers)
+
+    async def _jetstream_health(self, request, ctx):
+        return js.HealthCheckResponse(is_live=self.state == "serving")
+
+    async def _decode(self, request, ctx, info):
+        """JetStream's Decode: greedy; token ids answer token ids, text answers text (and its ids).
+
+        Every message carries one sample per requested sample, in order; a step that adds nothing
+        visible (text held back mid-character or mid-stop-string) sends nothing, and its tokens go
+        out with the next message. The stop token is never sent.
+        """
+        if request.max_tokens <= 0:
+            raise _invalid(f"max_tokens must be >= 1, got {request.max_tokens}")
+        which = request.WhichOneof("content")
+        if which is None:
+            raise _invalid("content: set one of text_content or token_content")
+        text_mode = which == "text_content"
+        if text_mode:
+            ids = self._tokenize(request.text_content.text, "text_content.text")
+        else:
+            ids = list(request.token_content.token_ids)
+        try:
+            params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=max(1, request.num_samples))
+        except InvalidRequestError as e:
+            raise _invalid(str(e).replace("SamplingParams.n", "num_samples")) from None
+        stream = self._admit(ids, params, which)
+        info["stream"] = stream
+        n = params.n
+        pending_ids = [[] for _ in range(n)]
+        pending_text = [[] for _ in range(n)]
+        try:
+            async for d in _steps(stream):
+                for x in d:
+                    pending_ids[x.index] += x.token_ids
+                    pending_text[x.index].append(x.text)
+                done = len(stream.finish_reasons) == n
+                if text_mode:
+                    visible = any("".join(t) for t in pending_text)
+                else:
+                    visible = any(pending_ids)
+                if visible or (done and any(pending_ids)):
+                    samples = []
+                    for i in range(n):
+                        if text_mode:
+                            samples.append(
+                                js.DecodeResponse.StreamContent.Sample(
+                                    text="".join(pending_text[i]), token_ids=pending_ids[i]
+                                )
+                            )
+                        else:
+                            samples.append(js.DecodeResponse.StreamContent.Sample(token_ids=pending_ids[i]))
+                        pending_ids[i], pending_text[i] = [], []
+                    yield js.DecodeResponse(stream_content=js.DecodeResponse.StreamContent(samples=samples))
+        except EngineFailedError as e:
+            raise RpcError(grpc.StatusCode.INTERNAL, str(e)) from None
+
+
+async def _steps(stream: RequestStream):
+    """Groups a stream's deltas by engine step (all deltas of one step arrive together)."""
+    async for first in stream:
+        batch = [first]
+        while not stream.queue.empty():
+            item = stream.queue.get_nowait()
+            if item is None:
+                yield batch
+                if stream.error is not None:
+                    raise stream.error
+                return
+            batch.append(item)
+        yield batch
+
+
+class _EngineCollector:
+    """Serves the engine's own metrics (TTFT, ITL, KV pages, ...) through the server's registry."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def collect(self):
+        llm = self.server.llm
+        if llm is not None:
+            yield from llm.engine.metrics.registry.collect()
+
+
+def _host_for_bind(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,428 @@
+"""The gRPC server on loopback: real grpc.aio server, real clients, the same engine as offline.
+
+Most tests share one in-process server (its own thread and event loop) over the embedded default
+model; the SIGTERM test runs `jaxinfer serve` as a subprocess. Outputs are compared with offline
+`LLM.generate` on the same model: the engine is batch invariant, so every request must get exactly
+the tokens it gets alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.client import AsyncClient, Client, ServerError
+from jaxinfer.jetstream import jetstream_pb2 as js
+from jaxinfer.jetstream import jetstream_pb2_grpc as js_grpc
+from jaxinfer.v1 import jaxinfer_pb2 as pb
+from jaxinfer.v1 import jaxinfer_pb2_grpc as pb_grpc
+from serving.server import Server, ServerConfig
+
+ENGINE = dict(max_model_len=128, page_size=16, num_kv_pages=160, max_num_seqs=16, max_num_batched_tokens=256)
+
+
+class ServerThread:
+    """A `Server` on its own event loop in a daemon thread, for tests in this (synchronous) process."""
+
+    def __init__(self, llm: LLM, **config):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = Server(ServerConfig(port=0, **config), llm=llm)
+        self.port = self.run(self.server.start())
+        self.run(self.server.ready.wait(), timeout=300)
+        assert self.server.state == "serving"
+        self.address = f"127.0.0.1:{self.port}"
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.run(self.server.stop(drain_timeout=5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Waits for the engine to hold no sequence and no page; returns its stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.server.llm.stats()
+            if stats["running"] == 0 and stats["waiting"] == 0 and self.server.engine.num_in_flight == 0:
+                used = stats["kv_pages_total"] - stats["kv_pages_free"]
+                if used == 0:
+                    return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout} s: {stats}")
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**ENGINE)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = ServerThread(llm)
+    yield s
+    s.stop()
+
+
+def _prompts(k: int) -> list[str]:
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs", "far"]
+    rng = np.random.default_rng(k)
+    return [" ".join(rng.choice(words, size=int(rng.integers(1, 12)))) for _ in range(k)]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 3 == 0:
+        return SamplingParams(max_tokens=6 + i % 11, temperature=0.0)
+    return SamplingParams(max_tokens=6 + i % 11, temperature=0.8, top_k=40, seed=1000 + i)
+
+
+def test_health_reflection_and_model_info(server):
+    channel = grpc.insecure_channel(server.address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "jaxinfer.v1.InferenceService", "jetstream_proto.Orchestrator"):
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # A reflection client (the one grpcurl-like tools build on) sees every service and its methods.
+    db = ProtoReflectionDescriptorDatabase(channel)
+    services = set(db.get_services())
+    assert {"jaxinfer.v1.InferenceService", "jetstream_proto.Orchestrator", "grpc.health.v1.Health"} <= services
+    from google.protobuf.descriptor_pool import DescriptorPool
+
+    pool = DescriptorPool(db)
+    svc = pool.FindServiceByName("jaxinfer.v1.InferenceService")
+    assert {m.name for m in svc.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo"}
+    decode = pool.FindServiceByName("jetstream_proto.Orchestrator").FindMethodByName("Decode")
+    assert decode.input_type.fields_by_name["token_content"].number == 6
+
+    with Client(server.address) as c:
+        info = c.model_info()
+        assert info["model_name"] == server.server.llm.cfg.name
+        assert info["max_model_len"] == ENGINE["max_model_len"]
+        assert info["vocab_size"] == server.server.llm.cfg.vocab_size
+        assert info["kv_pages_total"] == ENGINE["num_kv_pages"] - 1
+        assert info["kv_cache_bytes"] == server.server.llm.engine.cache.nbytes
+        assert c.tokenize("fox") == server.server.llm.tokenizer.encode("fox")
+    channel.close()
+
+
+def test_64_concurrent_streams_match_offline(server, llm):
+    prompts = _prompts(64)
+    params = [_params(i) for i in range(64)]
+
+    async def one(client, prompt, p):
+        ids, text, reasons = [], [], []
+        async for d in client.stream(prompt, p):
+            ids += d.token_ids
+            text.append(d.text)
+            reasons.append(d.finish_reason)
+        return ids, "".join(text), reasons
+
+    async def all_of_them():
+        async with AsyncClient(server.address, timeout=120) as client:
+            return await asyncio.gather(*(one(client, pr, p) for pr, p in zip(prompts, params)))
+
+    served = asyncio.run(all_of_them())
+    server.wait_idle()  # every page back, nothing left running
+    offline = llm.generate(prompts, params)
+    for i, ((ids, text, reasons), ref) in enumerate(zip(served, offline)):
+        assert ids == ref.token_ids, i
+        assert text == ref.text, i
+        assert reasons[-1] == ref.finish_reason and all(r is None for r in reasons[:-1]), i
+
+
+def test_unary_generate_with_logprobs_and_samples(server, llm):
+    p = SamplingParams(max_tokens=7, temperature=1.0, seed=7, n=3, logprobs=3, stop=["zz"])
+    with Client(server.address) as c:
+        got = c.generate("over the lazy dog", p, request_id="client-42")
+        by_ids = c.generate(prompt_token_ids=llm.tokenizer.encode("over the lazy dog"), sampling_params=p)
+    ref = llm.generate("over the lazy dog", p)[0]
+    assert len(got.outputs) == 3
+    for a, b, r in zip(got.outputs, by_ids.outputs, ref.outputs):
+        assert a.token_ids == r.token_ids == b.token_ids
+        assert a.text == r.text and a.finish_reason == r.finish_reason
+        assert [x.token_id for x in a.logprobs] == r.token_ids
+        np.testing.assert_allclose([x.logprob for x in a.logprobs], [x.logprob for x in r.logprobs], rtol=1e-5)
+        assert all(len(x.top) == 3 for x in a.logprobs)
+    assert got.prompt_token_ids == ref.prompt_token_ids
+
+
+def _long(max_tokens=100) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_cancel_and_deadline_free_pages(server):
+    with Client(server.address) as c:
+        stream = c.stream("a long story", _long())
+        first = [next(stream) for _ in range(3)]
+        assert all(d.token_ids for d in first)
+        assert server.server.llm.stats()["running"] == 1
+        stream.close()  # cancels the RPC
+        stats = server.wait_idle()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+        with pytest.raises(ServerError) as e:
+            c.generate("a long story", _long(120), timeout=0.05)
+        assert e.value.code == "DEADLINE_EXCEEDED"
+        server.wait_idle()
+        assert c.generate("still serving", SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
+
+
+def _raw_call(address: str, method: str, payload: bytes):
+    """Sends hand-made bytes, as a client with a different (or broken) encoder would."""
+    with grpc.insecure_channel(address) as ch:
+        call = ch.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        return call(payload, timeout=10)
+
+
+BAD = [
+    (dict(text=""), "text: the prompt is empty"),
+    (dict(), "prompt: set one of text or token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
+    (dict(token_ids=pb.TokenIds(ids=[5, 100000])), "token id 100000 is outside the vocabulary"),
+    (dict(token_ids=pb.TokenIds(ids=[-1])), "token id -1 is outside the vocabulary"),
+    (dict(text="x" * 400), "limit is max_model_len - 1 = 127"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(temperature=-1)), "SamplingParams.temperature"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(top_p=0)), "SamplingParams.top_p must be in (0, 1]"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=0)), "SamplingParams.max_tokens"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(logprobs=21)), "SamplingParams.logprobs"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(n=0)), "SamplingParams.n"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(min_p=float("nan"))), "SamplingParams.min_p"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=1000)), None),  # fine: stops at the length
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD)
+def test_bad_requests_get_invalid_argument(server, fields, message):
+    with grpc.insecure_channel(server.address) as ch:
+        for method in ("Generate", "GenerateStream"):
+            call = getattr(ch, "unary_unary" if method == "Generate" else "unary_stream")(
+                f"/jaxinfer.v1.InferenceService/{method}",
+                request_serializer=pb.GenerateRequest.SerializeToString,
+                response_deserializer=lambda b: b,
+            )
+            if message is None:
+                list(call(pb.GenerateRequest(**fields), timeout=60)) if method == "GenerateStream" else call(
+                    pb.GenerateRequest(**fields), timeout=60
+                )
+                continue
+            with pytest.raises(grpc.RpcError) as e:
+                r = call(pb.GenerateRequest(**fields), timeout=10)
+                if method == "GenerateStream":
+                    list(r)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+            assert message in e.value.details(), e.value.details()
+
+
+def test_invalid_utf8_is_named(server):
+    good = pb.GenerateRequest(text="ab", sampling_params=pb.SamplingParams(stop=["ok", "cd"])).SerializeToString()
+    for bad_bytes, field in ((good.replace(b"ab", b"a\xff"), "text"), (good.replace(b"cd", b"c\xc3"), "stop[1]")):
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(server.address, "/jaxinfer.v1.InferenceService/Generate", bad_bytes)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in e.value.details() and "invalid UTF-8" in e.value.details(), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server.address, "/jaxinfer.v1.InferenceService/Generate", b"\xff\xff\xff")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server.address, "/jaxinfer.v1.InferenceService/Tokenize", b"\x0a\x01\xfe")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text: invalid UTF-8" in e.value.details()
+    with Client(server.address) as c:  # and the server is unharmed
+        assert c.health() == "SERVING"
+        assert c.generate("fine", SamplingParams(max_tokens=2)).outputs[0].token_ids
+
+
+def test_queue_full_is_resource_exhausted(llm):
+    # Another engine over the same weights, with room for one running request and one queued.
+    small = LLM(max_model_len=128, num_kv_pages=40, max_num_seqs=1, max_num_batched_tokens=64)
+    s = ServerThread(small, max_queued_requests=1)
+    gate = threading.Event()  # holds the engine's steps, so nothing finishes while the queue fills
+    step = small.engine.step
+    small.engine.step = lambda: (gate.wait(30), step())[1]
+    try:
+        with Client(s.address) as c, grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.InferenceServiceStub(ch)
+            req = pb.GenerateRequest(text="one", sampling_params=pb.SamplingParams(max_tokens=20, temperature=0))
+            a, b = stub.GenerateStream(req), stub.GenerateStream(req)
+            deadline = time.monotonic() + 10
+            while s.server.engine.num_in_flight < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(ServerError) as e:
+                c.generate("three", SamplingParams(max_tokens=2))
+            assert e.value.code == "RESOURCE_EXHAUSTED"
+            assert "admission queue is full" in e.value.details and "max_queued_requests (1)" in e.value.details
+            gate.set()
+            assert sum(len(m.token_ids) for m in a) == 20 and sum(len(m.token_ids) for m in b) == 20
+            s.wait_idle()
+            assert c.generate("four", SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
+    finally:
+        gate.set()
+        s.stop()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def test_jetstream_decode(server, llm):
+    stub = js_grpc.OrchestratorStub(grpc.insecure_channel(server.address))
+    assert stub.HealthCheck(js.HealthCheckRequest(), timeout=5).is_live
+
+    prompt_ids = llm.tokenizer.encode("the lazy dog")
+    ref = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(max_tokens=12, temperature=0))[0]
+
+    # Token ids in, token ids out; field numbers as JetStream published them, encoded by hand:
+    # max_tokens = 4 (varint), token_content = 6 { token_ids = 1 (packed) }.
+    packed = b"".join(_varint(t) for t in prompt_ids)
+    token_content = b"\x0a" + _varint(len(packed)) + packed
+    raw = b"\x20" + _varint(12) + b"\x32" + _varint(len(token_content)) + token_content
+    assert (
+        raw
+        == js.DecodeRequest(
+            max_tokens=12, token_content=js.DecodeRequest.TokenContent(token_ids=prompt_ids)
+        ).SerializeToString()
+    )
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.unary_stream(
+            "/jetstream_proto.Orchestrator/Decode",
+            request_serializer=lambda b: b,
+            response_deserializer=js.DecodeResponse.FromString,
+        )
+        msgs = list(call(raw, timeout=60))
+    assert msgs and all(len(m.stream_content.samples) == 1 for m in msgs)
+    assert all(m.stream_content.samples[0].token_ids and not m.stream_content.samples[0].text for m in msgs)
+    assert [t for m in msgs for t in m.stream_content.samples[0].token_ids] == ref.token_ids
+
+    # Text in, text out, two samples per message.
+    req = js.DecodeRequest(max_tokens=9, text_content=js.DecodeRequest.TextContent(text="the lazy dog"), num_samples=2)
+    msgs = list(stub.Decode(req, timeout=60))
+    ref = llm.generate("the lazy dog", SamplingParams(max_tokens=9, temperature=0))[0]
+    assert msgs and all(len(m.stream_content.samples) == 2 for m in msgs)
+    for i in range(2):
+        assert "".join(m.stream_content.samples[i].text for m in msgs) == ref.text
+        assert [t for m in msgs for t in m.stream_content.samples[i].token_ids] == ref.token_ids
+
+    for bad, why in (
+        (js.DecodeRequest(max_tokens=0, text_content=js.DecodeRequest.TextContent(text="x")), "max_tokens"),
+        (js.DecodeRequest(max_tokens=4), "content"),
+        (js.DecodeRequest(max_tokens=4, token_content=js.DecodeRequest.TokenContent(token_ids=[10**6])), "token"),
+        (
+            js.DecodeRequest(max_tokens=4, text_content=js.DecodeRequest.TextContent(text="x"), num_samples=99),
+            "num_samples",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(bad, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details(), e.value.details()
+
+
+def test_cli_generate_against_server(server, llm, capsys):
+    from jaxinfer import cli
+
+    rc = cli.main(
+        ["generate", "--server", server.address, "fox and dog", "--max-tokens", "5", "--temperature", "0", "--json"]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip())
+    ref = llm.generate("fox and dog", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
+
+    rc = cli.main(["generate", "--server", server.address, "", "--max-tokens", "5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "INVALID_ARGUMENT" in err and "empty" in err
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_serve_cli_metrics_and_sigterm_drain():
+    proc = _serve("--metrics-port", "0", "--max-model-len", "64", "--max-num-seqs", "2", "--num-kv-pages", "16")
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+), metrics on 127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        address, metrics_port = f"127.0.0.1:{m.group(1)}", int(m.group(2))
+        with Client(address) as c:
+            # Health answers at once: NOT_SERVING while the model loads and compiles.
+            assert c.health() in ("NOT_SERVING", "SERVING")
+            c.wait_ready(timeout=240)
+            assert c.generate("hello", SamplingParams(max_tokens=3)).outputs[0].token_ids
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            assert 'jaxinfer_requests_total{code="OK",method="Generate"} 1.0' in body
+            stream = c.stream("drain me", _long(40))
+            got = [next(stream)]
+            proc.send_signal(signal.SIGTERM)
+            got += list(stream)  # the request in flight finishes
+            assert sum(len(d.token_ids) for d in got) == 40 and got[-1].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+        lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+        reqs = [x for x in lines if x.get("event") == "request"]
+        assert [r["code"] for r in reqs] == ["OK", "OK"] and reqs[1]["completion_tokens"] == 40
+        assert all(r["id"] for r in reqs)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_metrics_endpoint(server):
+    s = ServerThread(LLM(**ENGINE), metrics_port=0)  # fresh counters
+    try:
+        with Client(s.address) as c:
+            c.generate("count me", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            with pytest.raises(ServerError):
+                c.generate("", SamplingParams(max_tokens=4))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
+        for name in (
+            "jaxinfer_time_to_first_token_seconds_bucket",
+            "jaxinfer_inter_token_latency_seconds_bucket",
+            "jaxinfer_request_latency_seconds_bucket",
+            "jaxinfer_queue_depth",
+            "jaxinfer_running_sequences",
+            "jaxinfer_kv_pages_used",
+            "jaxinfer_kv_pages_free",
+            "jaxinfer_prefix_cache_hit_tokens_total",
+            "jaxinfer_preemptions_total",
+        ):
+            assert name in body, name
+        assert 'jaxinfer_requests_total{code="OK",method="Generate"} 1.0' in body
+        assert 'jaxinfer_requests_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in body
+        assert re.search(r"^jaxinfer_generation_tokens_total 4\.0$", body, re.M)
+    finally:
+        s.stop()
