@@ -64,9 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "mode",
         nargs="?",
         default="latency",
-        choices=["latency", "throughput"],
+        choices=["latency", "throughput", "serve"],
         help="latency: TTFT, decode step, MBU (default); throughput: many requests offline, "
-        "continuous batching against one request at a time",
+        "continuous batching against one request at a time; serve: streaming gRPC clients against "
+        "`jaxinfer serve` (started here unless --server is given)",
     )
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
     p.add_argument(
@@ -92,6 +93,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefix-caching",
         action="store_true",
         help="keep the prefix cache on (off by default: the baseline run would warm it for the other)",
+    )
+    sv = p.add_argument_group("serve mode (also takes the throughput-mode workload flags)")
+    sv.add_argument("--server", metavar="HOST:PORT", help="a running server (default: start one on loopback)")
+    sv.add_argument("--concurrency", type=int, default=32, help="streams in flight at most")
+    sv.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (default: all at once)"
+    )
+    sv.add_argument("--duration-limit", type=float, default=600.0, help="seconds; open requests are then cancelled")
+    sv.add_argument("--stream-interval", type=int, default=1, help="the started server's --stream-interval")
+    sv.add_argument(
+        "--vs-offline", action="store_true", help="also run the same requests on an offline engine and print the ratio"
     )
     t.add_argument(
         "--baseline-requests",
@@ -157,6 +169,14 @@ def run(args) -> dict:
             model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxinfer-bench-"))
             print(f"writing random-weight {args.preset} checkpoint to {model_dir} ...", file=sys.stderr)
             _write_preset(args.preset, model_dir)
+        if args.mode == "serve":
+            from serving import loadgen
+
+            if min(args.concurrency, args.stream_interval) < 1 or min(args.request_rate, args.duration_limit) <= 0:
+                raise SystemExit(
+                    "error: --concurrency, --stream-interval, --request-rate and --duration-limit must be positive"
+                )
+            return loadgen.run(args, model_dir)
         if args.mode == "throughput":
             return _throughput(args, model_dir, LLM, SamplingParams)
         return _run(args, model_dir, LLM, SamplingParams, params_nbytes)

@@ -104,8 +104,7 @@ def _delta(msg: pb.GenerateStreamResponse) -> StreamDelta:
 
 def _model_info(msg: pb.ModelInfo) -> dict:
     return {
-        f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
-        for f in msg.DESCRIPTOR.fields
+        f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
     }
 
 

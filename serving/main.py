@@ -24,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests admitted beyond max-num-seqs; more get RESOURCE_EXHAUSTED",
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests in flight")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="GenerateStream sends a sample's tokens once this many have accumulated (the first and the "
+        "last at once); >1 trades smoothness for less per-token transport work",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_engine_arguments(p)
 
@@ -32,7 +39,7 @@ def run(args) -> int:
     from jaxinfer.cli import engine_kwargs
     from serving.server import Server, ServerConfig
 
-    for name, lo in (("port", 0), ("metrics_port", 0), ("max_queued_requests", 0)):
+    for name, lo in (("port", 0), ("metrics_port", 0), ("max_queued_requests", 0), ("stream_interval", 1)):
         v = getattr(args, name)
         if v is not None and not (lo <= v <= (65535 if "port" in name else 10**6)):
             print(f"error: --{name.replace('_', '-')} out of range: {v}", file=sys.stderr)
@@ -46,6 +53,7 @@ def run(args) -> int:
         metrics_port=args.metrics_port,
         max_queued_requests=args.max_queued_requests,
         drain_timeout=args.drain_timeout,
+        stream_interval=args.stream_interval,
         engine=engine_kwargs(args),
     )
 

@@ -31,7 +31,7 @@ from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from serving import wire
-from serving.async_engine import AsyncEngine, DrainingError, EngineFailedError, QueueFullError, RequestStream
+from serving.async_engine import AsyncEngine, Delta, DrainingError, EngineFailedError, QueueFullError, RequestStream
 
 log = logging.getLogger("jaxinfer.serving")
 
@@ -51,6 +51,7 @@ class ServerConfig:
     metrics_port: int | None = None
     max_queued_requests: int = 256
     drain_timeout: float = 30.0
+    stream_interval: int = 1  # GenerateStream sends a sample's tokens once this many have accumulated
     engine: dict = dataclasses.field(default_factory=dict)
 
 
@@ -205,13 +206,13 @@ class Server:
             raise _invalid(f"{field}: this model has no tokenizer; send token ids instead")
         return tok.encode(text)
 
-    def _admit(self, prompt_ids: list[int], params: SamplingParams, field: str) -> RequestStream:
+    def _admit(self, prompt_ids: list[int], params: SamplingParams, field: str, *, interval: int = 1) -> RequestStream:
         try:
             self.llm.engine.validate(prompt_ids, params)
         except InvalidRequestError as e:
             raise _invalid(f"{field}: {e}") from None
         try:
-            return self.engine.submit(prompt_ids, params)
+            return self.engine.submit(prompt_ids, params, interval=interval)
         except QueueFullError as e:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except DrainingError as e:
@@ -328,7 +329,7 @@ class Server:
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    def _start_generate(self, request: pb.GenerateRequest, info: dict) -> RequestStream:
+    def _start_generate(self, request: pb.GenerateRequest, info: dict, *, streaming: bool) -> RequestStream:
         info["cid"] = request.request_id or None
         which = request.WhichOneof("prompt")
         if which is None:
@@ -341,7 +342,9 @@ class Server:
             params = wire.sampling_params(request.sampling_params)
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
-        stream = self._admit(ids, params, which)
+        # A unary call only needs the end: holding every delta until then spares a wake-up per step.
+        interval = self.config.stream_interval if streaming else 2**31
+        stream = self._admit(ids, params, which, interval=interval)
         info["stream"] = stream
         return stream
 
@@ -349,7 +352,7 @@ class Server:
         return pb.Usage(prompt_tokens=len(stream.prompt_ids), completion_tokens=stream.completion_tokens)
 
     async def _generate(self, request, ctx, info):
-        stream = self._start_generate(request, info)
+        stream = self._start_generate(request, info, streaming=False)
         n = stream.params.n
         comps = [pb.Completion(index=i) for i in range(n)]
         texts = [[] for _ in range(n)]
@@ -373,9 +376,9 @@ class Server:
         )
 
     async def _generate_stream(self, request, ctx, info):
-        stream = self._start_generate(request, info)
+        stream = self._start_generate(request, info, streaming=True)
         try:
-            async for d in stream:
+            async for d in _coalesced(stream):
                 if not (d.token_ids or d.text or d.finish_reason):
                     continue
                 msg = pb.GenerateStreamResponse(
@@ -504,6 +507,28 @@ async def _steps(stream: RequestStream):
                 return
             batch.append(item)
         yield batch
+
+
+async def _coalesced(stream: RequestStream):
+    """A stream's deltas, those already queued merged into one per sample.
+
+    When the handler keeps up, that is what each step (or `stream_interval`) released. When it falls
+    behind (many streams, a fast model), a sample's queued deltas leave as one message: fewer,
+    larger messages instead of a backlog, so the transport never holds the engine back.
+    """
+    async for batch in _steps(stream):
+        merged: dict[int, Delta] = {}
+        for d in batch:
+            m = merged.get(d.index)
+            if m is None:
+                merged[d.index] = Delta(d.index, list(d.token_ids), d.text, d.finish_reason, list(d.logprobs))
+            else:
+                m.token_ids += d.token_ids
+                m.text += d.text
+                m.logprobs += d.logprobs
+                m.finish_reason = d.finish_reason
+        for d in merged.values():
+            yield d
 
 
 class _EngineCollector:

@@ -190,6 +190,26 @@ def test_cancel_and_deadline_free_pages(server):
         assert c.generate("still serving", SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
 
 
+def test_engine_failure_fails_its_requests_not_the_server(server):
+    engine = server.server.llm.engine
+
+    def broken():
+        del engine.step  # fails once, then the class's step again
+        raise RuntimeError("injected fault")
+
+    engine.step = broken
+    try:
+        with Client(server.address) as c:
+            with pytest.raises(ServerError) as e:
+                c.generate("doomed", SamplingParams(max_tokens=4))
+            assert e.value.code == "INTERNAL" and "injected fault" in e.value.details
+            server.wait_idle()
+            assert c.health() == "SERVING"
+            assert len(c.generate("fine", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
+    finally:
+        engine.__dict__.pop("step", None)
+
+
 def _raw_call(address: str, method: str, payload: bytes):
     """Sends hand-made bytes, as a client with a different (or broken) encoder would."""
     with grpc.insecure_channel(address) as ch:
@@ -401,11 +421,16 @@ def test_serve_cli_metrics_and_sigterm_drain():
             proc.kill()
 
 
-def test_metrics_endpoint(server):
-    s = ServerThread(LLM(**ENGINE), metrics_port=0)  # fresh counters
+def test_metrics_endpoint_and_stream_interval(llm):
+    s = ServerThread(LLM(**ENGINE), metrics_port=0, stream_interval=4)  # fresh counters
     try:
         with Client(s.address) as c:
             c.generate("count me", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            # The first token at once, then messages of 4, and the rest with the end.
+            p = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+            deltas = list(c.stream("count me", p))
+            assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 2]
+            assert [t for d in deltas for t in d.token_ids] == llm.generate("count me", p)[0].token_ids
             with pytest.raises(ServerError):
                 c.generate("", SamplingParams(max_tokens=4))
         body = urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
@@ -423,6 +448,21 @@ def test_metrics_endpoint(server):
             assert name in body, name
         assert 'jaxinfer_requests_total{code="OK",method="Generate"} 1.0' in body
         assert 'jaxinfer_requests_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in body
-        assert re.search(r"^jaxinfer_generation_tokens_total 4\.0$", body, re.M)
+        assert 'jaxinfer_requests_total{code="OK",method="GenerateStream"} 1.0' in body
+        assert re.search(r"^jaxinfer_generation_tokens_total 15\.0$", body, re.M)
     finally:
         s.stop()
+
+
+def test_bench_serve_smoke(capsys):
+    from jaxinfer import cli
+
+    args = ["bench", "serve", "--num-requests", "8", "--prompt-len-range", "4,24", "--output-len-range", "2,9"]
+    args += ["--max-num-seqs", "4", "--concurrency", "3", "--request-rate", "50", "--vs-offline", "--json"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["served"]["requests_ok"] == 8 and report["served"]["errors"] == {}
+    assert report["identical_outputs"] == 8  # served over gRPC == offline, token for token
+    assert report["served"]["output_tokens"] == report["offline"]["output_tokens"] > 0
+    assert report["ratio"] > 0 and "served / offline" in out

@@ -1,0 +1,239 @@
+"""`jaxinfer bench serve`: a load generator for a server on loopback, and the offline yardstick.
+
+N streaming clients share one asyncio loop; requests arrive as a Poisson process (`--request-rate`,
+or all at once) and at most `--concurrency` are in flight. Every request is token ids with a fixed
+output length (greedy, EOS ignored), so the work is the same however the server batches it. The
+run is bounded by the request count and by `--duration-limit`; whatever is still open then is
+cancelled and counted.
+
+Without `--server` it starts `jaxinfer serve` itself (loopback, a free port), and with
+`--vs-offline` it then runs the very same requests through an offline engine of the same
+configuration in this process, after the server has exited so the two never share the CPU, and
+prints served / offline output-token throughput: the price of gRPC, streaming and the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jaxinfer.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Outcome:
+    sent: float
+    first: float | None = None
+    done: float | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    code: str = "OK"
+
+
+def _pct(values, q):
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
+
+
+def workload(args, vocab_size: int, seed: int = 0):
+    """(prompts, params, arrival offsets in seconds): the same every run for the same arguments."""
+    lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
+    lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
+    rng = np.random.default_rng(seed)
+    n = args.num_requests
+    prompts = [rng.integers(3, vocab_size, int(k)).tolist() for k in rng.integers(lo_p, hi_p + 1, n)]
+    params = [
+        SamplingParams(max_tokens=int(k), temperature=0.0, ignore_eos=True) for k in rng.integers(lo_o, hi_o + 1, n)
+    ]
+    if args.request_rate == float("inf"):
+        arrivals = np.zeros(n)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, n))
+    return prompts, params, arrivals.tolist()
+
+
+async def drive(address: str, prompts, params, arrivals, *, concurrency: int, duration_limit: float):
+    """Runs the load; returns (outcomes, wall seconds from the first send to the last finish)."""
+    from jaxinfer.client import AsyncClient, ServerError
+
+    sem = asyncio.Semaphore(concurrency)
+    outcomes: list[Outcome | None] = [None] * len(prompts)
+
+    async with AsyncClient(address) as client:
+        start = time.perf_counter()
+
+        async def one(i):
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            async with sem:
+                o = outcomes[i] = Outcome(sent=time.perf_counter())
+                try:
+                    async for d in client.stream(prompt_token_ids=prompts[i], sampling_params=params[i]):
+                        if d.token_ids and o.first is None:
+                            o.first = time.perf_counter()
+                        o.tokens += d.token_ids
+                    o.done = time.perf_counter()
+                except ServerError as e:
+                    o.code = e.code
+                except asyncio.CancelledError:
+                    o.code = "CANCELLED (duration limit)"
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        _, pending = await asyncio.wait(tasks, timeout=duration_limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    sent = [o.sent for o in outcomes if o is not None]
+    done = [o.done for o in outcomes if o is not None and o.done is not None]
+    wall = (max(done) - min(sent)) if done else float("nan")
+    return [o if o is not None else Outcome(sent=float("nan"), code="NOT SENT") for o in outcomes], wall
+
+
+def summarize(outcomes, wall: float) -> dict:
+    ok = [o for o in outcomes if o.code == "OK"]
+    ttft = [o.first - o.sent for o in ok if o.first is not None]
+    tpot = [(o.done - o.first) / (len(o.tokens) - 1) for o in ok if len(o.tokens) > 1]
+    tokens = sum(len(o.tokens) for o in ok)
+    return {
+        "requests_ok": len(ok),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall if wall == wall and wall > 0 else float("nan"),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "errors": dict(collections.Counter(o.code for o in outcomes if o.code != "OK")),
+    }
+
+
+def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--dtype", args.dtype, "--max-model-len", str(max_model_len)]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--max-queued-requests", str(args.num_requests), "--stream-interval", str(args.stream_interval)]
+    if model_dir:
+        cmd += ["--model", model_dir]
+    if not args.prefix_caching:
+        cmd.append("--no-prefix-caching")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"error: the server did not start: {line.strip() or 'no output'}")
+    address = line.split("listening on ", 1)[1].split(",")[0].split(";")[0].strip()
+    return proc, address
+
+
+def run(args, model_dir: str | None) -> dict:
+    from jaxinfer.client import Client
+
+    lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
+    lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
+    max_model_len = hi_p + hi_o + 1
+    proc = None
+    address = args.server
+    if address is None:
+        print("starting `jaxinfer serve` on loopback ...", file=sys.stderr)
+        proc, address = _start_server(args, model_dir, max_model_len)
+    try:
+        with Client(address) as c:
+            c.wait_ready(timeout=args.duration_limit)
+            info = c.model_info()
+        prompts, params, arrivals = workload(args, info["vocab_size"])
+        rate = "all at once" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
+        print(
+            f"server {address}: model {info['model_name']}, max_num_seqs {info['max_num_seqs']}; "
+            f"{args.num_requests} requests ({rate}), concurrency {args.concurrency}, prompts {lo_p}-{hi_p} "
+            f"tokens, outputs {lo_o}-{hi_o} tokens"
+        )
+        outcomes, wall = asyncio.run(
+            drive(
+                address,
+                prompts,
+                params,
+                arrivals,
+                concurrency=args.concurrency,
+                duration_limit=args.duration_limit,
+            )
+        )
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    served = summarize(outcomes, wall)
+    rows = {"served (gRPC)": served}
+    report = {"served": served}
+    if args.vs_offline:
+        offline = _offline(args, model_dir, max_model_len, prompts, params, info["model_name"])
+        rows["offline (engine)"] = offline
+        report["offline"] = offline
+        same = sum(o.tokens == t for o, t in zip(outcomes, offline.pop("token_ids")))
+        report["ratio"] = served["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        report["identical_outputs"] = same
+    print(
+        f"\n{'':>17} {'ok':>5} {'out tok':>8} {'wall s':>7} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    )
+    for name, r in rows.items():
+        print(
+            f"{name:>17} {r['requests_ok']:>5} {r['output_tokens']:>8} {r['wall_s']:>7.2f} "
+            f"{r['output_tokens_per_s']:>10.1f} {r['ttft_p50_s'] * 1e3:>7.1f}ms {r['ttft_p99_s'] * 1e3:>7.1f}ms "
+            f"{r['tpot_p50_s'] * 1e3:>7.2f}ms {r['tpot_p99_s'] * 1e3:>7.2f}ms"
+        )
+    print(f"errors by code: {served['errors'] or 'none'}")
+    if args.vs_offline:
+        print(
+            f"served / offline output-token throughput: {report['ratio']:.3f} "
+            f"({report['identical_outputs']}/{len(prompts)} outputs identical to offline)"
+        )
+    if args.json:
+        print(json.dumps(report))
+    return report
+
+
+def _offline(args, model_dir, max_model_len, prompts, params, served_model: str) -> dict:
+    """The same requests, all submitted at once to an offline engine of the same configuration."""
+    from jaxinfer import LLM
+
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.prefix_caching,
+        warmup=True,
+    )
+    if llm.cfg.name != served_model:
+        raise SystemExit(f"error: the server runs {served_model!r}, --vs-offline loaded {llm.cfg.name!r}: pass --model")
+    engine = llm.engine
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - t0
+    seqs = [r.seqs[0] for r in reqs]
+    ttft = [s.first_token_time - s.arrival_time for s in seqs]
+    tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
+    tokens = sum(len(s.output_ids) for s in seqs)
+    return {
+        "requests_ok": len(seqs),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "errors": {},
+        "token_ids": [list(s.output_ids) for s in seqs],
+    }
