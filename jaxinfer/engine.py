@@ -265,6 +265,7 @@ class Engine:
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
+                self.metrics.finished.labels("abort").inc()
                 updates.append(SeqUpdate(seq, [], self._final_text(seq), "abort"))
         self._after_step()
         return updates
@@ -366,6 +367,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, new_tokens: list[int], reason: str) -> SeqUpdate:
         self.scheduler.finish(seq, reason)
+        self.metrics.finished.labels(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
         return SeqUpdate(seq, new_tokens, self._final_text(seq), reason)
 
@@ -413,6 +415,7 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "num_compiles": num_compiles(),
+            "finished_sequences": {r: int(m.finished.labels(r)._value.get()) for r in ("stop", "length", "abort")},
             "ttft_seconds": m.ttft.as_dict(),
             "itl_seconds": m.itl.as_dict(),
             "request_latency_seconds": m.e2e.as_dict(),

@@ -85,6 +85,9 @@ class EngineMetrics:
         )
         self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens received", registry=r)
         self.generated_tokens = Counter("jaxinfer_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "jaxinfer_finished_sequences", "Sequences ended, by finish reason", ["reason"], registry=r
+        )
         self.compiles = Gauge("jaxinfer_xla_compilations", "XLA compilations in this process", registry=r)
         self.ttft = LatencyHistogram(
             Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token", buckets=_BUCKETS, registry=r)

@@ -132,7 +132,9 @@ class AsyncEngine:
 
     # -- event-loop side --------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, interval: int = 1) -> RequestStream:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None, interval: int = 1
+    ) -> RequestStream:
         """Queues a validated request for the engine. Raises QueueFullError or DrainingError.
 
         `interval`: deltas reach the stream once a sample has that many new tokens (see `_offer`).
@@ -144,7 +146,9 @@ class AsyncEngine:
                 f"the admission queue is full: {len(self._streams)} requests in flight, the limit is "
                 f"max_num_seqs ({self.engine.max_num_seqs}) + max_queued_requests ({self.max_queued}); retry later"
             )
-        rid = f"r{next(self._ids)}"
+        rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is in flight already")
         stream = RequestStream(
             request_id=rid,
             prompt_ids=prompt_ids,

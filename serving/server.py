@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -80,6 +81,7 @@ class Server:
         self._health = health.aio.HealthServicer()
         self._metrics_http = None
         self._stopped = asyncio.Event()
+        self._rpc_ids = itertools.count(1)
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "jaxinfer_requests", "Finished RPCs by method and status code", ["method", "code"], registry=self.registry
@@ -206,13 +208,13 @@ class Server:
             raise _invalid(f"{field}: this model has no tokenizer; send token ids instead")
         return tok.encode(text)
 
-    def _admit(self, prompt_ids: list[int], params: SamplingParams, field: str, *, interval: int = 1) -> RequestStream:
+    def _admit(self, prompt_ids, params: SamplingParams, field: str, info: dict, *, interval: int = 1) -> RequestStream:
         try:
             self.llm.engine.validate(prompt_ids, params)
         except InvalidRequestError as e:
             raise _invalid(f"{field}: {e}") from None
         try:
-            return self.engine.submit(prompt_ids, params, interval=interval)
+            return self.engine.submit(prompt_ids, params, request_id=info["id"], interval=interval)
         except QueueFullError as e:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except DrainingError as e:
@@ -226,10 +228,15 @@ class Server:
             stream: RequestStream | None = info.get("stream")
             if stream is None and method not in ("Generate", "GenerateStream", "Decode"):
                 return
-            line = {"event": "request", "method": method, "code": code.name, "client_request_id": info.get("cid")}
+            line = {
+                "event": "request",
+                "id": info["id"],
+                "method": method,
+                "code": code.name,
+                "client_request_id": info.get("cid"),
+            }
             if stream is not None:
                 line.update(
-                    id=stream.request_id,
                     prompt_tokens=len(stream.prompt_ids),
                     completion_tokens=stream.completion_tokens,
                     n=stream.params.n,
@@ -266,7 +273,7 @@ class Server:
         if streaming:
 
             async def wrapped(request, ctx):
-                t0, info, code = time.perf_counter(), {}, grpc.StatusCode.OK
+                t0, info, code = time.perf_counter(), {"id": f"{next(self._rpc_ids):06d}"}, grpc.StatusCode.OK
                 try:
                     if isinstance(request, wire.BadMessage):
                         raise _invalid(request.error)
@@ -287,7 +294,7 @@ class Server:
         else:
 
             async def wrapped(request, ctx):
-                t0, info, code = time.perf_counter(), {}, grpc.StatusCode.OK
+                t0, info, code = time.perf_counter(), {"id": f"{next(self._rpc_ids):06d}"}, grpc.StatusCode.OK
                 try:
                     if isinstance(request, wire.BadMessage):
                         raise _invalid(request.error)
@@ -344,7 +351,7 @@ class Server:
             raise _invalid(f"sampling_params: {e}") from None
         # A unary call only needs the end: holding every delta until then spares a wake-up per step.
         interval = self.config.stream_interval if streaming else 2**31
-        stream = self._admit(ids, params, which, interval=interval)
+        stream = self._admit(ids, params, which, info, interval=interval)
         info["stream"] = stream
         return stream
 
@@ -462,7 +469,7 @@ class Server:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=max(1, request.num_samples))
         except InvalidRequestError as e:
             raise _invalid(str(e).replace("SamplingParams.n", "num_samples")) from None
-        stream = self._admit(ids, params, which)
+        stream = self._admit(ids, params, which, info)
         info["stream"] = stream
         n = params.n
         pending_ids = [[] for _ in range(n)]

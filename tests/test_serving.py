@@ -173,7 +173,28 @@ def _long(max_tokens=100) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def test_cancel_and_deadline_free_pages(server):
+def _aborted(server) -> int:
+    return server.server.llm.stats()["finished_sequences"]["abort"]
+
+
+def _request_logs(caplog) -> list[dict]:
+    """The server's one-line-per-request JSON logs so far."""
+    return [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith('{"event": "request"')]
+
+
+def _wait_for_log(caplog, predicate, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in _request_logs(caplog):
+            if predicate(line):
+                return line
+        time.sleep(0.02)
+    raise AssertionError(f"no such request log line: {_request_logs(caplog)}")
+
+
+def test_cancel_and_deadline_free_pages(server, caplog):
+    caplog.set_level("INFO", logger="jaxinfer.serving")
+    aborted = _aborted(server)
     with Client(server.address) as c:
         stream = c.stream("a long story", _long())
         first = [next(stream) for _ in range(3)]
@@ -182,11 +203,16 @@ def test_cancel_and_deadline_free_pages(server):
         stream.close()  # cancels the RPC
         stats = server.wait_idle()
         assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        assert _aborted(server) == aborted + 1  # aborted in the engine, not run to its end
+        line = _wait_for_log(caplog, lambda x: x["code"] == "CANCELLED")
+        assert line["completion_tokens"] < 100
 
         with pytest.raises(ServerError) as e:
             c.generate("a long story", _long(120), timeout=0.05)
         assert e.value.code == "DEADLINE_EXCEEDED"
         server.wait_idle()
+        assert _aborted(server) == aborted + 2
+        assert _wait_for_log(caplog, lambda x: x["code"] == "DEADLINE_EXCEEDED")["completion_tokens"] < 120
         assert c.generate("still serving", SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
 
 
@@ -400,7 +426,12 @@ def test_serve_cli_metrics_and_sigterm_drain():
         address, metrics_port = f"127.0.0.1:{m.group(1)}", int(m.group(2))
         with Client(address) as c:
             # Health answers at once: NOT_SERVING while the model loads and compiles.
-            assert c.health() in ("NOT_SERVING", "SERVING")
+            early = c.health()
+            assert early in ("NOT_SERVING", "SERVING")
+            if early == "NOT_SERVING":  # still loading: calls are refused, not queued or hung
+                with pytest.raises(ServerError) as e:
+                    c.generate("too early", SamplingParams(max_tokens=2))
+                assert e.value.code == "UNAVAILABLE" and "loading" in e.value.details
             c.wait_ready(timeout=240)
             assert c.generate("hello", SamplingParams(max_tokens=3)).outputs[0].token_ids
             body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
@@ -414,7 +445,8 @@ def test_serve_cli_metrics_and_sigterm_drain():
         err = proc.stderr.read()
         lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
         reqs = [x for x in lines if x.get("event") == "request"]
-        assert [r["code"] for r in reqs] == ["OK", "OK"] and reqs[1]["completion_tokens"] == 40
+        assert [r["code"] for r in reqs] == (["UNAVAILABLE"] if early == "NOT_SERVING" else []) + ["OK", "OK"]
+        assert reqs[-1]["completion_tokens"] == 40
         assert all(r["id"] for r in reqs)
     finally:
         if proc.poll() is None:
@@ -466,3 +498,67 @@ def test_bench_serve_smoke(capsys):
     assert report["identical_outputs"] == 8  # served over gRPC == offline, token for token
     assert report["served"]["output_tokens"] == report["offline"]["output_tokens"] > 0
     assert report["ratio"] > 0 and "served / offline" in out
+
+
+def test_drain_refuses_new_calls_and_finishes_old_ones():
+    llm = LLM(**ENGINE)
+    s = ServerThread(llm)
+    gate = threading.Event()
+    step = llm.engine.step
+    llm.engine.step = lambda: (gate.wait(30), step())[1]
+    try:
+        with Client(s.address) as c, grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.InferenceServiceStub(ch)
+            req = pb.GenerateRequest(text="old", sampling_params=pb.SamplingParams(max_tokens=12, ignore_eos=True))
+            old = stub.GenerateStream(req)
+            while s.server.engine.num_in_flight < 1:
+                time.sleep(0.01)
+            stopping = asyncio.run_coroutine_threadsafe(s.server.stop(drain_timeout=30), s.loop)
+            while s.server.state != "draining":
+                time.sleep(0.01)
+            assert c.health() == "NOT_SERVING"
+            with pytest.raises(ServerError) as e:
+                c.generate("new", SamplingParams(max_tokens=2))
+            assert e.value.code == "UNAVAILABLE" and "draining" in e.value.details
+            gate.set()
+            assert sum(len(m.token_ids) for m in old) == 12  # the old request ran to its end
+            assert stopping.result(30) is True  # drained in time
+    finally:
+        gate.set()
+        s.loop.call_soon_threadsafe(s.loop.stop)
+
+
+CLIENT_THAT_DIES = """
+import sys, grpc
+ch = grpc.insecure_channel(sys.argv[1])
+call = ch.unary_stream("/jaxinfer.v1.InferenceService/GenerateStream",
+                       request_serializer=lambda b: b, response_deserializer=lambda b: b)
+for _ in call(bytes.fromhex(sys.argv[2])):
+    print("got a message", flush=True)
+    input()  # blocks: the test kills this process here, mid-stream
+"""
+
+
+def test_client_disconnect_frees_pages(server, caplog):
+    caplog.set_level("INFO", logger="jaxinfer.serving")
+    aborted = _aborted(server)
+    req = pb.GenerateRequest(
+        request_id="dies", text="bye", sampling_params=pb.SamplingParams(max_tokens=100, ignore_eos=True)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_THAT_DIES, server.address, req.SerializeToString().hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "got a message"
+        proc.kill()  # no cancel, no goodbye: the connection just drops
+        proc.wait(10)
+        stats = server.wait_idle(timeout=20)
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        assert _aborted(server) == aborted + 1
+        assert _wait_for_log(caplog, lambda x: x["client_request_id"] == "dies")["code"] == "CANCELLED"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
