@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import logging
 import queue
-import sys
 import threading
 import time
 
@@ -24,8 +23,6 @@ from jaxinfer.engine import Engine, Logprob
 from jaxinfer.sampling import SamplingParams
 
 log = logging.getLogger("jaxinfer.serving")
-
-SWITCH_INTERVAL_S = 0.0005
 
 
 class QueueFullError(Exception):
@@ -120,10 +117,6 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        # The engine thread and the gRPC thread share the GIL. With the default 5 ms switch interval
-        # the engine, back from a step that released the GIL, can wait that long for the gRPC thread
-        # to hand it over: a convoy that doubled a small model's step time. 0.5 ms keeps it short.
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread.start()
 
     @property

@@ -81,6 +81,7 @@ class Server:
         self._health = health.aio.HealthServicer()
         self._metrics_http = None
         self._stopped = asyncio.Event()
+        self._load_task: asyncio.Task | None = None
         self._rpc_ids = itertools.count(1)
         self.registry = CollectorRegistry()
         self._requests = Counter(
@@ -106,9 +107,12 @@ class Server:
         names = (SERVICE, JETSTREAM_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
         address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
-        self.port = server.add_insecure_port(address)
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {address}: is the port in use?")
+            raise OSError(f"cannot bind {address}: is the port in use, or the address not this machine's?")
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
@@ -119,7 +123,7 @@ class Server:
             self._metrics_http, _ = start_http_server(
                 self.config.metrics_port, addr=self.config.host, registry=self.registry
             )
-        asyncio.get_running_loop().create_task(self._load())
+        self._load_task = asyncio.get_running_loop().create_task(self._load())  # held: tasks are weakly referenced
         return self.port
 
     @property

@@ -562,3 +562,11 @@ def test_client_disconnect_frees_pages(server, caplog):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_port_in_use_is_a_clear_error(server):
+    async def start():
+        return await Server(ServerConfig(port=server.port)).start()
+
+    with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: is the port in use"):
+        asyncio.run(start())
