@@ -1,8 +1,8 @@
 """Paged attention: writing new K/V into their pages, and attending over a sequence's pages.
 
-`paged_attention` is the single dispatch point. Today it has one backend, the pure-JAX reference
-below; the Pallas kernels plug in here, behind the same signature, so the model never knows which
-one ran.
+`paged_attention` is the single dispatch point: the pure-JAX reference below, or the Pallas ragged
+paged-attention kernel (pallas_kernels/), behind one signature, so the model never knows which ran.
+`resolve_backend` decides what "auto" means on this platform.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def reference_paged_attention(
     *,
     scale: float,
     kind: AttentionKind,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of new queries over each row's cached pages (new K/V already written).
 
@@ -64,6 +65,7 @@ def reference_paged_attention(
         kv_lens: [B] valid cached tokens per row (0 for a padding row).
         scale: softmax scale, a Python float.
         kind: GlobalAttention or SlidingWindow(window).
+        soft_cap: logits become soft_cap * tanh(logits / soft_cap) before masking; None for none.
 
     Returns:
         [B, T, N, H] attention output in q's dtype.
@@ -85,6 +87,8 @@ def reference_paged_attention(
 
     qg = q.reshape(b, t, nk, g, h).transpose(2, 0, 3, 1, 4).reshape(nk, b, g * t, h)  # [K, B, G*T, H]
     logits = jnp.einsum("KBQH,KBSH->KBQS", qg, k, preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = logits.reshape(nk, b, g, t, -1)
     logits = jnp.where(mask[None, :, None, :, :], logits, _MASKED)
     probs = jax.nn.softmax(logits, axis=-1).reshape(nk, b, g * t, -1)
@@ -93,8 +97,58 @@ def reference_paged_attention(
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """ "auto" -> "pallas" on TPU (the Mosaic kernel), "reference" elsewhere.
+
+    On GPU "auto" stays on the reference until the Pallas GPU kernel exists; asking for "pallas"
+    there is refused by name rather than silently interpreted. On CPU "pallas" runs the TPU kernel
+    in interpret mode: slow, but the code path the accelerator runs.
+    """
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        return "pallas" if platform == "tpu" else "reference"
+    if backend == "pallas" and platform == "gpu":
+        raise NotImplementedError(
+            "attention_backend='pallas' on GPU: the Pallas GPU kernel is not built yet; use 'reference' or 'auto'"
+        )
+    return backend
+
+
 def paged_attention(
-    q, k_pages, v_pages, page_table, q_positions, kv_lens, *, scale: float, kind: AttentionKind
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    q_positions,
+    kv_lens,
+    *,
+    scale: float,
+    kind: AttentionKind,
+    q_lens=None,
+    soft_cap: float | None = None,
+    backend: str = "auto",
 ) -> jax.Array:
-    """Dispatch point for paged attention (see module docstring); same contract as the reference."""
-    return reference_paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind)
+    """Dispatch point for paged attention (see module docstring); same contract as the reference.
+
+    `q_lens` ([B] new tokens per row) is needed by the kernel; the reference reads positions.
+    """
+    if resolve_backend(backend) == "reference":
+        return reference_paged_attention(
+            q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap
+        )
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    if q_lens is None:
+        raise ValueError("the Pallas backend needs q_lens")
+    return ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        q_lens,
+        scale=scale,
+        window=kind.window if isinstance(kind, SlidingWindow) else None,
+        soft_cap=soft_cap,
+        interpret=jax.default_backend() != "tpu",
+    )

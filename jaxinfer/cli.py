@@ -26,6 +26,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of common prefixes")
+    e.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "reference", "pallas"],
+        help="paged attention: the Pallas kernel on TPU and pure JAX elsewhere (auto), or forced",
+    )
 
 
 def engine_kwargs(args) -> dict:
@@ -36,6 +42,7 @@ def engine_kwargs(args) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
     )
 
 

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
 
 # ----------------------------------------------------------------------------------------------
 # Variants as types.
@@ -55,6 +55,7 @@ class SlidingWindow:
 AttentionKind = GlobalAttention | SlidingWindow
 
 DTYPES = ("float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +88,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # compute and parameter dtype
+    # How paged attention runs (a serving choice, kept here because the jitted steps are specialised
+    # on it): "auto" picks per platform, "reference" is pure JAX, "pallas" the kernels (interpreted
+    # on CPU). See jaxinfer.attention.resolve_backend.
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         for field in (
@@ -113,6 +118,10 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise UnsupportedModelError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
 
     @property
     def q_per_kv(self) -> int:

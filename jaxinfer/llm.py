@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from jaxinfer import default_model
-from jaxinfer.config import DTYPES
+from jaxinfer.attention import resolve_backend
+from jaxinfer.config import ATTENTION_BACKENDS, DTYPES
 from jaxinfer.engine import Engine, Logprob, Request
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
@@ -97,6 +98,8 @@ class LLM:
         max_num_seqs: sequences running together at most.
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share the KV pages of common prompt prefixes between requests.
+        attention_backend: "auto" (the Pallas kernel on TPU, pure JAX elsewhere), "reference" (pure
+            JAX), or "pallas" (the kernel; on CPU in interpret mode: slow, for checking).
         warmup: compile every step shape now, so no request ever waits for a compilation.
     """
 
@@ -111,10 +114,19 @@ class LLM:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
         warmup: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
+        try:
+            resolve_backend(attention_backend)
+        except NotImplementedError as e:
+            raise InvalidRequestError(str(e)) from None
         if model is None:
             cfg, params, tokenizer = default_model.load(dtype=dtype)
             print(
@@ -128,6 +140,7 @@ class LLM:
             tokenizer = load_tokenizer(model, eos_ids=cfg.eos_token_ids)
             if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
                 cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
+        cfg = dataclasses.replace(cfg, attention_backend=attention_backend)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
         if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position_embeddings:

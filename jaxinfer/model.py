@@ -97,6 +97,8 @@ class Attention(nn.Module):
             batch.kv_lens,
             scale=h**-0.5,
             kind=cfg.attention_kind(self.layer),
+            q_lens=batch.q_lens,
+            backend=cfg.attention_backend,
         )  # [B, T, N, H]
         # Contract over one merged N*H axis: with two contracting axes XLA CPU re-lays-out (copies)
         # the whole of wo on every step.

@@ -1,0 +1,218 @@
+"""Ragged paged attention as a Pallas TPU (Mosaic) kernel that also runs in TPU interpret mode.
+
+One kernel serves a batch that mixes decode rows (one query token) and chunked-prefill rows (many
+query tokens, causal within the chunk and against their cached prefix): every row b carries
+`q_len[b]` new tokens at positions `kv_len[b] - q_len[b] ...  kv_len[b] - 1`, whose K/V are
+already in the row's pages.
+
+Grid: (row b, KV head k, page j). The query heads of one KV head (the GQA group, G of them) and the
+row's T query tokens form one [T*G, H] block, so K/V pages are read once per group, not once per
+query head. Page j of the row is fetched by a BlockSpec whose index map reads the page table
+(scalar-prefetched into SMEM); a step past the row's last page maps to that last page again, which
+the pipeline recognises and does not copy. The softmax is online (running max, sum and
+accumulator in VMEM scratch), finalised after the last page.
+
+Masking: a key counts if it is inside the row's length, not after the query (causal), and inside
+the sliding window when there is one. V is zeroed past the row's length, so stale data - even
+NaN - left in a recycled page never reaches an output. A row with no keys (padding) outputs 0.
+
+`interpret=True` runs the kernel under Pallas' TPU interpret mode (`pltpu.InterpretParams`): the
+same kernel, grid, BlockSpecs and scratch, simulated on CPU. That is how the tests run it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_MASKED = -1e30  # finite: exp(_MASKED - m) is 0, never NaN
+
+
+def _kernel(
+    page_table_ref,  # scalar prefetch [B, MP] (SMEM)
+    kv_lens_ref,  # [B]
+    q_starts_ref,  # [B] position of each row's first query token
+    q_ref,  # [1, 1, R, H] with R = T*G, row r is query token r // G, head r % G of this KV head
+    k_ref,  # [1, 1, S, H] one page
+    v_ref,
+    o_ref,  # [1, 1, R, H]
+    m_ref,  # scratch [R, 1] running max
+    l_ref,  # scratch [R, 1] running sum
+    acc_ref,  # scratch [R, H] running numerator
+    *,
+    scale: float,
+    soft_cap: float | None,
+    window: int | None,
+    group: int,
+    page_size: int,
+):
+    del page_table_ref  # used by the index maps only
+    b, j = pl.program_id(0), pl.program_id(2)
+    kv_len = kv_lens_ref[b]
+    q_start = q_starts_ref[b]
+    start = j * page_size
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(start < kv_len)
+    def _page():
+        q = q_ref[0, 0]
+        k = k_ref[0, 0]
+        v = v_ref[0, 0]
+        rows, width = q.shape[0], k.shape[0]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+        q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0) // group
+        mask = (kv_pos < kv_len) & (kv_pos <= q_pos)
+        if window is not None:
+            mask &= q_pos - kv_pos < window
+        s = jnp.where(mask, s, _MASKED)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        m_ref[...] = m_new
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish():
+        total = l_ref[...]
+        o_ref[0, 0] = (acc_ref[...] / jnp.where(total == 0.0, 1.0, total)).astype(o_ref.dtype)
+
+
+def check_inputs(page_table, kv_lens, q_lens, *, num_pages: int, page_size: int, num_query_tokens: int) -> None:
+    """Raises ValueError, naming the field and the limit, for indices that would read out of bounds.
+
+    Works on concrete (host or device) arrays; inside a jit the wrapper clamps instead (see below).
+    """
+    pt = np.asarray(page_table)
+    kl = np.asarray(kv_lens)
+    ql = np.asarray(q_lens)
+    width = pt.shape[1]
+    if pt.size and (pt.min() < 0 or pt.max() >= num_pages):
+        bad = np.argwhere((pt < 0) | (pt >= num_pages))[0]
+        raise ValueError(f"page_table[{bad[0]}, {bad[1]}] = {pt[tuple(bad)]} is outside [0, {num_pages})")
+    if (kl < 0).any() or (kl > width * page_size).any():
+        i = int(np.argwhere((kl < 0) | (kl > width * page_size))[0, 0])
+        raise ValueError(f"kv_lens[{i}] = {kl[i]} is outside [0, {width * page_size}] (page_table width x page_size)")
+    if (ql < 0).any() or (ql > num_query_tokens).any() or (ql > kl).any():
+        i = int(np.argwhere((ql < 0) | (ql > num_query_tokens) | (ql > kl))[0, 0])
+        raise ValueError(f"q_lens[{i}] = {ql[i]} is outside [0, min(kv_lens[{i}] = {kl[i]}, {num_query_tokens})]")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
+def _ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret):
+    b, t, n, h = q.shape
+    nk, num_pages, page_size, _ = k_pages.shape
+    g = n // nk
+    width = page_table.shape[1]
+    # Safety net inside jit (check_inputs is the error path): indices can never leave the pools.
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, width * page_size)
+    q_lens = jnp.clip(q_lens.astype(jnp.int32), 0, jnp.minimum(kv_lens, t))
+    q_starts = kv_lens - q_lens
+    rows = t * g
+    qg = q.reshape(b, t, nk, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nk, rows, h)
+
+    def kv_index(bi, ki, j, pt, lens, starts):
+        last = jnp.maximum((lens[bi] + page_size - 1) // page_size - 1, 0)
+        return ki, pt[bi, jnp.minimum(j, last)], 0, 0
+
+    kernel = functools.partial(_kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, nk, rows, h), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b, nk, width),
+            in_specs=[
+                pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)),
+                pl.BlockSpec((1, 1, page_size, h), kv_index),
+                pl.BlockSpec((1, 1, page_size, h), kv_index),
+            ],
+            out_specs=pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.VMEM((rows, h), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jaxinfer_ragged_paged_attention",
+    )(page_table, kv_lens, q_starts, qg, k_pages, v_pages)
+    return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    q_lens: jax.Array,
+    *,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of each row's new queries over its cached pages (their own K/V already written).
+
+    Args:
+        q: [B, T, N, H] queries (RoPE applied); row b's first q_lens[b] tokens are real.
+        k_pages, v_pages: [K, P, S, H] one layer's head-major page pools (float32 or bfloat16).
+        page_table: [B, MP] pages of each row, in order (entries past the row's length are ignored).
+        kv_lens: [B] tokens in each row's context, new ones included (0: a padding row).
+        q_lens: [B] new tokens per row, at positions kv_lens - q_lens ... kv_lens - 1.
+        scale: softmax scale, a Python float (static; never traced).
+        window: sliding-window size (a key at distance >= window is masked); None for global.
+        soft_cap: logits become soft_cap * tanh(logits / soft_cap) before masking; None for none.
+        interpret: run under Pallas' TPU interpret mode (any backend, e.g. CPU in tests).
+
+    Returns:
+        [B, T, N, H] in q's dtype; rows past q_lens, and padding rows, are zeros or don't-care.
+    """
+    if not isinstance(scale, float):
+        raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
+    n, nk = q.shape[2], k_pages.shape[0]
+    if n % nk:
+        raise ValueError(f"query heads ({n}) must be a multiple of KV heads ({nk})")
+    if q.shape[3] != k_pages.shape[3]:
+        raise ValueError(f"head_dim of q ({q.shape[3]}) and of the pages ({k_pages.shape[3]}) differ")
+    if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
+        check_inputs(
+            page_table,
+            kv_lens,
+            q_lens,
+            num_pages=k_pages.shape[1],
+            page_size=k_pages.shape[2],
+            num_query_tokens=q.shape[1],
+        )
+    return _ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        q_lens,
+        scale=scale,
+        window=window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
