@@ -164,3 +164,28 @@ def test_model_with_pallas_backend_matches_reference():
 def test_llm_takes_the_backend_by_name():
     with pytest.raises(Exception, match="attention_backend must be one of"):
         LLM(attention_backend="triton")
+
+
+@pytest.mark.parametrize("group,soft_cap", [(1, None), (2, 20.0), (4, None)])
+def test_decode_agrees_with_upstream_paged_attention(group, soft_cap):
+    """A second opinion from code nobody here wrote: jax.experimental.pallas.ops.tpu.paged_attention
+    (decode only, H = 128), forced into TPU interpret mode. It computes at reduced precision there
+    (a one-key softmax already differs from V by ~5e-3), hence the looser tolerance."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as upstream
+
+    rng = np.random.default_rng(group)
+    st = Static(group=group, head_dim=128, t=1, soft_cap=soft_cap)
+    scale = 128**-0.5
+    for _ in range(6):
+        q, k, v, table, kv, ql = _batch(rng, st)
+        kv = jnp.maximum(kv, 1)  # upstream has no notion of an empty row
+        k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)  # nor of stale pages (it reads whole compute blocks)
+        ours = ragged_paged_attention(
+            q, k, v, table, kv, jnp.ones_like(kv), scale=scale, soft_cap=soft_cap, interpret=True
+        )[:, 0]
+        with pltpu.force_tpu_interpret_mode():
+            theirs = upstream(
+                q[:, 0] * scale, k, v, kv, table, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap
+            )
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-2, rtol=2e-2)
