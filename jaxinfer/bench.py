@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["latency", "throughput", "serve"],
         help="latency: TTFT, decode step, MBU (default); throughput: many requests offline, "
         "continuous batching against one request at a time; serve: streaming gRPC clients against "
-        "`jaxinfer serve` (started here unless --server is given)",
+        "`jaxinfer serve` (started here unless --server is given). `jaxinfer bench kernels --help`: the "
+        "paged-attention kernels against a measured copy bandwidth",
     )
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
     p.add_argument(

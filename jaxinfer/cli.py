@@ -194,6 +194,11 @@ def _print_outputs(args, model_name: str, outs) -> None:
 def main(argv: list[str] | None = None) -> int:
     from jaxinfer.errors import JaxinferError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "kernels"]:  # its own flags: see pallas_kernels/bench.py
+        from pallas_kernels import bench as kernel_bench
+
+        return kernel_bench.main(argv[2:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":

@@ -189,3 +189,12 @@ def test_decode_agrees_with_upstream_paged_attention(group, soft_cap):
                 q[:, 0] * scale, k, v, kv, table, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap
             )
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_bench_smoke(capsys):
+    from jaxinfer import cli
+
+    args = ["bench", "kernels", "--batch", "2", "--contexts", "32", "--heads", "2,1", "--head-dim", "128"]
+    assert cli.main([*args, "--repeats", "1", "--variants", "reference,ours"]) == 0
+    out = capsys.readouterr().out
+    assert "copy bandwidth" in out and "reference" in out and "sim." in out  # CPU: the kernel is simulated
