@@ -100,17 +100,14 @@ def reference_paged_attention(
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """ "auto" -> "pallas" on TPU (the Mosaic kernel), "reference" elsewhere.
 
-    On GPU "auto" stays on the reference until the Pallas GPU kernel exists; asking for "pallas"
-    there is refused by name rather than silently interpreted. On CPU "pallas" runs the TPU kernel
-    in interpret mode: slow, but the code path the accelerator runs.
+    On GPU "auto" stays on the reference: the Pallas GPU kernel has so far only run in interpret
+    mode, and becomes the default there once it has been checked and timed on a GPU. Asking for
+    "pallas" on a GPU runs it. On CPU "pallas" runs the TPU kernel in interpret mode: slow, but the
+    code path the accelerator runs.
     """
     platform = platform or jax.default_backend()
     if backend == "auto":
         return "pallas" if platform == "tpu" else "reference"
-    if backend == "pallas" and platform == "gpu":
-        raise NotImplementedError(
-            "attention_backend='pallas' on GPU: the Pallas GPU kernel is not built yet; use 'reference' or 'auto'"
-        )
     return backend
 
 
@@ -137,10 +134,12 @@ def paged_attention(
             q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap
         )
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
     if q_lens is None:
         raise ValueError("the Pallas backend needs q_lens")
-    return ragged_paged_attention(
+    kernel = ragged_paged_attention_gpu if jax.default_backend() == "gpu" else ragged_paged_attention
+    return kernel(
         q,
         k_pages,
         v_pages,
@@ -150,5 +149,5 @@ def paged_attention(
         scale=scale,
         window=kind.window if isinstance(kind, SlidingWindow) else None,
         soft_cap=soft_cap,
-        interpret=jax.default_backend() != "tpu",
+        interpret=jax.default_backend() == "cpu",
     )

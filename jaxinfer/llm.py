@@ -11,7 +11,6 @@ import jax
 import numpy as np
 
 from jaxinfer import default_model
-from jaxinfer.attention import resolve_backend
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES
 from jaxinfer.engine import Engine, Logprob, Request
 from jaxinfer.errors import InvalidRequestError
@@ -123,10 +122,6 @@ class LLM:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
             )
-        try:
-            resolve_backend(attention_backend)
-        except NotImplementedError as e:
-            raise InvalidRequestError(str(e)) from None
         if model is None:
             cfg, params, tokenizer = default_model.load(dtype=dtype)
             print(

@@ -19,6 +19,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.attention import reference_paged_attention, resolve_backend
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
 PAGE = 8
 WIDTH = 4  # pages per row in the table (rows use fewer)
@@ -45,7 +46,7 @@ STATICS = [
     Static(group=2, head_dim=64, t=8, dtype="bfloat16"),
     Static(group=1, head_dim=128, t=3, window=9, dtype="bfloat16", soft_cap=15.0),
 ]
-CASES_PER_STATIC = 24
+CASES_PER_STATIC = 16
 
 
 def _lengths(rng, t: int) -> tuple[list[int], list[int]]:
@@ -88,17 +89,21 @@ def _batch(rng, st: Static):
     )
 
 
+KERNELS = {"tpu": ragged_paged_attention, "gpu": ragged_paged_attention_gpu}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize(
     "st", STATICS, ids=lambda s: f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}"
 )
-def test_kernel_matches_reference(st):
+def test_kernel_matches_reference(st, kernel):
     rng = np.random.default_rng(hash(st) % 2**32)
     scale = float(st.head_dim**-0.5)
     kind = SlidingWindow(st.window) if st.window else GlobalAttention()
     tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
     for case in range(CASES_PER_STATIC):
         q, k, v, table, kv, ql = _batch(rng, st)
-        out = ragged_paged_attention(
+        out = KERNELS[kernel](
             q, k, v, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, interpret=True
         )
         positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
@@ -127,6 +132,8 @@ def test_out_of_range_inputs_are_refused():
         call(kv=kv.at[2].set(9), ql=ql.at[2].set(5))
     with pytest.raises(TypeError, match="scale must be a Python float"):
         ragged_paged_attention(q, k, v, table, kv, ql, scale=jnp.float32(0.1), interpret=True)
+    with pytest.raises(ValueError, match=r"page_table\[1, 2\] = 24 is outside"):
+        ragged_paged_attention_gpu(q, k, v, table.at[1, 2].set(POOL), kv, ql, scale=0.125, interpret=True)
 
 
 def test_backend_resolution():
@@ -134,8 +141,8 @@ def test_backend_resolution():
     assert resolve_backend("auto", "cpu") == "reference"
     assert resolve_backend("auto", "gpu") == "reference"
     assert resolve_backend("pallas", "cpu") == "pallas"
-    with pytest.raises(NotImplementedError, match="Pallas GPU kernel is not built yet"):
-        resolve_backend("pallas", "gpu")
+    assert resolve_backend("pallas", "gpu") == "pallas"
+    assert resolve_backend("reference", "tpu") == "reference"
 
 
 def test_model_with_pallas_backend_matches_reference():

@@ -1,0 +1,157 @@
+"""Ragged paged attention as a Pallas GPU kernel (Triton lowering), testable in interpret mode.
+
+Same contract as the TPU kernel (`ragged_paged_attention`): rows mixing decode and chunked prefill,
+GQA, sliding window, soft cap, static scale. The structure differs where the hardware does:
+
+- Grid (row b, KV head k); one program owns the row's [R, H] query block (R = its T query tokens x
+  G query heads, padded to a power of two >= 16, as the GPU dot wants) and walks the row's pages in
+  a loop, reading each page's index from the page table and the [S, H] K and V tiles straight from
+  the pools: no gather of the context into a contiguous buffer ever happens.
+- A sliding window starts the walk at the first page that can hold a visible key.
+- Online softmax in registers (running max, sum, accumulator), one write of the output at the end.
+
+The page walk is a plain loop over `pages_per_step`-page groups, so a Mosaic GPU (Hopper) variant
+can replace the loop body with TMA copies into shared memory and a wgmma, keeping the wrapper,
+the grid and the masking as they are. That variant needs an H100/H200 to be tested and is not
+written yet.
+
+NOTE: so far this kernel has only run in Pallas' interpret mode (CPU); it has not been compiled
+for a GPU. `attention_backend="auto"` therefore never picks it; "pallas" on a GPU does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.ragged_paged_attention import _MASKED, check_inputs
+
+
+def _kernel(
+    page_table_ref,  # [B, MP] int32
+    kv_lens_ref,  # [B]
+    q_starts_ref,  # [B]
+    q_ref,  # [R, H] (this row, this KV head)
+    k_ref,  # [K, P, S, H] the whole pool
+    v_ref,
+    o_ref,  # [R, H]
+    *,
+    scale: float,
+    soft_cap: float | None,
+    window: int | None,
+    group: int,
+    page_size: int,
+):
+    b, kh = pl.program_id(0), pl.program_id(1)
+    kv_len = kv_lens_ref[b]
+    q_start = q_starts_ref[b]
+    q = q_ref[...]
+    rows, h = q.shape
+    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0) // group
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
+    v_offsets = jax.lax.broadcasted_iota(jnp.int32, (page_size, h), 0)
+
+    first = 0 if window is None else jnp.maximum(q_start - window + 1, 0) // page_size
+    last = (kv_len + page_size - 1) // page_size
+
+    def page(j, carry):
+        m, total, acc = carry
+        p_idx = page_table_ref[b, j]
+        k = k_ref[kh, p_idx]  # [S, H]
+        v = v_ref[kh, p_idx]
+        start = j * page_size
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = start + offsets
+        mask = (kv_pos < kv_len) & (kv_pos <= q_pos)
+        if window is not None:
+            mask &= q_pos - kv_pos < window
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m - m_new)
+        v = jnp.where(start + v_offsets < kv_len, v, jnp.zeros((), v.dtype))
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return m_new, alpha * total + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
+
+    init = (
+        jnp.full((rows, 1), _MASKED, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, h), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(first, last, page, init)
+    o_ref[...] = (acc / jnp.where(total == 0.0, 1.0, total)).astype(o_ref.dtype)
+
+
+def _pow2_at_least(n: int, minimum: int) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
+def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret):
+    b, t, n, h = q.shape
+    nk, num_pages, page_size, _ = k_pages.shape
+    g = n // nk
+    width = page_table.shape[1]
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, width * page_size)
+    q_lens = jnp.clip(q_lens.astype(jnp.int32), 0, jnp.minimum(kv_lens, t))
+    rows = t * g
+    padded = _pow2_at_least(rows, 16)
+    qg = q.reshape(b, t, nk, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nk, rows, h)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    kernel = functools.partial(_kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size)
+    whole = pl.BlockSpec()  # the whole array: the kernel indexes pages and scalars itself
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, nk, padded, h), q.dtype),
+        grid=(b, nk),
+        in_specs=[
+            whole,
+            whole,
+            whole,
+            pl.BlockSpec((None, None, padded, h), lambda bi, ki: (bi, ki, 0, 0)),
+            whole,
+            whole,
+        ],
+        out_specs=pl.BlockSpec((None, None, padded, h), lambda bi, ki: (bi, ki, 0, 0)),
+        interpret=interpret,
+        name="jaxinfer_ragged_paged_attention_gpu",
+    )(page_table, kv_lens, kv_lens - q_lens, qg, k_pages, v_pages)
+    out = out[:, :, :rows]
+    return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
+def ragged_paged_attention_gpu(
+    q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale: float, window=None, soft_cap=None, interpret=False
+):
+    """See `pallas_kernels.ragged_paged_attention.ragged_paged_attention`: same arguments, same result."""
+    if not isinstance(scale, float):
+        raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
+    if q.shape[2] % k_pages.shape[0]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k_pages.shape[0]})")
+    if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
+        check_inputs(
+            page_table,
+            kv_lens,
+            q_lens,
+            num_pages=k_pages.shape[1],
+            page_size=k_pages.shape[2],
+            num_query_tokens=q.shape[1],
+        )
+    return _call(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        q_lens,
+        scale=scale,
+        window=window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
