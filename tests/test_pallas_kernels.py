@@ -205,3 +205,24 @@ def test_kernel_bench_smoke(capsys):
     assert cli.main([*args, "--repeats", "1", "--variants", "reference,ours"]) == 0
     out = capsys.readouterr().out
     assert "copy bandwidth" in out and "reference" in out and "sim." in out  # CPU: the kernel is simulated
+
+
+@pytest.mark.parametrize("model_axis,kv_heads", [(2, 2), (4, 4), (4, 2), (8, 2)])
+def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads):
+    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output."""
+    import jax
+    from jax.sharding import Mesh
+
+    from pallas_kernels.sharded import kv_head_sharded
+
+    mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
+    rng = np.random.default_rng(model_axis)
+    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6)
+    q, k, v, table, kv, ql = _batch(rng, st)
+    single = ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True)
+    sharded = kv_head_sharded(ragged_paged_attention, mesh)(
+        q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True
+    )
+    for row in range(q.shape[0]):
+        n = int(ql[row])
+        np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
