@@ -73,12 +73,13 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def llm():
+    """The offline reference. Never the server's own LLM: its engine belongs to the server's thread."""
     return LLM(**ENGINE)
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    s = ServerThread(llm)
+def server():
+    s = ServerThread(LLM(**ENGINE))  # same weights and shapes as `llm`: compiled once, shared by both
     yield s
     s.stop()
 
