@@ -69,6 +69,9 @@ def _invalid(message: str) -> RpcError:
 
 
 class Server:
+    """One gRPC server over one engine. Given an `llm`, the server's engine thread owns `llm.engine`
+    from `start()` on: nothing else may call into it (run offline work on another LLM)."""
+
     def __init__(self, config: ServerConfig, *, llm: jaxinfer.LLM | None = None):
         self.config = config
         self.llm = llm  # tests pass a loaded LLM; otherwise start() loads config.model
