@@ -571,3 +571,65 @@ def test_port_in_use_is_a_clear_error(server):
 
     with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: is the port in use"):
         asyncio.run(start())
+
+
+JETSTREAM_CLIENT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # JetStream's own published stubs
+
+stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(sys.argv[2]))
+live = stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+ids = [int(x) for x in sys.argv[3].split(",")]
+req = jetstream_pb2.DecodeRequest(max_tokens=7, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids))
+by_ids = [[list(s.token_ids) for s in r.stream_content.samples] for r in stub.Decode(req, timeout=60)]
+req = jetstream_pb2.DecodeRequest(max_tokens=7, text_content=jetstream_pb2.DecodeRequest.TextContent(text=sys.argv[4]))
+by_text = [[s.text for s in r.stream_content.samples] for r in stub.Decode(req, timeout=60)]
+print(json.dumps({"live": live, "by_ids": by_ids, "by_text": by_text}))
+"""
+
+
+@pytest.fixture(scope="module")
+def jetstream_wheel(tmp_path_factory):
+    """JetStream's published wheel, unpacked (downloaded from the package index, not vendored)."""
+    import zipfile
+
+    d = tmp_path_factory.mktemp("jetstream")
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "google-jetstream==0.2.2", "--no-deps", "-d", str(d), "-q"],
+            check=True,
+            timeout=180,
+            capture_output=True,
+        )
+    except (subprocess.SubprocessError, OSError) as e:
+        pytest.skip(f"JetStream's published wheel could not be downloaded from the package index: {e}")
+    (wheel,) = d.glob("*.whl")
+    zipfile.ZipFile(wheel).extractall(d / "site")
+    return d / "site"
+
+
+def test_jetstream_published_client(server, llm, jetstream_wheel):
+    """JetStream's own generated stubs (google-jetstream 0.2.2), in their own process, against us."""
+    ids = llm.tokenizer.encode("the quick fox")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            JETSTREAM_CLIENT,
+            str(jetstream_wheel),
+            server.address,
+            ",".join(map(str, ids)),
+            "the quick fox",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ref = llm.generate("the quick fox", SamplingParams(max_tokens=7, temperature=0))[0]
+    assert got["live"] is True
+    assert all(len(m) == 1 for m in got["by_ids"]) and [t for m in got["by_ids"] for t in m[0]] == ref.token_ids
+    assert all(len(m) == 1 for m in got["by_text"]) and "".join(m[0] for m in got["by_text"]) == ref.text
