@@ -633,3 +633,38 @@ def test_jetstream_published_client(server, llm, jetstream_wheel):
     assert got["live"] is True
     assert all(len(m) == 1 for m in got["by_ids"]) and [t for m in got["by_ids"] for t in m[0]] == ref.token_ids
     assert all(len(m) == 1 for m in got["by_text"]) and "".join(m[0] for m in got["by_text"]) == ref.text
+
+
+def test_jetstream_never_sends_the_stop_token(llm):
+    import dataclasses
+
+    from jaxinfer.engine import Engine
+
+    # The untrained default model greedily echoes one token; make that token its EOS. A server that
+    # forwarded the stop token would then send it; a correct one ends the stream with nothing.
+    prompt = llm.tokenizer.encode("the lazy dog")
+    free = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[prompt], sampling_params=free)[0].token_ids
+    eos = ref[0]
+    expected = ref[: ref.index(eos)]
+    small = LLM(max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
+    small.cfg = dataclasses.replace(small.cfg, eos_token_ids=(eos,))
+    small.engine = Engine(
+        small.cfg,
+        small.params,
+        small.tokenizer,
+        max_model_len=64,
+        num_kv_pages=8,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+    )
+    s = ServerThread(small)
+    try:
+        stub = js_grpc.OrchestratorStub(grpc.insecure_channel(s.address))
+        req = js.DecodeRequest(max_tokens=6, token_content=js.DecodeRequest.TokenContent(token_ids=prompt))
+        msgs = list(stub.Decode(req, timeout=60))
+        assert all(eos not in m.stream_content.samples[0].token_ids for m in msgs)
+        assert [t for m in msgs for t in m.stream_content.samples[0].token_ids] == expected
+        assert s.server.llm.stats()["finished_sequences"]["stop"] == 1  # it did stop on EOS
+    finally:
+        s.stop()
