@@ -16,8 +16,12 @@ Masking: a key counts if it is inside the row's length, not after the query (cau
 the sliding window when there is one. V is zeroed past the row's length, so stale data - even
 NaN - left in a recycled page never reaches an output. A row with no keys (padding) outputs 0.
 
-`interpret=True` runs the kernel under Pallas' TPU interpret mode (`pltpu.InterpretParams`): the
-same kernel, grid, BlockSpecs and scratch, simulated on CPU. That is how the tests run it.
+Off TPU it runs interpreted: `interpret="tpu"` is Pallas' TPU interpret mode (`pltpu.InterpretParams`),
+the strict simulation of the TPU (the kernel-vs-reference tests use it); `interpret=True` is the
+generic Pallas interpreter, which lowers the same kernel, grid, BlockSpecs and scratch to plain XLA
+ops, ~100x faster. The model path on CPU uses the generic one: TPU interpret mode runs Python
+callbacks that dispatch JAX ops themselves, and on a 2-core CPU that deadlocked when other JAX work
+was dispatched while a kernel ran (seen once in CI; the tests now block on each kernel's output).
 """
 
 from __future__ import annotations
@@ -153,7 +157,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *,
             ],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=(pltpu.InterpretParams() if interpret == "tpu" else True) if interpret else False,
         name="jaxinfer_ragged_paged_attention",
     )(page_table, kv_lens, q_starts, qg, k_pages, v_pages)
     return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
@@ -170,7 +174,7 @@ def ragged_paged_attention(
     scale: float,
     window: int | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
+    interpret: bool | str = False,
 ) -> jax.Array:
     """Attention of each row's new queries over its cached pages (their own K/V already written).
 
@@ -183,7 +187,8 @@ def ragged_paged_attention(
         scale: softmax scale, a Python float (static; never traced).
         window: sliding-window size (a key at distance >= window is masked); None for global.
         soft_cap: logits become soft_cap * tanh(logits / soft_cap) before masking; None for none.
-        interpret: run under Pallas' TPU interpret mode (any backend, e.g. CPU in tests).
+        interpret: False (compile for TPU), True (generic Pallas interpreter, any backend) or "tpu"
+            (Pallas' TPU interpret mode; block on the result before dispatching other JAX work).
 
     Returns:
         [B, T, N, H] in q's dtype; rows past q_lens, and padding rows, are zeros or don't-care.
