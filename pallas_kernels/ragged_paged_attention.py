@@ -119,6 +119,27 @@ def check_inputs(page_table, kv_lens, q_lens, *, num_pages: int, page_size: int,
         raise ValueError(f"q_lens[{i}] = {ql[i]} is outside [0, min(kv_lens[{i}] = {kl[i]}, {num_query_tokens})]")
 
 
+def check_call(q, k_pages, page_table, kv_lens, q_lens, scale) -> None:
+    """What every kernel wrapper checks before tracing: static scale, head counts, and (when the
+    arrays are concrete) indices that would read out of bounds."""
+    if not isinstance(scale, float):
+        raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
+    n, nk = q.shape[2], k_pages.shape[0]
+    if n % nk:
+        raise ValueError(f"query heads ({n}) must be a multiple of KV heads ({nk})")
+    if q.shape[3] != k_pages.shape[3]:
+        raise ValueError(f"head_dim of q ({q.shape[3]}) and of the pages ({k_pages.shape[3]}) differ")
+    if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
+        check_inputs(
+            page_table,
+            kv_lens,
+            q_lens,
+            num_pages=k_pages.shape[1],
+            page_size=k_pages.shape[2],
+            num_query_tokens=q.shape[1],
+        )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
 def _ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret):
     b, t, n, h = q.shape
@@ -193,22 +214,7 @@ def ragged_paged_attention(
     Returns:
         [B, T, N, H] in q's dtype; rows past q_lens, and padding rows, are zeros or don't-care.
     """
-    if not isinstance(scale, float):
-        raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
-    n, nk = q.shape[2], k_pages.shape[0]
-    if n % nk:
-        raise ValueError(f"query heads ({n}) must be a multiple of KV heads ({nk})")
-    if q.shape[3] != k_pages.shape[3]:
-        raise ValueError(f"head_dim of q ({q.shape[3]}) and of the pages ({k_pages.shape[3]}) differ")
-    if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
-        check_inputs(
-            page_table,
-            kv_lens,
-            q_lens,
-            num_pages=k_pages.shape[1],
-            page_size=k_pages.shape[2],
-            num_query_tokens=q.shape[1],
-        )
+    check_call(q, k_pages, page_table, kv_lens, q_lens, scale)
     return _ragged_paged_attention(
         q,
         k_pages,

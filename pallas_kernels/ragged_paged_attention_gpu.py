@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.ragged_paged_attention import _MASKED, check_inputs
+from pallas_kernels.ragged_paged_attention import _MASKED, check_call
 
 
 def _kernel(
@@ -130,19 +130,7 @@ def ragged_paged_attention_gpu(
     q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale: float, window=None, soft_cap=None, interpret=False
 ):
     """See `pallas_kernels.ragged_paged_attention.ragged_paged_attention`: same arguments, same result."""
-    if not isinstance(scale, float):
-        raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
-    if q.shape[2] % k_pages.shape[0]:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k_pages.shape[0]})")
-    if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
-        check_inputs(
-            page_table,
-            kv_lens,
-            q_lens,
-            num_pages=k_pages.shape[1],
-            page_size=k_pages.shape[2],
-            num_query_tokens=q.shape[1],
-        )
+    check_call(q, k_pages, page_table, kv_lens, q_lens, scale)
     return _call(
         q,
         k_pages,
