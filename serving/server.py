@@ -277,47 +277,50 @@ class Server:
             if stream is not None and not stream.finished and self.engine is not None:
                 self.engine.abort(stream)
 
+        def begin(request) -> None:
+            if isinstance(request, wire.BadMessage):
+                raise _invalid(request.error)
+            if method != "GetModelInfo":
+                self._check_serving()
+
+        async def fail(ctx, e: BaseException, info: dict) -> None:
+            """Records the status; re-raises a cancellation, ends anything else with its code."""
+            code = info["code"] = classify(ctx, e, info)
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                raise e
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method)
+            await ctx.abort(code, info.get("error", code.name))
+
+        def new_info() -> dict:
+            return {"id": f"{next(self._rpc_ids):06d}", "code": grpc.StatusCode.OK, "t0": time.perf_counter()}
+
         if streaming:
 
             async def wrapped(request, ctx):
-                t0, info, code = time.perf_counter(), {"id": f"{next(self._rpc_ids):06d}"}, grpc.StatusCode.OK
+                info = new_info()
                 try:
-                    if isinstance(request, wire.BadMessage):
-                        raise _invalid(request.error)
-                    self._check_serving()
+                    begin(request)
                     async for item in handler(request, ctx, info):
                         yield item
                 except BaseException as e:
-                    code = classify(ctx, e, info)
-                    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                        raise
-                    if code is grpc.StatusCode.INTERNAL:
-                        log.exception("%s failed", method)
-                    await ctx.abort(code, info.get("error", code.name))
+                    await fail(ctx, e, info)
                 finally:
                     cleanup(info)
-                    finish(ctx, info, code, t0)
+                    finish(ctx, info, info["code"], info["t0"])
 
         else:
 
             async def wrapped(request, ctx):
-                t0, info, code = time.perf_counter(), {"id": f"{next(self._rpc_ids):06d}"}, grpc.StatusCode.OK
+                info = new_info()
                 try:
-                    if isinstance(request, wire.BadMessage):
-                        raise _invalid(request.error)
-                    if method not in ("GetModelInfo",):
-                        self._check_serving()
+                    begin(request)
                     return await handler(request, ctx, info)
                 except BaseException as e:
-                    code = classify(ctx, e, info)
-                    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                        raise
-                    if code is grpc.StatusCode.INTERNAL:
-                        log.exception("%s failed", method)
-                    await ctx.abort(code, info.get("error", code.name))
+                    await fail(ctx, e, info)
                 finally:
                     cleanup(info)
-                    finish(ctx, info, code, t0)
+                    finish(ctx, info, info["code"], info["t0"])
 
         return wrapped
 
