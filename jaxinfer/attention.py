@@ -11,32 +11,40 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind, SlidingWindow
+from jaxinfer.kv_cache import Pool, QuantizedPages, quantize_int8
 
 # Finite, so a row whose keys are all masked (a padding row) gives a uniform softmax, not NaN.
 _MASKED = -1e30
 
 
-def write_kv(
-    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters new keys/values into their cache slots.
+def write_kv(k_pages: Pool, v_pages: Pool, k: jax.Array, v: jax.Array, slots: jax.Array) -> tuple[Pool, Pool]:
+    """Scatters new keys/values into their cache slots (quantizing them for an int8 pool).
 
     Args:
-        k_pages, v_pages: [K, P, S, H] page pools of one layer (donated upstream: updated in place).
+        k_pages, v_pages: [K, P, S, H] page pools of one layer, arrays or QuantizedPages (donated
+            upstream: updated in place).
         k, v: [B, T, K, H] new keys/values.
         slots: [B, T] flat slot index page * S + offset; padding tokens point into the scratch page.
 
     Returns:
-        The updated (k_pages, v_pages).
+        The updated (k_pages, v_pages), of the same types.
     """
     nk, _, s, h = k_pages.shape
     # Index pages and offsets separately: reshaping the pool to [K, P*S, H] first makes XLA copy
     # the whole pool around the scatter instead of updating the donated buffer in place.
     page = (slots // s).reshape(-1)
     offset = (slots % s).reshape(-1)
-    new_k = k.reshape(-1, nk, h).transpose(1, 0, 2).astype(k_pages.dtype)  # [K, B*T, H]
-    new_v = v.reshape(-1, nk, h).transpose(1, 0, 2).astype(v_pages.dtype)
-    return k_pages.at[:, page, offset].set(new_k), v_pages.at[:, page, offset].set(new_v)
+
+    def write(pool: Pool, new: jax.Array) -> Pool:
+        new = new.reshape(-1, nk, h).transpose(1, 0, 2)  # [K, B*T, H]
+        if isinstance(pool, QuantizedPages):
+            values, scales = quantize_int8(new)
+            return QuantizedPages(
+                values=pool.values.at[:, page, offset].set(values), scales=pool.scales.at[:, page, offset].set(scales)
+            )
+        return pool.at[:, page, offset].set(new.astype(pool.dtype))
+
+    return write(k_pages, k), write(v_pages, v)
 
 
 def reference_paged_attention(
@@ -59,7 +67,8 @@ def reference_paged_attention(
 
     Args:
         q: [B, T, N, H] queries (RoPE applied).
-        k_pages, v_pages: [K, P, S, H] one layer's page pools.
+        k_pages, v_pages: [K, P, S, H] one layer's page pools: arrays, or QuantizedPages (int8 with
+            per-token-per-head scales, dequantized to q's dtype after the gather).
         page_table: [B, MP] pages of each row.
         q_positions: [B, T] absolute position of each query.
         kv_lens: [B] valid cached tokens per row (0 for a padding row).
@@ -73,8 +82,14 @@ def reference_paged_attention(
     b, t, n, h = q.shape
     nk = k_pages.shape[0]
     g = n // nk
-    k = k_pages[:, page_table].reshape(nk, b, -1, h)  # [K, B, S_ctx, H]
-    v = v_pages[:, page_table].reshape(nk, b, -1, h)
+
+    def gather(pool: Pool) -> jax.Array:  # [K, B, S_ctx, H] in q's dtype
+        if isinstance(pool, QuantizedPages):
+            pool = QuantizedPages(values=pool.values[:, page_table], scales=pool.scales[:, page_table])
+            return pool.dequantize(q.dtype).reshape(nk, b, -1, h)
+        return pool[:, page_table].reshape(nk, b, -1, h)
+
+    k, v = gather(k_pages), gather(v_pages)
     kv_pos = jnp.arange(k.shape[2], dtype=jnp.int32)  # [S_ctx]
 
     in_context = kv_pos[None, :] < kv_lens[:, None]  # [B, S_ctx]
@@ -139,6 +154,10 @@ def paged_attention(
     if q_lens is None:
         raise ValueError("the Pallas backend needs q_lens")
     kernel = ragged_paged_attention_gpu if jax.default_backend() == "gpu" else ragged_paged_attention
+    scales = {}
+    if isinstance(k_pages, QuantizedPages):
+        scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
+        k_pages, v_pages = k_pages.values, v_pages.values
     return kernel(
         q,
         k_pages,
@@ -150,4 +169,5 @@ def paged_attention(
         window=kind.window if isinstance(kind, SlidingWindow) else None,
         soft_cap=soft_cap,
         interpret=jax.default_backend() == "cpu",
+        **scales,
     )

@@ -32,6 +32,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "reference", "pallas"],
         help="paged attention: the Pallas kernel on TPU and pure JAX elsewhere (auto), or forced",
     )
+    e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="KV-cache storage: the model dtype (auto), or int8 with per-token-per-head scales",
+    )
 
 
 def engine_kwargs(args) -> dict:
@@ -43,6 +49,7 @@ def engine_kwargs(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -56,6 +56,7 @@ AttentionKind = GlobalAttention | SlidingWindow
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,9 @@ class ModelConfig:
     # on it): "auto" picks per platform, "reference" is pure JAX, "pallas" the kernels (interpreted
     # on CPU). See jaxinfer.attention.resolve_backend.
     attention_backend: str = "auto"
+    # How K/V are stored (same reason for living here): "auto" in `dtype`; "int8" as int8 with one
+    # float32 scale per token and KV head (about half the bytes of bfloat16). See jaxinfer.kv_cache.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for field in (
@@ -122,6 +126,10 @@ class ModelConfig:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
     @property
     def q_per_kv(self) -> int:
@@ -133,9 +141,12 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies in the cache, over all layers."""
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of K and V one token occupies in the cache, over all layers (int8: with its scales)."""
+        if self.kv_cache_dtype == "int8":
+            per_head = self.head_dim + 4  # int8 values + one float32 scale
+        else:
+            per_head = self.head_dim * (4 if self.dtype == "float32" else 2)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def num_params(self) -> int:

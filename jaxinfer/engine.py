@@ -26,7 +26,7 @@ from jaxinfer import model as model_lib
 from jaxinfer.config import ModelConfig
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, pages_needed
+from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, QuantizedPages, pages_needed
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, sample
 from jaxinfer.scheduler import Chunk, Scheduler, Sequence, bucket
@@ -56,8 +56,12 @@ def num_compiles() -> int:
 
 @jax.jit
 def _poison(cache: KVCache, pages: jax.Array) -> KVCache:
-    nan = jnp.asarray(jnp.nan, cache.k[0].dtype)
-    return KVCache(k=tuple(a.at[:, pages].set(nan) for a in cache.k), v=tuple(a.at[:, pages].set(nan) for a in cache.v))
+    def poison(pool):  # an int8 pool cannot hold NaN: its scales can, and every read multiplies by them
+        if isinstance(pool, QuantizedPages):
+            return QuantizedPages(values=pool.values, scales=pool.scales.at[:, pages].set(jnp.nan))
+        return pool.at[:, pages].set(jnp.asarray(jnp.nan, pool.dtype))
+
+    return KVCache(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)))
 
 
 def _pow2_floor(n: int) -> int:

@@ -28,11 +28,54 @@ SCRATCH_PAGE = 0
 
 
 @struct.dataclass
-class KVCache:
-    """K/V page pools for all layers. Replaced, never mutated; donated to the jitted steps."""
+class QuantizedPages:
+    """An int8 page pool: values [K, P, S, H] int8 and one float32 scale per token and KV head
+    (`scales` [K, P, S]); a slot holds `values * scales[..., None]`.
 
-    k: tuple[jax.Array, ...]  # L x [K, P, S, H]
-    v: tuple[jax.Array, ...]  # L x [K, P, S, H]
+    Used wherever a plain [K, P, S, H] pool can be (KVCache.k / .v entries); `write_kv` quantizes
+    into it and every attention backend dequantizes from it. Per-token-per-head scales follow each
+    token's own range, so one outlier token cannot crush the resolution of its neighbours.
+    """
+
+    values: jax.Array  # [K, P, S, H] int8
+    scales: jax.Array  # [K, P, S] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.values.astype(jnp.float32) * self.scales[..., None]).astype(dtype)
+
+
+Pool = jax.Array | QuantizedPages
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric per-vector int8: x [..., H] -> (values [..., H] int8, scales [...] float32).
+
+    scale = max|x| / 127, values = round(x / scale); an all-zero vector gets scale 0 (and zeros).
+    """
+    x = x.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scales == 0.0, 1.0, scales)
+    values = jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8)
+    return values, scales
+
+
+@struct.dataclass
+class KVCache:
+    """K/V page pools for all layers. Replaced, never mutated; donated to the jitted steps.
+
+    Each pool is a [K, P, S, H] array in the model dtype, or a QuantizedPages (int8 + scales).
+    """
+
+    k: tuple[Pool, ...]  # L x [K, P, S, H]
+    v: tuple[Pool, ...]  # L x [K, P, S, H]
 
     @property
     def num_pages(self) -> int:
@@ -44,16 +87,18 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.k, self.v)))
 
     @classmethod
     def create(cls, cfg: ModelConfig, *, num_pages: int, page_size: int) -> KVCache:
         shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        dtype = jnp.dtype(cfg.dtype)
-        return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-        )
+
+        def pool() -> Pool:
+            if cfg.kv_cache_dtype == "int8":
+                return QuantizedPages(values=jnp.zeros(shape, jnp.int8), scales=jnp.zeros(shape[:3], jnp.float32))
+            return jnp.zeros(shape, jnp.dtype(cfg.dtype))
+
+        return cls(k=tuple(pool() for _ in range(cfg.num_layers)), v=tuple(pool() for _ in range(cfg.num_layers)))
 
 
 @struct.dataclass

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxinfer import default_model
-from jaxinfer.config import ATTENTION_BACKENDS, DTYPES
+from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Logprob, Request
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
@@ -99,6 +99,8 @@ class LLM:
         enable_prefix_caching: share the KV pages of common prompt prefixes between requests.
         attention_backend: "auto" (the Pallas kernel on TPU, pure JAX elsewhere), "reference" (pure
             JAX), or "pallas" (the kernel; on CPU in interpret mode: slow, for checking).
+        kv_cache_dtype: "auto" (the model dtype) or "int8" (int8 K/V with one float32 scale per token
+            and KV head: (H + 4) / (2H) of bfloat16's bytes, so about twice the tokens fit).
         warmup: compile every step shape now, so no request ever waits for a compilation.
     """
 
@@ -114,6 +116,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
         warmup: bool = False,
     ):
         if dtype not in DTYPES:
@@ -122,6 +125,8 @@ class LLM:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
             )
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         if model is None:
             cfg, params, tokenizer = default_model.load(dtype=dtype)
             print(
@@ -135,7 +140,7 @@ class LLM:
             tokenizer = load_tokenizer(model, eos_ids=cfg.eos_token_ids)
             if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
                 cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
-        cfg = dataclasses.replace(cfg, attention_backend=attention_backend)
+        cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
         if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position_embeddings:

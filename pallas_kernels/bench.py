@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "int8"], help="cache pools in --dtype, or int8 + scales"
+    )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
         "--variants", default="reference,ours,upstream", help="comma-separated subset of reference,ours,upstream"
@@ -81,7 +84,20 @@ def _variants(args, ctx: int, variants: list[str], rng, on_tpu: bool):
     lens = jnp.full((b,), ctx, jnp.int32)
     ones = jnp.ones((b,), jnp.int32)
     scale = float(h**-0.5)
-    moved = 2 * b * ctx * nk * h * dtype.itemsize + 2 * q.nbytes
+    per_token_head = h * dtype.itemsize
+    # Each variant gets the pools in its own form: `k`/`v` for the reference, `kernel_kv` for
+    # ours, `upstream_kv` for the upstream kernel; all hold the same numbers.
+    kernel_kv, upstream_kv = (k, v, {}), (k, v)
+    if args.kv_dtype == "int8":
+        from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
+
+        from jaxinfer.kv_cache import QuantizedPages, quantize_int8
+
+        k, v = (QuantizedPages(*quantize_int8(x)) for x in (k, v))
+        kernel_kv = (k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales))
+        upstream_kv = tuple(QuantizedTensor(x.values, x.scales[..., None] * MAX_INT8) for x in (k, v))
+        per_token_head = h + 4
+    moved = 2 * b * ctx * nk * per_token_head + 2 * q.nbytes
     calls = {}
     if "reference" in variants:
         ref = jax.jit(
@@ -91,7 +107,10 @@ def _variants(args, ctx: int, variants: list[str], rng, on_tpu: bool):
         )
         calls["reference"] = lambda: ref(q, k, v, table, lens)
     if "ours" in variants:
-        calls["ours"] = lambda: ragged_paged_attention(q, k, v, table, lens, ones, scale=scale, interpret=not on_tpu)
+        kp, vp, scales = kernel_kv
+        calls["ours"] = lambda: ragged_paged_attention(
+            q, kp, vp, table, lens, ones, scale=scale, interpret=not on_tpu, **scales
+        )
     if "upstream" in variants:
         from jax.experimental.pallas import tpu as pltpu
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as upstream
@@ -100,9 +119,9 @@ def _variants(args, ctx: int, variants: list[str], rng, on_tpu: bool):
 
         def up():
             if on_tpu:
-                return upstream(q[:, 0] * scale, k, v, lens, table, pages_per_compute_block=block)
+                return upstream(q[:, 0] * scale, *upstream_kv, lens, table, pages_per_compute_block=block)
             with pltpu.force_tpu_interpret_mode():
-                return upstream(q[:, 0] * scale, k, v, lens, table, pages_per_compute_block=block)
+                return upstream(q[:, 0] * scale, *upstream_kv, lens, table, pages_per_compute_block=block)
 
         calls["upstream"] = up
     return moved, calls
@@ -125,6 +144,7 @@ def run(args) -> list[dict]:
     print(
         f"{platform} ({jax.devices()[0].device_kind}): copy bandwidth {ceiling / 1e9:.1f} GB/s; decode, batch {b}, "
         f"{n} query / {nk} KV heads, head_dim {h}, page {s}, {args.dtype}"
+        + (", int8 KV cache (+ float32 scales)" if args.kv_dtype == "int8" else "")
     )
     if not on_tpu:
         print("  (not a TPU: 'ours' and 'upstream' run in TPU interpret mode - simulated, not a speed)")

@@ -44,18 +44,19 @@ def _kernel(
     q_ref,  # [1, 1, R, H] with R = T*G, row r is query token r // G, head r % G of this KV head
     k_ref,  # [1, 1, S, H] one page
     v_ref,
-    o_ref,  # [1, 1, R, H]
-    m_ref,  # scratch [R, 1] running max
-    l_ref,  # scratch [R, 1] running sum
-    acc_ref,  # scratch [R, H] running numerator
-    *,
+    *refs,  # int8 pools: k/v scales [1, 1, 1, S]; then o_ref [1, 1, R, H]; scratch m, l [R, 1], acc [R, H]
     scale: float,
     soft_cap: float | None,
     window: int | None,
     group: int,
     page_size: int,
+    quantized: bool,
 ):
     del page_table_ref  # used by the index maps only
+    if quantized:
+        k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, m_ref, l_ref, acc_ref = refs
     b, j = pl.program_id(0), pl.program_id(2)
     kv_len = kv_lens_ref[b]
     q_start = q_starts_ref[b]
@@ -73,7 +74,15 @@ def _kernel(
         k = k_ref[0, 0]
         v = v_ref[0, 0]
         rows, width = q.shape[0], k.shape[0]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        # An int8 page goes into the matmuls as q's dtype (exact: |values| <= 127); its per-token
+        # scales multiply the logits (K) and the probabilities (V), broadcast along the key axis.
+        compute = q.dtype if quantized else v.dtype
+        s = (
+            jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * scale
+        )
+        if quantized:
+            s = s * k_scale_ref[0, 0]  # [1, S]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
@@ -87,9 +96,17 @@ def _kernel(
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if quantized:  # zero the scales past the row's length: stale (even NaN) scales never count
+            v_scale = v_scale_ref[0, 0]  # [1, S]
+            in_row = start + jax.lax.broadcasted_iota(jnp.int32, v_scale.shape, 1) < kv_len
+            pv_weights = p * jnp.where(in_row, v_scale, 0.0)
+        else:
+            v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))
+            pv_weights = p
+        pv = jax.lax.dot_general(
+            pv_weights.astype(compute), v.astype(compute), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         acc_ref[...] = alpha * acc_ref[...] + pv
         m_ref[...] = m_new
 
@@ -119,9 +136,17 @@ def check_inputs(page_table, kv_lens, q_lens, *, num_pages: int, page_size: int,
         raise ValueError(f"q_lens[{i}] = {ql[i]} is outside [0, min(kv_lens[{i}] = {kl[i]}, {num_query_tokens})]")
 
 
-def check_call(q, k_pages, page_table, kv_lens, q_lens, scale) -> None:
-    """What every kernel wrapper checks before tracing: static scale, head counts, and (when the
-    arrays are concrete) indices that would read out of bounds."""
+def check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_scales=None) -> None:
+    """What every kernel wrapper checks before tracing: static scale, head counts, int8 pools with
+    their scales, and (when the arrays are concrete) indices that would read out of bounds."""
+    quantized = k_pages.dtype == jnp.int8
+    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("int8 pools need k_scales and v_scales ([K, P, S] float32); other pools take none")
+    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
+        raise ValueError(
+            f"k_scales/v_scales must have shape {k_pages.shape[:3]} (pool [K, P, S]), got "
+            f"{k_scales.shape} and {v_scales.shape}"
+        )
     if not isinstance(scale, float):
         raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
     n, nk = q.shape[2], k_pages.shape[0]
@@ -141,7 +166,9 @@ def check_call(q, k_pages, page_table, kv_lens, q_lens, scale) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
-def _ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret):
+def _ragged_paged_attention(
+    q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, *, scale, window, soft_cap, interpret
+):
     b, t, n, h = q.shape
     nk, num_pages, page_size, _ = k_pages.shape
     g = n // nk
@@ -158,18 +185,25 @@ def _ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *,
         last = jnp.maximum((lens[bi] + page_size - 1) // page_size - 1, 0)
         return ki, pt[bi, jnp.minimum(j, last)], 0, 0
 
-    kernel = functools.partial(_kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size)
+    quantized = k_scales is not None
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size, quantized=quantized
+    )
+    page_spec = pl.BlockSpec((1, 1, page_size, h), kv_index)
+    in_specs = [pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)), page_spec, page_spec]
+    operands = [qg, k_pages, v_pages]
+    if quantized:
+        # Scales as [K, P, 1, S]: a page's scales are one lane-dense (1, S) tile that broadcasts
+        # along the key axis of the logits, with no transpose in the kernel.
+        in_specs += [pl.BlockSpec((1, 1, 1, page_size), kv_index)] * 2
+        operands += [x.reshape(nk, num_pages, 1, page_size) for x in (k_scales, v_scales)]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, nk, rows, h), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(b, nk, width),
-            in_specs=[
-                pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)),
-                pl.BlockSpec((1, 1, page_size, h), kv_index),
-                pl.BlockSpec((1, 1, page_size, h), kv_index),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)),
             scratch_shapes=[
                 pltpu.VMEM((rows, 1), jnp.float32),
@@ -180,7 +214,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=(pltpu.InterpretParams() if interpret == "tpu" else True) if interpret else False,
         name="jaxinfer_ragged_paged_attention",
-    )(page_table, kv_lens, q_starts, qg, k_pages, v_pages)
+    )(page_table, kv_lens, q_starts, *operands)
     return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
@@ -196,12 +230,15 @@ def ragged_paged_attention(
     window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool | str = False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each row's new queries over its cached pages (their own K/V already written).
 
     Args:
         q: [B, T, N, H] queries (RoPE applied); row b's first q_lens[b] tokens are real.
-        k_pages, v_pages: [K, P, S, H] one layer's head-major page pools (float32 or bfloat16).
+        k_pages, v_pages: [K, P, S, H] one layer's head-major page pools (float32, bfloat16, or int8
+            with k_scales/v_scales).
         page_table: [B, MP] pages of each row, in order (entries past the row's length are ignored).
         kv_lens: [B] tokens in each row's context, new ones included (0: a padding row).
         q_lens: [B] new tokens per row, at positions kv_lens - q_lens ... kv_lens - 1.
@@ -210,11 +247,13 @@ def ragged_paged_attention(
         soft_cap: logits become soft_cap * tanh(logits / soft_cap) before masking; None for none.
         interpret: False (compile for TPU), True (generic Pallas interpreter, any backend) or "tpu"
             (Pallas' TPU interpret mode; block on the result before dispatching other JAX work).
+        k_scales, v_scales: [K, P, S] float32 per-token-per-head scales of int8 pools (a slot holds
+            values * scale); None for float pools.
 
     Returns:
         [B, T, N, H] in q's dtype; rows past q_lens, and padding rows, are zeros or don't-care.
     """
-    check_call(q, k_pages, page_table, kv_lens, q_lens, scale)
+    check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales)
     return _ragged_paged_attention(
         q,
         k_pages,
@@ -222,6 +261,8 @@ def ragged_paged_attention(
         page_table,
         kv_lens,
         q_lens,
+        k_scales,
+        v_scales,
         scale=scale,
         window=window,
         soft_cap=soft_cap,

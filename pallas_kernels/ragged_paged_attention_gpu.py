@@ -37,14 +37,18 @@ def _kernel(
     q_ref,  # [R, H] (this row, this KV head)
     k_ref,  # [K, P, S, H] the whole pool
     v_ref,
-    o_ref,  # [R, H]
-    *,
+    *refs,  # int8 pools: k/v scales [K, P, S]; then o_ref [R, H]
     scale: float,
     soft_cap: float | None,
     window: int | None,
     group: int,
     page_size: int,
+    quantized: bool,
 ):
+    if quantized:
+        k_scale_ref, v_scale_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
     b, kh = pl.program_id(0), pl.program_id(1)
     kv_len = kv_lens_ref[b]
     q_start = q_starts_ref[b]
@@ -63,7 +67,12 @@ def _kernel(
         k = k_ref[kh, p_idx]  # [S, H]
         v = v_ref[kh, p_idx]
         start = j * page_size
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        # int8 pages enter the matmuls in q's dtype (exact); their scales multiply logits and weights.
+        compute = q.dtype if quantized else v.dtype
+        s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = s * scale
+        if quantized:
+            s = s * k_scale_ref[kh, p_idx][None, :]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = start + offsets
@@ -74,8 +83,14 @@ def _kernel(
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
-        v = jnp.where(start + v_offsets < kv_len, v, jnp.zeros((), v.dtype))
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if quantized:  # zero scales past the row's length: stale (even NaN) scales never count
+            weights = p * jnp.where(start + offsets[:1] < kv_len, v_scale_ref[kh, p_idx][None, :], 0.0)
+        else:
+            v = jnp.where(start + v_offsets < kv_len, v, jnp.zeros((), v.dtype))
+            weights = p
+        pv = jax.lax.dot_general(
+            weights.astype(compute), v.astype(compute), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return m_new, alpha * total + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
     init = (
@@ -92,7 +107,7 @@ def _pow2_at_least(n: int, minimum: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
-def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret):
+def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, *, scale, window, soft_cap, interpret):
     b, t, n, h = q.shape
     nk, num_pages, page_size, _ = k_pages.shape
     g = n // nk
@@ -104,8 +119,12 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, so
     padded = _pow2_at_least(rows, 16)
     qg = q.reshape(b, t, nk, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nk, rows, h)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
-    kernel = functools.partial(_kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size)
+    quantized = k_scales is not None
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size, quantized=quantized
+    )
     whole = pl.BlockSpec()  # the whole array: the kernel indexes pages and scalars itself
+    scales = (k_scales, v_scales) if quantized else ()
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, nk, padded, h), q.dtype),
@@ -117,20 +136,33 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, so
             pl.BlockSpec((None, None, padded, h), lambda bi, ki: (bi, ki, 0, 0)),
             whole,
             whole,
+            *[whole for _ in scales],
         ],
         out_specs=pl.BlockSpec((None, None, padded, h), lambda bi, ki: (bi, ki, 0, 0)),
         interpret=interpret,
         name="jaxinfer_ragged_paged_attention_gpu",
-    )(page_table, kv_lens, kv_lens - q_lens, qg, k_pages, v_pages)
+    )(page_table, kv_lens, kv_lens - q_lens, qg, k_pages, v_pages, *scales)
     out = out[:, :, :rows]
     return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
 def ragged_paged_attention_gpu(
-    q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale: float, window=None, soft_cap=None, interpret=False
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    kv_lens,
+    q_lens,
+    *,
+    scale: float,
+    window=None,
+    soft_cap=None,
+    interpret=False,
+    k_scales=None,
+    v_scales=None,
 ):
     """See `pallas_kernels.ragged_paged_attention.ragged_paged_attention`: same arguments, same result."""
-    check_call(q, k_pages, page_table, kv_lens, q_lens, scale)
+    check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales)
     return _call(
         q,
         k_pages,
@@ -138,6 +170,8 @@ def ragged_paged_attention_gpu(
         page_table,
         kv_lens,
         q_lens,
+        k_scales,
+        v_scales,
         scale=scale,
         window=window,
         soft_cap=soft_cap,

@@ -9,6 +9,7 @@ compared; the rest is don't-care.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.attention import reference_paged_attention, resolve_backend
 from jaxinfer.config import GlobalAttention, SlidingWindow
+from jaxinfer.kv_cache import QuantizedPages
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
@@ -36,6 +38,7 @@ class Static:
     soft_cap: float | None = None
     dtype: str = "float32"
     kv_heads: int = 2
+    int8: bool = False  # int8 pools with per-token-per-head scales (q and output stay in dtype)
 
 
 STATICS = [
@@ -46,6 +49,8 @@ STATICS = [
     Static(group=3, head_dim=256, t=4, window=7, soft_cap=30.0),
     Static(group=2, head_dim=64, t=8, dtype="bfloat16"),
     Static(group=1, head_dim=128, t=3, window=9, dtype="bfloat16", soft_cap=15.0),
+    Static(group=4, head_dim=128, t=1, int8=True),
+    Static(group=2, head_dim=64, t=5, window=6, soft_cap=25.0, dtype="bfloat16", int8=True),
 ]
 CASES_PER_STATIC = 16
 
@@ -80,14 +85,35 @@ def _batch(rng, st: Static):
             k[:, last, kv[i] % PAGE :] = np.nan
             v[:, last, kv[i] % PAGE :] = np.nan
     q = rng.standard_normal((b, st.t, n, st.head_dim)).astype(np.float32)
+    if st.int8:
+        k, v = _np_quantized(rng, k), _np_quantized(rng, v)
+    else:
+        k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
     return (
         jnp.asarray(q, dtype),
-        jnp.asarray(k, dtype),
-        jnp.asarray(v, dtype),
+        k,
+        v,
         jnp.asarray(owned, jnp.int32),
         jnp.asarray(kv, jnp.int32),
         jnp.asarray(ql, jnp.int32),
     )
+
+
+def _np_quantized(rng, x: np.ndarray) -> QuantizedPages:
+    """Symmetric per-token-per-head int8 in NumPy; NaN slots get random values and a NaN scale."""
+    stale = np.isnan(x).any(axis=-1)
+    scales = np.abs(np.nan_to_num(x)).max(axis=-1) / 127.0
+    values = np.round(np.nan_to_num(x) / np.where(scales == 0, 1, scales)[..., None]).astype(np.int8)
+    values[stale] = rng.integers(-127, 128, size=(int(stale.sum()), x.shape[-1]), dtype=np.int8)
+    scales[stale] = np.nan
+    return QuantizedPages(values=jnp.asarray(values), scales=jnp.asarray(scales, jnp.float32))
+
+
+def _kernel_args(k, v) -> tuple:
+    """(k_pages, v_pages, scale kwargs) as the kernels take them."""
+    if isinstance(k, QuantizedPages):
+        return k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales)
+    return k, v, {}
 
 
 KERNELS = {"tpu": ragged_paged_attention, "gpu": ragged_paged_attention_gpu}
@@ -95,7 +121,9 @@ KERNELS = {"tpu": ragged_paged_attention, "gpu": ragged_paged_attention_gpu}
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize(
-    "st", STATICS, ids=lambda s: f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}"
+    "st",
+    STATICS,
+    ids=lambda s: f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}",
 )
 def test_kernel_matches_reference(st, kernel):
     rng = np.random.default_rng(hash(st) % 2**32)
@@ -105,8 +133,9 @@ def test_kernel_matches_reference(st, kernel):
     for case in range(CASES_PER_STATIC):
         q, k, v, table, kv, ql = _batch(rng, st)
         mode = "tpu" if kernel == "tpu" else True  # the TPU kernel under the strict TPU simulation
+        kp, vp, scales = _kernel_args(k, v)
         out = KERNELS[kernel](
-            q, k, v, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, interpret=mode
+            q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, interpret=mode, **scales
         )
         jax.block_until_ready(out)  # nothing else may be dispatched while TPU interpret mode runs
         positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
@@ -176,28 +205,37 @@ def test_llm_takes_the_backend_by_name():
         LLM(attention_backend="triton")
 
 
-@pytest.mark.parametrize("group,soft_cap", [(1, None), (2, 20.0), (4, None)])
-def test_decode_agrees_with_upstream_paged_attention(group, soft_cap):
+@pytest.mark.parametrize("group,soft_cap,int8", [(1, None, False), (2, 20.0, False), (4, None, False), (2, None, True)])
+def test_decode_agrees_with_upstream_paged_attention(group, soft_cap, int8):
     """A second opinion from code nobody here wrote: jax.experimental.pallas.ops.tpu.paged_attention
     (decode only, H = 128), forced into TPU interpret mode. It computes at reduced precision there
-    (a one-key softmax already differs from V by ~5e-3), hence the looser tolerance."""
+    (a one-key softmax already differs from V by ~5e-3), hence the looser tolerance. Its int8 pools
+    (QuantizedTensor) also carry one scale per token and head, as absmax: ours times 127.5."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as upstream
+    from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
     rng = np.random.default_rng(group)
-    st = Static(group=group, head_dim=128, t=1, soft_cap=soft_cap)
+    st = Static(group=group, head_dim=128, t=1, soft_cap=soft_cap, int8=int8)
     scale = 128**-0.5
     for _ in range(6):
         q, k, v, table, kv, ql = _batch(rng, st)
         kv = jnp.maximum(kv, 1)  # upstream has no notion of an empty row
-        k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)  # nor of stale pages (it reads whole compute blocks)
+        # nor of stale pages (it reads whole compute blocks): no NaN for it
+        if int8:
+            k, v = (QuantizedPages(values=x.values, scales=jnp.nan_to_num(x.scales)) for x in (k, v))
+            theirs_k, theirs_v = (QuantizedTensor(x.values, x.scales[..., None] * MAX_INT8) for x in (k, v))
+        else:
+            k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+            theirs_k, theirs_v = k, v
+        kp, vp, scales = _kernel_args(k, v)
         ours = ragged_paged_attention(
-            q, k, v, table, kv, jnp.ones_like(kv), scale=scale, soft_cap=soft_cap, interpret=True
+            q, kp, vp, table, kv, jnp.ones_like(kv), scale=scale, soft_cap=soft_cap, interpret=True, **scales
         )[:, 0]
         jax.block_until_ready(ours)
         with pltpu.force_tpu_interpret_mode():
             theirs = upstream(
-                q[:, 0] * scale, k, v, kv, table, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap
+                q[:, 0] * scale, theirs_k, theirs_v, kv, table, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap
             )
             jax.block_until_ready(theirs)
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-2, rtol=2e-2)
@@ -210,10 +248,18 @@ def test_kernel_bench_smoke(capsys):
     assert cli.main([*args, "--repeats", "1", "--variants", "reference,ours"]) == 0
     out = capsys.readouterr().out
     assert "copy bandwidth" in out and "reference" in out and "sim." in out  # CPU: the kernel is simulated
+    from pallas_kernels import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    rows = bench.run(p.parse_args([*args[2:], "--repeats", "1", "--variants", "reference,ours", "--kv-dtype", "int8"]))
+    assert "int8 KV cache" in capsys.readouterr().out
+    # K and V of 2 rows x 32 tokens x 1 KV head: 128 int8 + one float32 scale each; q read and written (bf16).
+    assert {r["bytes"] for r in rows} == {2 * 2 * 32 * (128 + 4) + 2 * (2 * 2 * 128 * 2)}
 
 
-@pytest.mark.parametrize("model_axis,kv_heads", [(2, 2), (4, 4), (4, 2), (8, 2)])
-def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads):
+@pytest.mark.parametrize("model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True)])
+def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8):
     """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output."""
     import jax
     from jax.sharding import Mesh
@@ -222,11 +268,12 @@ def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads):
 
     mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
     rng = np.random.default_rng(model_axis)
-    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6)
+    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8)
     q, k, v, table, kv, ql = _batch(rng, st)
-    single = ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True)
+    k, v, scales = _kernel_args(k, v)
+    single = ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
     sharded = kv_head_sharded(ragged_paged_attention, mesh)(
-        q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True
+        q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales
     )
     for row in range(q.shape[0]):
         n = int(ql[row])
