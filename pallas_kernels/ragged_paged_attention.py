@@ -5,12 +5,13 @@ query tokens, causal within the chunk and against their cached prefix): every ro
 `q_len[b]` new tokens at positions `kv_len[b] - q_len[b] ...  kv_len[b] - 1`, whose K/V are
 already in the row's pages.
 
-Grid: (row b, KV head k, page j). The query heads of one KV head (the GQA group, G of them) and the
-row's T query tokens form one [T*G, H] block, so K/V pages are read once per group, not once per
-query head. Page j of the row is fetched by a BlockSpec whose index map reads the page table
-(scalar-prefetched into SMEM); a step past the row's last page maps to that last page again, which
-the pipeline recognises and does not copy. The softmax is online (running max, sum and
-accumulator in VMEM scratch), finalised after the last page.
+Grid: (row b, KV head k, page block j). The query heads of one KV head (the GQA group, G of them)
+and the row's T query tokens form one [T*G, H] block, so K/V pages are read once per group, not
+once per query head. Block j holds `pages_per_block` pages (from a table keyed by page size, see
+PAGES_PER_BLOCK), each fetched by its own BlockSpec whose index map reads the page table
+(scalar-prefetched into SMEM); a page past the row's last maps to that last page again, which the
+pipeline recognises and does not copy. The softmax is online (running max, sum and accumulator in
+VMEM scratch), updated page by page and finalised after the last block.
 
 Masking: a key counts if it is inside the row's length, not after the query (causal), and inside
 the sliding window when there is one. V is zeroed past the row's length, so stale data - even
@@ -42,25 +43,24 @@ def _kernel(
     kv_lens_ref,  # [B]
     q_starts_ref,  # [B] position of each row's first query token
     q_ref,  # [1, 1, R, H] with R = T*G, row r is query token r // G, head r % G of this KV head
-    k_ref,  # [1, 1, S, H] one page
-    v_ref,
-    *refs,  # int8 pools: k/v scales [1, 1, 1, S]; then o_ref [1, 1, R, H]; scratch m, l [R, 1], acc [R, H]
+    *refs,  # n K pages [1, 1, S, H], n V pages, (int8: n K and n V scale tiles [1, 1, 1, S]),
+    # then o_ref [1, 1, R, H] and scratch m, l [R, 1], acc [R, H]; n = pages_per_block
     scale: float,
     soft_cap: float | None,
     window: int | None,
     group: int,
     page_size: int,
+    pages_per_block: int,
     quantized: bool,
 ):
     del page_table_ref  # used by the index maps only
-    if quantized:
-        k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref, acc_ref = refs
-    else:
-        o_ref, m_ref, l_ref, acc_ref = refs
+    n = pages_per_block
+    k_refs, v_refs = refs[:n], refs[n : 2 * n]
+    ks_refs, vs_refs = (refs[2 * n : 3 * n], refs[3 * n : 4 * n]) if quantized else ((None,) * n, (None,) * n)
+    o_ref, m_ref, l_ref, acc_ref = refs[4 * n :] if quantized else refs[2 * n :]
     b, j = pl.program_id(0), pl.program_id(2)
     kv_len = kv_lens_ref[b]
     q_start = q_starts_ref[b]
-    start = j * page_size
 
     @pl.when(j == 0)
     def _init():
@@ -68,52 +68,67 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(start < kv_len)
-    def _page():
-        q = q_ref[0, 0]
-        k = k_ref[0, 0]
-        v = v_ref[0, 0]
-        rows, width = q.shape[0], k.shape[0]
-        # An int8 page goes into the matmuls as q's dtype (exact: |values| <= 127); its per-token
-        # scales multiply the logits (K) and the probabilities (V), broadcast along the key axis.
-        compute = q.dtype if quantized else v.dtype
-        s = (
-            jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            * scale
-        )
-        if quantized:
-            s = s * k_scale_ref[0, 0]  # [1, S]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-        q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0) // group
-        mask = (kv_pos < kv_len) & (kv_pos <= q_pos)
-        if window is not None:
-            mask &= q_pos - kv_pos < window
-        s = jnp.where(mask, s, _MASKED)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        if quantized:  # zero the scales past the row's length: stale (even NaN) scales never count
-            v_scale = v_scale_ref[0, 0]  # [1, S]
-            in_row = start + jax.lax.broadcasted_iota(jnp.int32, v_scale.shape, 1) < kv_len
-            pv_weights = p * jnp.where(in_row, v_scale, 0.0)
-        else:
-            v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-            v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))
-            pv_weights = p
-        pv = jax.lax.dot_general(
-            pv_weights.astype(compute), v.astype(compute), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        acc_ref[...] = alpha * acc_ref[...] + pv
-        m_ref[...] = m_new
+    # The block's pages one after another (unrolled), each one online-softmax update: no
+    # concatenation of tiles, which Mosaic restricts for packed (bf16, int8) layouts.
+    for i in range(n):
+        start = (j * n + i) * page_size
+
+        @pl.when(start < kv_len)
+        def _page(k_ref=k_refs[i], v_ref=v_refs[i], ks_ref=ks_refs[i], vs_ref=vs_refs[i], start=start):
+            q = q_ref[0, 0]
+            k = k_ref[0, 0]
+            v = v_ref[0, 0]
+            rows, width = q.shape[0], k.shape[0]
+            # An int8 page goes into the matmuls as q's dtype (exact: |values| <= 127); its per-token
+            # scales multiply the logits (K) and the probabilities (V), broadcast along the key axis.
+            compute = q.dtype if quantized else v.dtype
+            s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = s * scale
+            if quantized:
+                s = s * ks_ref[0, 0]  # [1, S]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+            q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0) // group
+            mask = (kv_pos < kv_len) & (kv_pos <= q_pos)
+            if window is not None:
+                mask &= q_pos - kv_pos < window
+            s = jnp.where(mask, s, _MASKED)
+            m_prev = m_ref[...]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+            if quantized:  # zero the scales past the row's length: stale (even NaN) scales never count
+                v_scale = vs_ref[0, 0]  # [1, S]
+                in_row = start + jax.lax.broadcasted_iota(jnp.int32, v_scale.shape, 1) < kv_len
+                weights = p * jnp.where(in_row, v_scale, 0.0)
+            else:
+                v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+                v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))
+                weights = p
+            pv = jax.lax.dot_general(
+                weights.astype(compute), v.astype(compute), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc_ref[...] = alpha * acc_ref[...] + pv
+            m_ref[...] = m_new
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _finish():
         total = l_ref[...]
         o_ref[0, 0] = (acc_ref[...] / jnp.where(total == 0.0, 1.0, total)).astype(o_ref.dtype)
+
+
+# Pages fetched per grid step, by page size: enough keys per step (~128) to amortise the fixed
+# per-step cost of the pipeline, few enough to keep 2 x (K + V) blocks double-buffered in VMEM at
+# any head_dim. Educated defaults from the TPU's (8, 128) tiling and the per-step overhead;
+# not yet tuned on hardware (no TPU has run this kernel), so callers may override.
+PAGES_PER_BLOCK = {8: 16, 16: 8, 32: 4, 64: 2}
+
+
+def pages_per_block_for(page_size: int, table_width: int) -> int:
+    """The block table's choice for one shape, never more pages than a row's table holds."""
+    return max(1, min(PAGES_PER_BLOCK.get(page_size, 1), table_width))
 
 
 def check_inputs(page_table, kv_lens, q_lens, *, num_pages: int, page_size: int, num_query_tokens: int) -> None:
@@ -165,9 +180,22 @@ def check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_
         )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret", "pages_per_block"))
 def _ragged_paged_attention(
-    q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, *, scale, window, soft_cap, interpret
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    kv_lens,
+    q_lens,
+    k_scales,
+    v_scales,
+    *,
+    scale,
+    window,
+    soft_cap,
+    interpret,
+    pages_per_block,
 ):
     b, t, n, h = q.shape
     nk, num_pages, page_size, _ = k_pages.shape
@@ -181,28 +209,42 @@ def _ragged_paged_attention(
     rows = t * g
     qg = q.reshape(b, t, nk, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nk, rows, h)
 
-    def kv_index(bi, ki, j, pt, lens, starts):
-        last = jnp.maximum((lens[bi] + page_size - 1) // page_size - 1, 0)
-        return ki, pt[bi, jnp.minimum(j, last)], 0, 0
+    ppb = pages_per_block or pages_per_block_for(page_size, width)
+
+    def kv_index(i):  # the index map of the block's i-th page
+        def index(bi, ki, j, pt, lens, starts):
+            last = jnp.maximum((lens[bi] + page_size - 1) // page_size - 1, 0)
+            return ki, pt[bi, jnp.minimum(j * ppb + i, last)], 0, 0
+
+        return index
 
     quantized = k_scales is not None
     kernel = functools.partial(
-        _kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size, quantized=quantized
+        _kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
+        group=g,
+        page_size=page_size,
+        pages_per_block=ppb,
+        quantized=quantized,
     )
-    page_spec = pl.BlockSpec((1, 1, page_size, h), kv_index)
-    in_specs = [pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)), page_spec, page_spec]
-    operands = [qg, k_pages, v_pages]
+    pages = [pl.BlockSpec((1, 1, page_size, h), kv_index(i)) for i in range(ppb)]
+    in_specs = [pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)), *pages, *pages]
+    operands = [qg, *[k_pages] * ppb, *[v_pages] * ppb]
     if quantized:
         # Scales as [K, P, 1, S]: a page's scales are one lane-dense (1, S) tile that broadcasts
         # along the key axis of the logits, with no transpose in the kernel.
-        in_specs += [pl.BlockSpec((1, 1, 1, page_size), kv_index)] * 2
-        operands += [x.reshape(nk, num_pages, 1, page_size) for x in (k_scales, v_scales)]
+        tiles = [pl.BlockSpec((1, 1, 1, page_size), kv_index(i)) for i in range(ppb)]
+        in_specs += [*tiles, *tiles]
+        k_tiles, v_tiles = (x.reshape(nk, num_pages, 1, page_size) for x in (k_scales, v_scales))
+        operands += [*[k_tiles] * ppb, *[v_tiles] * ppb]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, nk, rows, h), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(b, nk, width),
+            grid=(b, nk, pl.cdiv(width, ppb)),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((1, 1, rows, h), lambda bi, ki, j, *_: (bi, ki, 0, 0)),
             scratch_shapes=[
@@ -232,6 +274,7 @@ def ragged_paged_attention(
     interpret: bool | str = False,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    pages_per_block: int | None = None,
 ) -> jax.Array:
     """Attention of each row's new queries over its cached pages (their own K/V already written).
 
@@ -249,11 +292,15 @@ def ragged_paged_attention(
             (Pallas' TPU interpret mode; block on the result before dispatching other JAX work).
         k_scales, v_scales: [K, P, S] float32 per-token-per-head scales of int8 pools (a slot holds
             values * scale); None for float pools.
+        pages_per_block: pages fetched per grid step; None takes the block table's choice
+            (`pages_per_block_for`).
 
     Returns:
         [B, T, N, H] in q's dtype; rows past q_lens, and padding rows, are zeros or don't-care.
     """
     check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales)
+    if pages_per_block is not None and (not isinstance(pages_per_block, int) or pages_per_block < 1):
+        raise ValueError(f"pages_per_block must be a positive int or None, got {pages_per_block!r}")
     return _ragged_paged_attention(
         q,
         k_pages,
@@ -267,4 +314,5 @@ def ragged_paged_attention(
         window=window,
         soft_cap=soft_cap,
         interpret=interpret,
+        pages_per_block=pages_per_block,
     )

@@ -10,10 +10,10 @@ GQA, sliding window, soft cap, static scale. The structure differs where the har
 - A sliding window starts the walk at the first page that can hold a visible key.
 - Online softmax in registers (running max, sum, accumulator), one write of the output at the end.
 
-The page walk is a plain loop over `pages_per_step`-page groups, so a Mosaic GPU (Hopper) variant
-can replace the loop body with TMA copies into shared memory and a wgmma, keeping the wrapper,
-the grid and the masking as they are. That variant needs an H100/H200 to be tested and is not
-written yet.
+The page walk is a plain loop over `pages_per_step`-page groups (block sizes from the table in
+`blocks_for`), so a Mosaic GPU (Hopper) variant can replace the loop body with TMA copies into
+shared memory and a wgmma, keeping the wrapper, the grid and the masking as they are. That
+variant needs an H100/H200 to be tested and is not written yet.
 
 NOTE: so far this kernel has only run in Pallas' interpret mode (CPU); it has not been compiled
 for a GPU. `attention_backend="auto"` therefore never picks it; "pallas" on a GPU does.
@@ -21,11 +21,13 @@ for a GPU. `attention_backend="auto"` therefore never picks it; "pallas" on a GP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention import _MASKED, check_call
 
@@ -43,6 +45,7 @@ def _kernel(
     window: int | None,
     group: int,
     page_size: int,
+    pages_per_step: int,
     quantized: bool,
 ):
     if quantized:
@@ -58,12 +61,14 @@ def _kernel(
     offsets = jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
     v_offsets = jax.lax.broadcasted_iota(jnp.int32, (page_size, h), 0)
 
-    first = 0 if window is None else jnp.maximum(q_start - window + 1, 0) // page_size
-    last = (kv_len + page_size - 1) // page_size
+    n = pages_per_step
+    first_page = 0 if window is None else jnp.maximum(q_start - window + 1, 0) // page_size
+    last_page = (kv_len + page_size - 1) // page_size
+    width = page_table_ref.shape[1]
 
     def page(j, carry):
         m, total, acc = carry
-        p_idx = page_table_ref[b, j]
+        p_idx = page_table_ref[b, jnp.minimum(j, width - 1)]  # j past the table: masked below
         k = k_ref[kh, p_idx]  # [S, H]
         v = v_ref[kh, p_idx]
         start = j * page_size
@@ -93,12 +98,17 @@ def _kernel(
         )
         return m_new, alpha * total + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
+    def step(i, carry):  # n pages per loop iteration, unrolled
+        for u in range(n):
+            carry = page(i * n + u, carry)
+        return carry
+
     init = (
         jnp.full((rows, 1), _MASKED, jnp.float32),
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, h), jnp.float32),
     )
-    _, total, acc = jax.lax.fori_loop(first, last, page, init)
+    _, total, acc = jax.lax.fori_loop(first_page // n, (last_page + n - 1) // n, step, init)
     o_ref[...] = (acc / jnp.where(total == 0.0, 1.0, total)).astype(o_ref.dtype)
 
 
@@ -106,8 +116,32 @@ def _pow2_at_least(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret"))
-def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, *, scale, window, soft_cap, interpret):
+@dataclasses.dataclass(frozen=True)
+class GpuBlocks:
+    pages_per_step: int  # pages per loop iteration (unrolled): keys per online-softmax update batch
+    num_warps: int
+    num_stages: int
+
+
+def blocks_for(*, page_size: int, head_dim: int, rows: int) -> GpuBlocks:
+    """The block table: ~64 keys per loop iteration; more warps as the [R, H] tile grows.
+
+    Educated defaults for an H100/H200 class GPU (a [rows, H] x [H, 64] tile per iteration keeps
+    register pressure modest at H <= 128); not yet tuned on hardware - this kernel has only run in
+    interpret mode - so every field can be overridden per call.
+    """
+    tile = rows * head_dim
+    return GpuBlocks(
+        pages_per_step=max(1, 64 // page_size),
+        num_warps=4 if tile <= 64 * 128 else 8,
+        num_stages=2 if head_dim <= 128 else 1,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret", "blocks"))
+def _call(
+    q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, *, scale, window, soft_cap, interpret, blocks
+):
     b, t, n, h = q.shape
     nk, num_pages, page_size, _ = k_pages.shape
     g = n // nk
@@ -121,7 +155,14 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, 
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     quantized = k_scales is not None
     kernel = functools.partial(
-        _kernel, scale=scale, soft_cap=soft_cap, window=window, group=g, page_size=page_size, quantized=quantized
+        _kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
+        group=g,
+        page_size=page_size,
+        pages_per_step=blocks.pages_per_step,
+        quantized=quantized,
     )
     whole = pl.BlockSpec()  # the whole array: the kernel indexes pages and scalars itself
     scales = (k_scales, v_scales) if quantized else ()
@@ -140,6 +181,7 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, k_scales, v_scales, 
         ],
         out_specs=pl.BlockSpec((None, None, padded, h), lambda bi, ki: (bi, ki, 0, 0)),
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         name="jaxinfer_ragged_paged_attention_gpu",
     )(page_table, kv_lens, kv_lens - q_lens, qg, k_pages, v_pages, *scales)
     out = out[:, :, :rows]
@@ -160,9 +202,23 @@ def ragged_paged_attention_gpu(
     interpret=False,
     k_scales=None,
     v_scales=None,
+    pages_per_step: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
-    """See `pallas_kernels.ragged_paged_attention.ragged_paged_attention`: same arguments, same result."""
+    """See `pallas_kernels.ragged_paged_attention.ragged_paged_attention`: same arguments, same result.
+
+    The block sizes default to `blocks_for`'s table; `pages_per_step`, `num_warps` and `num_stages`
+    override single entries.
+    """
     check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales)
+    n, nk, h = q.shape[2], k_pages.shape[0], q.shape[3]
+    blocks = blocks_for(page_size=k_pages.shape[2], head_dim=h, rows=_pow2_at_least(q.shape[1] * n // nk, 16))
+    overrides = dict(pages_per_step=pages_per_step, num_warps=num_warps, num_stages=num_stages)
+    for name, value in overrides.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    blocks = dataclasses.replace(blocks, **{k: v for k, v in overrides.items() if v is not None})
     return _call(
         q,
         k_pages,
@@ -176,4 +232,5 @@ def ragged_paged_attention_gpu(
         window=window,
         soft_cap=soft_cap,
         interpret=interpret,
+        blocks=blocks,
     )

@@ -134,6 +134,9 @@ def test_kernel_matches_reference(st, kernel):
         q, k, v, table, kv, ql = _batch(rng, st)
         mode = "tpu" if kernel == "tpu" else True  # the TPU kernel under the strict TPU simulation
         kp, vp, scales = _kernel_args(k, v)
+        # Block sizes: the table's choice, one page per block, and a block that straddles the table's end.
+        block = {"tpu": "pages_per_block", "gpu": "pages_per_step"}[kernel]
+        scales[block] = (None, 1, 3)[case % 3]
         out = KERNELS[kernel](
             q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, interpret=mode, **scales
         )
@@ -166,6 +169,21 @@ def test_out_of_range_inputs_are_refused():
         ragged_paged_attention(q, k, v, table, kv, ql, scale=jnp.float32(0.1), interpret=True)
     with pytest.raises(ValueError, match=r"page_table\[1, 2\] = 24 is outside"):
         ragged_paged_attention_gpu(q, k, v, table.at[1, 2].set(POOL), kv, ql, scale=0.125, interpret=True)
+
+
+def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
+    from pallas_kernels.ragged_paged_attention import pages_per_block_for
+    from pallas_kernels.ragged_paged_attention_gpu import blocks_for
+
+    assert [pages_per_block_for(s, 64) for s in (8, 16, 32, 64, 128)] == [16, 8, 4, 2, 1]
+    assert pages_per_block_for(16, 3) == 3  # never more pages than a row's table holds
+    assert blocks_for(page_size=16, head_dim=128, rows=16).pages_per_step == 4
+    assert blocks_for(page_size=16, head_dim=256, rows=64).num_warps == 8
+    q, k, v, table, kv, ql = _batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
+    with pytest.raises(ValueError, match="pages_per_block must be a positive int"):
+        ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_block=0)
+    with pytest.raises(ValueError, match="num_warps must be a positive int"):
+        ragged_paged_attention_gpu(q, k, v, table, kv, ql, scale=0.125, interpret=True, num_warps=-1)
 
 
 def test_backend_resolution():
