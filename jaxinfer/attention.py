@@ -17,8 +17,13 @@ from jaxinfer.kv_cache import Pool, QuantizedPages, quantize_int8
 _MASKED = -1e30
 
 
-def write_kv(k_pages: Pool, v_pages: Pool, k: jax.Array, v: jax.Array, slots: jax.Array) -> tuple[Pool, Pool]:
+def write_kv(
+    k_pages: Pool, v_pages: Pool, k: jax.Array, v: jax.Array, slots: jax.Array, *, backend: str = "reference"
+) -> tuple[Pool, Pool]:
     """Scatters new keys/values into their cache slots (quantizing them for an int8 pool).
+
+    With the "pallas" backend on TPU (or interpreted on CPU) the Pallas write kernel
+    (pallas_kernels.kv_write) does it; elsewhere, and as the reference, an XLA scatter.
 
     Args:
         k_pages, v_pages: [K, P, S, H] page pools of one layer, arrays or QuantizedPages (donated
@@ -29,6 +34,23 @@ def write_kv(k_pages: Pool, v_pages: Pool, k: jax.Array, v: jax.Array, slots: ja
     Returns:
         The updated (k_pages, v_pages), of the same types.
     """
+    if resolve_backend(backend) == "pallas" and jax.default_backend() in ("tpu", "cpu"):
+        from pallas_kernels.kv_write import kv_write
+
+        interpret = jax.default_backend() == "cpu"
+        if isinstance(k_pages, QuantizedPages):
+            kv, vv, ks, vs = kv_write(
+                k_pages.values,
+                v_pages.values,
+                k,
+                v,
+                slots,
+                k_scales=k_pages.scales,
+                v_scales=v_pages.scales,
+                interpret=interpret,
+            )
+            return QuantizedPages(values=kv, scales=ks), QuantizedPages(values=vv, scales=vs)
+        return kv_write(k_pages, v_pages, k, v, slots, interpret=interpret)
     nk, _, s, h = k_pages.shape
     # Index pages and offsets separately: reshaping the pool to [K, P*S, H] first makes XLA copy
     # the whole pool around the scatter instead of updating the donated buffer in place.

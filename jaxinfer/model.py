@@ -87,7 +87,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kx = apply_rope(kx, cos, sin)
 
-        k_pages, v_pages = attention.write_kv(k_pages, v_pages, kx, vx, slots)
+        k_pages, v_pages = attention.write_kv(k_pages, v_pages, kx, vx, slots, backend=cfg.attention_backend)
         out = attention.paged_attention(
             q,
             k_pages,
