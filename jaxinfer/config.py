@@ -56,6 +56,7 @@ AttentionKind = GlobalAttention | SlidingWindow
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
@@ -68,7 +69,7 @@ class ModelConfig:
     """
 
     name: str = "model"
-    family: str = "llama"  # llama | mistral | qwen2 | qwen3
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F
@@ -86,6 +87,15 @@ class ModelConfig:
     qk_norm: bool = False
     # One entry per layer; () means "all global".
     layer_attention: tuple[AttentionKind, ...] = ()
+    # Gemma options; the defaults are the Llama behaviour. See "Model families" in WORKSPACE.md.
+    mlp_activation: str = "silu"  # gate activation of the GLU MLP: silu | gelu_tanh | gelu
+    embed_scale: bool = False  # embeddings times sqrt(D), the factor rounded to the params dtype
+    norm_unit_offset: bool = False  # RMSNorm weights stored as w, applied as (1 + w)
+    post_norms: bool = False  # an RMSNorm on the output of attention and of the MLP, before the residual
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (None: head_dim ** -0.5)
+    attn_logit_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap)
+    final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # RoPE base of sliding-window layers, unscaled (None: as global)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # compute and parameter dtype
@@ -122,14 +132,18 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise UnsupportedModelError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise UnsupportedModelError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
+        for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise UnsupportedModelError(f"config field {field!r} must be positive or unset, got {value!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     @property
     def q_per_kv(self) -> int:
@@ -138,6 +152,16 @@ class ModelConfig:
 
     def attention_kind(self, layer: int) -> AttentionKind:
         return self.layer_attention[layer] if self.layer_attention else GlobalAttention()
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of the attention logits (a Python float: it is compiled in)."""
+        base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(base) ** -0.5
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates with the local RoPE base (Gemma 3's sliding-window layers)."""
+        return self.local_rope_theta is not None and isinstance(self.attention_kind(layer), SlidingWindow)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -158,7 +182,7 @@ class ModelConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * h
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
@@ -171,8 +195,15 @@ _ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+_GEMMA = ("gemma", "gemma2", "gemma3")
+# Vision-language checkpoints whose text decoder we run on text prompts (images are not supported):
+# architecture or model_type -> the model_type of their `text_config`.
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "gemma3": "gemma3_text"}
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -223,10 +254,108 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
         return tuple(kinds) if any(isinstance(k, SlidingWindow) for k in kinds) else ()
     if not window:
         return ()
+    if family == "gemma2":  # configs written before layer_types: even layers local, odd global
+        return tuple(SlidingWindow(int(window)) if i % 2 == 0 else GlobalAttention() for i in range(num_layers))
+    if family == "gemma3":  # every `sliding_window_pattern`-th layer global, the rest local
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        return tuple(SlidingWindow(int(window)) if (i + 1) % pattern else GlobalAttention() for i in range(num_layers))
     if family == "mistral":
         return (SlidingWindow(int(window)),) * num_layers
     first_sliding = int(hf.get("max_window_layers", 0))
     return tuple(SlidingWindow(int(window)) if i >= first_sliding else GlobalAttention() for i in range(num_layers))
+
+
+def _activation(hf: dict[str, Any], family: str) -> str:
+    """The MLP gate activation, in our names. Gemma 1 reads `hidden_act`, Gemma 2/3 `hidden_activation`."""
+    if family == "gemma":
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+        if act == "gelu":  # the released Gemma 1 configs say "gelu" but were trained with the tanh form
+            act = "gelu_pytorch_tanh"
+    elif family in _GEMMA:
+        key = "hidden_activation"
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    else:
+        key = "hidden_act"
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    ours = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+    if act not in ours or (family not in _GEMMA and ours[act] != "silu"):
+        supported = "'gelu_pytorch_tanh', 'gelu', 'silu'" if family in _GEMMA else "'silu'"
+        raise UnsupportedModelError(f"{key} {act!r} is not supported for {family} (supported: {supported})")
+    return ours[act]
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(global theta, global scaling, local theta) from either config layout.
+
+    transformers v5 writes `rope_parameters` keyed by layer type; older configs keep `rope_theta`,
+    `rope_scaling` (global layers only) and `rope_local_base_freq` at top level.
+    """
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        theta, scaling = _rope({"rope_parameters": params.get("full_attention") or {"rope_theta": 1_000_000.0}})
+        local = params.get("sliding_attention") or {"rope_theta": 10_000.0}
+        local_theta, local_scaling = _rope({"rope_parameters": local})
+        if local_scaling is not None:
+            raise UnsupportedModelError(
+                "rope_parameters['sliding_attention'] has a rope scaling; only unscaled local RoPE is supported"
+            )
+        return theta, scaling, local_theta
+    theta, scaling = _rope({**hf, "rope_theta": hf.get("rope_theta", 1_000_000.0)})
+    return theta, scaling, float(hf.get("rope_local_base_freq", 10_000.0))
+
+
+def _gemma_options(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """ModelConfig fields that differ from Llama for Gemma 1/2/3 (empty for other families)."""
+    if family not in _GEMMA:
+        return {}
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention=true is not supported (decoder-only, causal)")
+    opts: dict[str, Any] = dict(embed_scale=True, norm_unit_offset=True)
+    if family == "gemma":
+        return opts
+    opts.update(post_norms=True, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
+    final_cap = hf.get("final_logit_softcapping")
+    attn_cap = hf.get("attn_logit_softcapping")
+    if final_cap is not None:
+        opts["final_logit_softcap"] = float(final_cap)
+    if family == "gemma2":
+        if attn_cap is not None:
+            opts["attn_logit_softcap"] = float(attn_cap)
+        return opts
+    if attn_cap is not None:
+        # Gemma 3 replaced attention soft-capping by q/k norms; transformers ignores the field, so a
+        # config that sets it is ambiguous.
+        raise UnsupportedModelError("attn_logit_softcapping is not supported for gemma3 (Gemma 3 does not use it)")
+    theta, scaling, local_theta = _gemma3_rope(hf)
+    opts.update(qk_norm=True, rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta)
+    return opts
+
+
+def _text_decoder_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig:
+    """The text decoder of a vision-language checkpoint (Gemma 3): its `text_config`, with the token
+    ids and embedding tying that only the outer config may carry. Images are not supported."""
+    archs = hf.get("architectures") or []
+    kind = next((a for a in archs if a in _MULTIMODAL), archs[0] if archs else hf.get("model_type"))
+    if kind not in _MULTIMODAL:
+        raise UnsupportedModelError(
+            f"multimodal checkpoint {kind!r} (a config with a text_config) is not supported "
+            f"(supported: {', '.join(sorted(_MULTIMODAL))}, text prompts only)"
+        )
+    text = hf["text_config"]
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"text_config must be a JSON object, got {type(text).__name__}")
+    if text.get("final_logit_softcapping") is not None:
+        # Gemma3ForConditionalGeneration never applies it (Gemma3ForCausalLM does): ambiguous, refuse.
+        raise UnsupportedModelError(
+            "final_logit_softcapping in the text_config of a vision-language Gemma 3 checkpoint is not supported "
+            "(transformers' Gemma3ForConditionalGeneration ignores it)"
+        )
+    text = {**text, "model_type": _MULTIMODAL[kind], "architectures": None}
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and hf.get(key) is not None:
+            text[key] = hf[key]
+    return from_hf_config(text, dtype=dtype, name=name)
 
 
 def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "model") -> ModelConfig:
@@ -237,6 +366,8 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
     """
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
+    if "text_config" in hf:
+        return _text_decoder_config(hf, dtype=dtype, name=name)
     family = None
     for arch in archs:
         if arch in _ARCHITECTURES:
@@ -251,11 +382,9 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_MODEL_TYPES))})"
             )
-        family = model_type
+        family = "gemma3" if model_type == "gemma3_text" else model_type
 
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported for {family} (only 'silu')")
+    activation = _activation(hf, family)
     if hf.get("mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=true is not supported")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -278,7 +407,7 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
 
     attention_bias = bool(hf.get("attention_bias", False))
     qkv_bias = family == "qwen2" or attention_bias
-    return ModelConfig(
+    fields = dict(
         name=name,
         family=family,
         vocab_size=vocab,
@@ -292,7 +421,7 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in _GEMMA)),
         qkv_bias=qkv_bias,
         o_bias=attention_bias,
         qk_norm=family == "qwen3",
@@ -300,7 +429,10 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         dtype=dtype,
+        mlp_activation=activation,
     )
+    fields.update(_gemma_options(hf, family))
+    return ModelConfig(**fields)
 
 
 def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
@@ -330,11 +462,17 @@ def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
     return cfg
 
 
-def rope_inv_freq(cfg: ModelConfig):
-    """Per-pair inverse frequencies [H/2] as float64 numpy, with the configured scaling applied."""
+def rope_inv_freq(cfg: ModelConfig, *, local: bool = False):
+    """Per-pair inverse frequencies [H/2] as float64 numpy, with the configured scaling applied.
+
+    `local=True` gives the sliding-window layers' table when the config has a separate local base
+    (`local_rope_theta`, Gemma 3): that base, never scaled.
+    """
     import numpy as np
 
     h = cfg.head_dim
+    if local and cfg.local_rope_theta is not None:
+        return 1.0 / (cfg.local_rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     s = cfg.rope_scaling
     if isinstance(s, LinearRopeScaling):

@@ -17,7 +17,7 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.loading import load_hf_checkpoint
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tokenizer import load_tokenizer, render_chat_template, validate_messages
 
 
 @dataclasses.dataclass
@@ -242,6 +242,51 @@ class LLM:
         for r, t in zip(requests, texts):
             outs.append(self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}))
             self.engine.release(r.request_id)
+        return outs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates the next turn of a conversation, rendered with the model's chat template.
+
+        Args:
+            messages: one conversation, a list of {"role": ..., "content": ...} dicts, or a list of
+                conversations.
+            sampling_params: one for all conversations, or one per conversation.
+            add_generation_prompt: end the prompt with the template's opening of an assistant turn.
+
+        Returns:
+            One RequestOutput per conversation, as `generate` returns; `prompt` is the rendered text.
+            The rendered text is tokenized without adding BOS/EOS: the template writes its own.
+        """
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this model directory has no tokenizer, so it cannot render a chat")
+        if not tok.chat_template:
+            raise InvalidRequestError(
+                "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
+                "format the prompt yourself and call generate()"
+            )
+        batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if batched else [messages]
+        texts, ids = [], []
+        for i, conv in enumerate(conversations):
+            field = f"messages[{i}]" if batched else "messages"
+            text = render_chat_template(
+                tok.chat_template,
+                validate_messages(conv, field),
+                add_generation_prompt=add_generation_prompt,
+                special_tokens=tok.special_tokens,
+            )
+            texts.append(text)
+            ids.append(tok.encode(text, add_special_tokens=False))
+        outs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+        for out, text in zip(outs, texts):
+            out.prompt = text
         return outs
 
     def stream(

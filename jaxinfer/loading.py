@@ -123,7 +123,12 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ..
     for i in range(cfg.num_layers):
         pre, ours = f"model.layers.{i}.", f"layer_{i}"
         yield (pre + "input_layernorm.weight",), (ours, "attn_norm", "scale"), _same
-        yield (pre + "post_attention_layernorm.weight",), (ours, "mlp_norm", "scale"), _same
+        if cfg.post_norms:  # Gemma 2/3: post_attention_layernorm norms the attention OUTPUT
+            yield (pre + "post_attention_layernorm.weight",), (ours, "attn_post_norm", "scale"), _same
+            yield (pre + "pre_feedforward_layernorm.weight",), (ours, "mlp_norm", "scale"), _same
+            yield (pre + "post_feedforward_layernorm.weight",), (ours, "mlp_post_norm", "scale"), _same
+        else:
+            yield (pre + "post_attention_layernorm.weight",), (ours, "mlp_norm", "scale"), _same
         for hf, me in (("q", "q"), ("k", "k"), ("v", "v")):
             yield (pre + f"self_attn.{hf}_proj.weight",), (ours, "attn", f"w{me}"), _linear_in_out
             if cfg.qkv_bias:
@@ -142,6 +147,31 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ..
 # Tensors checkpoints carry that hold no parameters of ours.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
+# Vision-language checkpoints (Gemma 3) keep the text decoder under a prefix, next to a vision tower
+# and projector that text prompts never use: (prefix in the file, the text-only model's prefix).
+_TEXT_DECODER_PREFIXES = (
+    ("language_model.model.", "model."),  # what transformers writes (v4 and v5)
+    ("model.language_model.", "model."),  # transformers v5's in-memory names
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
+def _text_decoder_names(names) -> dict[str, str]:
+    """Maps text-only tensor names to the names stored in the checkpoint (identity for text models).
+
+    For a vision-language checkpoint the vision tensors are left out, so they are neither loaded
+    nor reported as unexpected."""
+    if not any(n.startswith(tuple(p for p, _ in _TEXT_DECODER_PREFIXES)) for n in names):
+        return {n: n for n in names}
+    out = {}
+    for n in names:
+        if _VISION.match(n):
+            continue
+        plain = next((new + n[len(old) :] for old, new in _TEXT_DECODER_PREFIXES if n.startswith(old)), n)
+        out[plain] = n
+    return out
+
 
 def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None):
     """Reads a HF safetensors checkpoint into the parameter pytree, one tensor at a time.
@@ -154,7 +184,9 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
     Raises:
         CheckpointError: naming the tensor or file that is missing, extra, corrupt or misshapen.
     """
-    files = _checkpoint_files(model_dir)
+    stored = _checkpoint_files(model_dir)
+    names = _text_decoder_names(stored)  # our HF-style name -> name in the file
+    files = {n: stored[s] for n, s in names.items()}
     abstract = abstract_params(cfg)
     opened: dict[str, SafetensorsFile] = {}
     params: dict = {}
@@ -170,9 +202,11 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
             if fname not in opened:
                 opened[fname] = SafetensorsFile(fname)
             st = opened[fname]
-            if hf_name not in st.header:
-                raise CheckpointError(f"tensor {hf_name!r} is not in {os.path.basename(fname)} as the index says")
-            raws.append(st.get(hf_name))
+            if names[hf_name] not in st.header:
+                raise CheckpointError(
+                    f"tensor {names[hf_name]!r} is not in {os.path.basename(fname)} as the index says"
+                )
+            raws.append(st.get(names[hf_name]))
         target = abstract
         for key in path:
             target = target[key]

@@ -30,22 +30,33 @@ def _param(module: nn.Module, name: str, shape, axes, init=_normal):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, statistics in float32, scaled in the model dtype (as HF does)."""
+    """x / rms(x) * w, statistics in float32, scaled in the model dtype (as HF does).
+
+    With `cfg.norm_unit_offset` (Gemma) the stored weight is w and the scale is (1 + w), applied in
+    float32 before the cast back, as the Gemma reference does; the weight then starts at zero.
+    """
 
     cfg: ModelConfig
     dim: int
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = _param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
+        offset = self.cfg.norm_unit_offset
+        init = nn.initializers.zeros if offset else nn.initializers.ones
+        w = _param(self, "scale", (self.dim,), ("norm",), init)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+        if offset:
+            return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
         return w * y.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape [B, T, H] for the rotate-half RoPE convention used by HF checkpoints."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [H/2]
+def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, H] for the rotate-half RoPE convention used by HF checkpoints.
+
+    `local=True`: the sliding-window layers' table (see `rope_inv_freq`).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, local=local), jnp.float32)  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
     return jnp.cos(angles), jnp.sin(angles)
@@ -95,8 +106,9 @@ class Attention(nn.Module):
             batch.page_table,
             batch.positions(),
             batch.kv_lens,
-            scale=h**-0.5,
+            scale=cfg.attention_scale,
             kind=cfg.attention_kind(self.layer),
+            soft_cap=cfg.attn_logit_softcap,
             q_lens=batch.q_lens,
             backend=cfg.attention_backend,
         )  # [B, T, N, H]
@@ -109,8 +121,17 @@ class Attention(nn.Module):
         return o, k_pages, v_pages
 
 
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one [D, 2, F] weight.
+    """Gated MLP: down(act(gate(x)) * up(x)), with gate and up as one [D, 2, F] weight.
+
+    act is SiLU (SwiGLU, Llama) or GELU (GeGLU, Gemma): `cfg.mlp_activation`.
 
     One matrix-vector product over the merged weight streams it faster than two over the halves
     (XLA CPU: 3-6% of a whole 150M decode step); the F axis still shards over `mlp` as before.
@@ -123,11 +144,14 @@ class MLP(nn.Module):
         d, f = self.cfg.hidden_size, self.cfg.intermediate_size
         w_gate_up = _param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"))
         gate_up = jnp.einsum("BTD,DCF->BTCF", x, w_gate_up)  # C = 2: gate, up
-        h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        h = _ACTIVATIONS[self.cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
         return jnp.einsum("BTF,FD->BTD", h, _param(self, "w_down", (f, d), ("mlp", "embed")))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; with `cfg.post_norms` (Gemma 2/3) each block's output is
+    normed again before it joins the residual stream."""
+
     cfg: ModelConfig
     layer: int
 
@@ -138,9 +162,14 @@ class DecoderLayer(nn.Module):
             h, k_pages, v_pages = Attention(self.cfg, self.layer, name="attn")(
                 RMSNorm(self.cfg, d, name="attn_norm")(x), cos, sin, batch, slots, k_pages, v_pages
             )
+            if self.cfg.post_norms:
+                h = RMSNorm(self.cfg, d, name="attn_post_norm")(h)
         x = x + h
         with jax.named_scope("mlp"):
-            x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, d, name="mlp_norm")(x))
+            h = MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, d, name="mlp_norm")(x))
+            if self.cfg.post_norms:
+                h = RMSNorm(self.cfg, d, name="mlp_post_norm")(h)
+        x = x + h
         return x, k_pages, v_pages
 
 
@@ -154,12 +183,17 @@ class Transformer(nn.Module):
         cfg = self.cfg
         embedding = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
         x = jnp.take(embedding, batch.tokens, axis=0)  # [B, T, D]
-        cos, sin = rope_tables(cfg, batch.positions())
+        if cfg.embed_scale:  # the factor is rounded to the params dtype first, as the Gemma reference does
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        rope = rope_tables(cfg, batch.positions())
+        local = cfg.local_rope_theta is not None and any(cfg.uses_local_rope(i) for i in range(cfg.num_layers))
+        local_rope = rope_tables(cfg, batch.positions(), local=True) if local else rope
         slots = batch.slots(cache.page_size)  # computed once, shared by every layer
 
         ks, vs = list(cache.k), list(cache.v)
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer_{i}"):
+                cos, sin = local_rope if cfg.uses_local_rope(i) else rope
                 x, ks[i], vs[i] = DecoderLayer(cfg, i, name=f"layer_{i}")(x, cos, sin, batch, slots, ks[i], vs[i])
 
         # Only each row's last new token needs logits: gather before the norm and LM head.
@@ -171,6 +205,8 @@ class Transformer(nn.Module):
         else:
             lm_head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
             logits = jnp.einsum("BD,DV->BV", x, lm_head, preferred_element_type=jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return logits, KVCache(k=tuple(ks), v=tuple(vs))
 
 

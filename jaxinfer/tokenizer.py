@@ -1,71 +1,274 @@
-"""Tokenizers: Hugging Face `tokenizer.json`, SentencePiece `tokenizer.model`, and a byte tokenizer.
+"""Tokenizers: Hugging Face `tokenizer.json`, SentencePiece `tokenizer.model`, and a byte tokenizer;
+plus the checkpoint's special-token settings and its chat template.
 
-All three answer the same small interface (`encode`, `decode`, `vocab_size`, `bos_id`,
-`eos_ids`), so the engine never knows which one it holds.
+All three answer the same small interface (`encode`, `decode`, `vocab_size`, `bos_id`, `eos_ids`,
+`special_tokens`, `chat_template`), so the engine never knows which one it holds.
+
+Token ids are meant to equal those of transformers' `AutoTokenizer.from_pretrained` on the same
+files (tested), which fixes a few rules that are easy to get subtly wrong:
+
+- BOS/EOS with a tokenizer.json: its post-processor decides. transformers (v5) bakes
+  `add_bos_token` / `add_eos_token` into it when saving and ignores the flags in
+  tokenizer_config.json when a tokenizer.json is present; so do we.
+- BOS/EOS with a SentencePiece model: tokenizer_config.json's `add_bos_token` and `add_eos_token`,
+  false when unstated (transformers v5 reads them so). A bare tokenizer.model with no
+  tokenizer_config.json at all keeps the Llama 1 convention: BOS, no EOS.
+- Special-token strings (`bos_token`, `eos_token`, ...) come from tokenizer_config.json, then
+  special_tokens_map.json. Inside text they (and a SentencePiece model's user-defined pieces) encode
+  as their single id: a chat template writes them.
+- SentencePiece: transformers ignores the model's own normaliser and whitespace collapsing, and
+  puts the "▁" prefix only in front of text that does not already start with a space, and (unless
+  `legacy`) only at the very start of the text, not after a special token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import os
-from typing import Protocol
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, InvalidRequestError
+
+# The named special tokens transformers exposes to chat templates (its `special_tokens_map`).
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_ids: tuple[int, ...]
+    special_tokens: dict[str, str]  # bos_token / eos_token / ... -> its string, for chat templates
+    chat_template: str | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
 
-class HFTokenizer:
-    """A `tokenizers` fast tokenizer; special tokens (BOS) come from its own post-processor."""
+@dataclasses.dataclass(frozen=True)
+class TokenizerSettings:
+    """What tokenizer_config.json, special_tokens_map.json and the chat template files say.
 
-    def __init__(self, path: str, *, eos_ids: tuple[int, ...] = ()):
+    None means "not stated": each tokenizer then applies its own default.
+    """
+
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    extra_special_tokens: tuple[str, ...] = ()  # additional / added special tokens, matched inside text
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    add_prefix_space: bool | None = None
+    legacy: bool | None = None
+    tokenizer_class: str | None = None
+    chat_template: str | None = None
+    has_config: bool = False  # whether there was a tokenizer_config.json at all
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _token_text(value) -> str | None:
+    """A special token as written in the configs: a string or an AddedToken dict {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _chat_template(model_dir: str, config: dict) -> str | None:
+    """chat_template.jinja (what transformers v5 writes), else tokenizer_config.json's chat_template
+    (a string, or a list of named templates: "default" is used), else chat_template.json's."""
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if template is None:
+        path = os.path.join(model_dir, "chat_template.json")
+        if os.path.isfile(path):
+            template = (_read_json(path) or {}).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+        if template is None:
+            raise CheckpointError(
+                f"tokenizer_config.json has named chat_templates {sorted(map(str, named))} but no 'default'"
+            )
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"chat_template must be a string, got {type(template).__name__}")
+    return template
+
+
+def read_settings(model_dir: str) -> TokenizerSettings:
+    """Reads the special-token settings and chat template of a checkpoint directory."""
+    config, tokens_map = {}, {}
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    has_config = os.path.isfile(path)
+    if has_config:
+        config = _read_json(path)
+    path = os.path.join(model_dir, "special_tokens_map.json")
+    if os.path.isfile(path):
+        tokens_map = _read_json(path)
+    if not isinstance(config, dict) or not isinstance(tokens_map, dict):
+        raise CheckpointError(f"{model_dir}: tokenizer_config.json / special_tokens_map.json must hold JSON objects")
+    special = {}
+    for name in _SPECIAL_NAMES:
+        text = _token_text(config.get(name)) or _token_text(tokens_map.get(name))
+        if text is not None:
+            special[name] = text
+    extra = []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        for source in (config, tokens_map):
+            values = source.get(key)
+            if isinstance(values, dict):
+                values = list(values.values())
+            for v in values or ():
+                if (t := _token_text(v)) is not None:
+                    extra.append(t)
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        if isinstance(entry, dict) and entry.get("special") and (t := _token_text(entry)) is not None:
+            extra.append(t)
+
+    def flag(name):
+        value = config.get(name)
+        return None if value is None else bool(value)
+
+    return TokenizerSettings(
+        special_tokens=special,
+        extra_special_tokens=tuple(dict.fromkeys(extra)),
+        add_bos=flag("add_bos_token"),
+        add_eos=flag("add_eos_token"),
+        add_prefix_space=flag("add_prefix_space"),
+        legacy=flag("legacy"),
+        tokenizer_class=config.get("tokenizer_class"),
+        chat_template=_chat_template(model_dir, config),
+        has_config=has_config,
+    )
+
+
+class HFTokenizer:
+    """A `tokenizers` fast tokenizer (tokenizer.json); BOS/EOS come from its own post-processor."""
+
+    def __init__(self, path: str, *, settings: TokenizerSettings | None = None, eos_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as _Tok
 
         try:
             self._tok = _Tok.from_file(path)
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        settings = settings or TokenizerSettings()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_ids = eos_ids
-        self.bos_id = None
+        self.special_tokens = dict(settings.special_tokens)
+        self.chat_template = settings.chat_template
+        self.bos_id = self._id(self.special_tokens.get("bos_token"))
+        eos_id = self._id(self.special_tokens.get("eos_token"))
+        self.eos_ids = tuple(eos_ids) or ((eos_id,) if eos_id is not None else ())
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece model; BOS is prepended when `add_bos` (the Llama 1/2 convention)."""
+    """A SentencePiece model (tokenizer.model), encoding as transformers' Llama/Gemma tokenizers do.
 
-    def __init__(self, path: str, *, add_bos: bool = True, eos_ids: tuple[int, ...] = ()):
+    The model's normaliser, whitespace collapsing and dummy prefix are switched off in a copy of its
+    proto: the prefix is then added here, by transformers' rule (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        add_bos: bool = True,
+        eos_ids: tuple[int, ...] = (),
+        settings: TokenizerSettings | None = None,
+    ):
         import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2
 
+        settings = settings or TokenizerSettings(add_bos=add_bos)
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=path)
-        except (OSError, RuntimeError) as e:
+            with open(path, "rb") as f:
+                proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
+            own_prefix = proto.normalizer_spec.add_dummy_prefix
+            user_defined = [p.piece for p in proto.pieces if p.type == p.USER_DEFINED]
+            proto.normalizer_spec.name = "identity"
+            proto.normalizer_spec.precompiled_charsmap = b""
+            proto.normalizer_spec.add_dummy_prefix = False
+            proto.normalizer_spec.remove_extra_whitespaces = False
+            self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        except (OSError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot load SentencePiece model ({e})") from None
+        except Exception as e:  # protobuf's DecodeError
+            raise CheckpointError(f"{path}: cannot load SentencePiece model ({type(e).__name__}: {e})") from None
         self.vocab_size = self._sp.get_piece_size()
-        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.chat_template = settings.chat_template
+        self.special_tokens = dict(settings.special_tokens)
+        gemma = (settings.tokenizer_class or "").startswith("Gemma")
+        self._prefix_space = settings.add_prefix_space if settings.add_prefix_space is not None else own_prefix
+        if settings.add_prefix_space is None and gemma:
+            self._prefix_space = False  # Gemma's tokenizer never adds one
+        self._prefix_everywhere = bool(settings.legacy)
+        bos = self._piece_id(self.special_tokens.get("bos_token"))
+        self.bos_id = bos if bos is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
+        eos = self._piece_id(self.special_tokens.get("eos_token"))
+        eos = eos if eos is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
+        add_bos = settings.add_bos if settings.add_bos is not None else not settings.has_config
         self.add_bos = add_bos and self.bos_id is not None
-        own_eos = (self._sp.eos_id(),) if self._sp.eos_id() >= 0 else ()
-        self.eos_ids = eos_ids or own_eos
+        self.add_eos = bool(settings.add_eos) and eos is not None
+        self._eos_id = eos
+        self.eos_ids = tuple(eos_ids) or ((eos,) if eos is not None else ())
+        # Special tokens are matched inside text (longest first) and encoded as their own id.
+        specials = {}
+        for token in (*self.special_tokens.values(), *settings.extra_special_tokens, *user_defined):
+            if (i := self._piece_id(token)) is not None:
+                specials[token] = i
+        self._specials = specials
+        self._split = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) or "(?!)")
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._sp.encode(text, out_type=int)
-        return [self.bos_id, *ids] if self.add_bos else ids
+    def _piece_id(self, token: str | None) -> int | None:
+        if not token:
+            return None
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(self._sp.unk_id()) else i
+
+    def _encode_text(self, text: str, at_start: bool) -> list[int]:
+        if not text:
+            return []
+        if self._prefix_space and (at_start or self._prefix_everywhere) and not text.startswith((" ", "▁")):
+            text = " " + text
+        return self._sp.encode(text, out_type=int)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids, pos = [], 0
+        for m in self._split.finditer(text):
+            ids += self._encode_text(text[pos : m.start()], pos == 0)
+            ids.append(self._specials[m.group()])
+            pos = m.end()
+        ids += self._encode_text(text[pos:], pos == 0)
+        if add_special_tokens:
+            ids = [self.bos_id, *ids] if self.add_bos else ids
+            ids = [*ids, self._eos_id] if self.add_eos else ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        text = self._sp.decode([int(i) for i in ids])
+        return text[1:] if self._prefix_space and text.startswith(" ") else text
 
 
 class ByteTokenizer:
@@ -77,9 +280,12 @@ class ByteTokenizer:
         self.vocab_size = 256 + self.OFFSET
         self.bos_id = 1
         self.eos_ids = (2,)
+        self.special_tokens = {}
+        self.chat_template = None
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_id, *(b + self.OFFSET for b in text.encode("utf-8"))]
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + self.OFFSET for b in text.encode("utf-8")]
+        return [self.bos_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
@@ -91,18 +297,126 @@ def load_tokenizer(model_dir: str, *, eos_ids: tuple[int, ...] = ()) -> Tokenize
 
     Returns None when there is neither: such a model still serves token-id prompts.
     """
-    config = {}
-    config_path = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.isfile(config_path):
-        try:
-            with open(config_path) as f:
-                config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+    settings = read_settings(model_dir)
     tj = os.path.join(model_dir, "tokenizer.json")
     if os.path.isfile(tj):
-        return HFTokenizer(tj, eos_ids=eos_ids)
+        return HFTokenizer(tj, settings=settings, eos_ids=eos_ids)
     sp = os.path.join(model_dir, "tokenizer.model")
     if os.path.isfile(sp):
-        return SentencePieceTokenizer(sp, add_bos=bool(config.get("add_bos_token", True)), eos_ids=eos_ids)
+        return SentencePieceTokenizer(sp, settings=settings, eos_ids=eos_ids)
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat templates.
+
+
+def validate_messages(messages, field: str = "messages") -> list[dict]:
+    """Checks one conversation: a non-empty list of {"role": str, "content": str | list} dicts.
+
+    Keys whose value is None are dropped (as transformers does: templates test for a key's presence).
+
+    Raises:
+        InvalidRequestError: naming the message and field at fault.
+    """
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise InvalidRequestError(
+            f"{field} must be a list of {{'role': ..., 'content': ...}} messages, got {type(messages).__name__}"
+        )
+    if not messages:
+        raise InvalidRequestError(f"{field} is empty: a conversation needs at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        message = {k: v for k, v in message.items() if v is not None}
+        role = message.get("role")
+        if role is None:
+            raise InvalidRequestError(f"{where}.role is missing")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"{where}.role must be a non-empty string, got {role!r}")
+        if "content" not in message and not message.get("tool_calls"):
+            raise InvalidRequestError(f"{where}.content is missing")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequestError(
+                f"{where}.content must be a string or a list of parts, got {type(content).__name__}"
+            )
+        out.append(message)
+    return out
+
+
+def _jinja_environment():
+    """A sandboxed Jinja environment configured as transformers configures it for chat templates."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks: render as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+_TEMPLATES: dict[str, Any] = {}  # compiled templates by source: a model's template compiles once
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    special_tokens: dict[str, str] | None = None,
+) -> str:
+    """Renders one (validated) conversation into the prompt text the model was trained on.
+
+    The template sees `messages`, `add_generation_prompt`, `tools` / `documents` (None) and the
+    named special tokens (`bos_token`, `eos_token`, ...), as with transformers' `apply_chat_template`.
+
+    Raises:
+        InvalidRequestError: the template refused the conversation (`raise_exception`), e.g. roles
+            that do not alternate; the message is the template's own.
+        CheckpointError: the template itself is broken.
+    """
+    import jinja2
+
+    compiled = _TEMPLATES.get(template)
+    if compiled is None:
+        try:
+            compiled = _jinja_environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
+        _TEMPLATES[template] = compiled
+    try:
+        return compiled.render(
+            **(special_tokens or {}),
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except jinja2.exceptions.SecurityError as e:
+        raise CheckpointError(f"chat_template tried an unsafe operation: {e}") from None
+    except jinja2.exceptions.TemplateError as e:
+        raise InvalidRequestError(f"messages: the model's chat_template refused them: {e}") from None

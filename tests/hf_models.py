@@ -115,3 +115,65 @@ def train_sentencepiece(directory, vocab_size: int = 36) -> str:
         minloglevel=2,
     )
     return str(directory / "tokenizer.model")
+
+
+# Gemma 1/2/3 (text). Shapes chosen so every Gemma option changes the output: head_dim != D / N,
+# windows shorter than the test sequences, soft caps near the logit scale, a query_pre_attn_scalar
+# that is not head_dim, separate local/global RoPE bases with linear scaling on the global layers.
+GEMMA_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=160,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+GEMMA_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_hidden_layers=2, num_key_value_heads=1)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=2.0,
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=2.5,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+}
+
+
+def make_hf_gemma(family: str, **overrides):
+    """A random-weight Gemma model (float32, eager attention) with every norm weight made to matter."""
+    cfg_cls, model_cls, extra = GEMMA_FAMILIES[family]
+    config = getattr(transformers, cfg_cls)(**{**GEMMA_TINY, **extra, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # Gemma norms scale by (1 + w) and start at w = 0
+                p.normal_(0, 0.3)
+    return model

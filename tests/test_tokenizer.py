@@ -1,0 +1,340 @@
+"""Tokenizers and chat templates against transformers' AutoTokenizer on the same files."""
+
+import json
+import random
+
+import pytest
+import transformers
+from hf_models import make_hf_model, save_hf_model
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.errors import InvalidRequestError
+from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+
+STRINGS = [
+    "Hello world",
+    "hello world, the quick brown fox.",
+    " leading space",
+    "  two leading spaces",
+    "trailing spaces  ",
+    "new\nline",
+    "\n\nstarts with newlines\n",
+    "tab\tseparated",
+    "emoji 😀🚀 and more 👍🏽",
+    "日本語のテキスト",
+    "café naïve Ωmega",
+    "1234567 digits",
+    "",
+    "a",
+    "special <s> inside </s> text",
+    "<s>starts with bos",
+]
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+GEMMA_SPECIALS = ["<start_of_turn>", "<end_of_turn>"]
+
+# A Llama-3-style template (headers around each role, end-of-turn tokens, optional generation prompt).
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# A Gemma-style template: no system role (folded into the first user turn), roles must alternate,
+# the assistant is called "model"; written with whitespace control so trim_blocks/lstrip_blocks matter.
+GEMMA_TEMPLATE = """{{ bos_token }}
+{% if messages[0]['role'] == 'system' %}
+    {% set first_prefix = messages[0]['content'] + '\n\n' %}
+    {% set loop_messages = messages[1:] %}
+{% else %}
+    {% set first_prefix = '' %}
+    {% set loop_messages = messages %}
+{% endif %}
+{% for message in loop_messages %}
+    {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {% endif %}
+    {% set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+<start_of_turn>{{ role }}
+{{ (first_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>
+{% endfor %}
+{% if add_generation_prompt %}
+<start_of_turn>model
+{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "  What is 2 + 2?\n"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And naïve 😀 café?"},
+    ],
+]
+
+
+def _corpus(n_lines=300, seed=0):
+    """A few KB of text with the characters the tests use (generated, not stored)."""
+    rng = random.Random(seed)
+    words = (
+        "the quick brown fox jumps over lazy dog hello world café naïve Ωmega 日本語 テキスト "
+        "😀 🚀 👍🏽 tab\tseparated new line 1234567 digits what is and more user model system"
+    ).split(" ")
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) for _ in range(n_lines)]
+
+
+def _bpe_dir(path, specials=(), **tokenizer_kwargs):
+    """A byte-level BPE tokenizer.json trained here, saved by transformers' PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>", *specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    kwargs = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    kwargs.update(tokenizer_kwargs)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    if specials:
+        fast.add_special_tokens({"additional_special_tokens": list(specials)})
+    fast.save_pretrained(path)
+    return path
+
+
+def _spm_dir(path, *, dummy_prefix=True, normalization="identity", tokenizer_config=None):
+    """A tiny SentencePiece BPE model (byte fallback, as Llama and Gemma use) trained on generated text."""
+    import sentencepiece as spm
+
+    (path / "corpus.txt").write_text("\n".join(_corpus(400, seed=1)), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(path / "corpus.txt"),
+        model_prefix=str(path / "tokenizer"),
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name=normalization,
+        remove_extra_whitespaces=normalization != "identity",
+        add_dummy_prefix=dummy_prefix,
+        user_defined_symbols=GEMMA_SPECIALS,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    (path / "corpus.txt").unlink()
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **(tokenizer_config or {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _edit_config(path, **changes):
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    config_path.write_text(json.dumps(config))
+
+
+def _assert_same_ids(path, strings=STRINGS):
+    ours = load_tokenizer(str(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path))
+    for text in strings:
+        expected = theirs(text)["input_ids"]
+        assert ours.encode(text) == expected, (text, theirs.convert_ids_to_tokens(expected))
+        expected = theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+    return ours, theirs
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer.json
+
+
+@pytest.mark.parametrize(
+    "saved, config, bos, eos",
+    [
+        (dict(add_bos_token=True), dict(), True, False),
+        (dict(add_bos_token=False, add_eos_token=True), dict(), False, True),
+        (dict(add_bos_token=True, add_eos_token=True), dict(), True, True),
+        # With a tokenizer.json, transformers bakes the flags into its post-processor on save and
+        # ignores them in tokenizer_config.json on load: so stated flags change nothing.
+        (dict(add_bos_token=True), dict(add_bos_token=False, add_eos_token=True), True, False),
+        # No post-processor at all: no special tokens, whatever the config says.
+        (dict(add_bos_token=True), dict(add_bos_token=True, post_processor=None), False, False),
+    ],
+)
+def test_tokenizer_json_ids_match_transformers(tmp_path, saved, config, bos, eos):
+    _bpe_dir(tmp_path, **saved)
+    if "post_processor" in config:
+        tj = json.loads((tmp_path / "tokenizer.json").read_text())
+        tj["post_processor"] = config.pop("post_processor")
+        (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    if config:
+        _edit_config(tmp_path, **config)
+    ours, theirs = _assert_same_ids(tmp_path)
+    assert isinstance(ours, HFTokenizer)
+    assert ours.bos_id == theirs.bos_token_id == 1 and ours.eos_ids == (2,)
+    assert (ours.encode("hello")[0] == 1) == bos  # the cases above really differ
+    assert (ours.encode("hello")[-1] == 2) == eos
+    for text in STRINGS[:12]:
+        assert ours.decode(ours.encode(text)) == text
+
+
+def test_special_tokens_map_supplies_token_strings(tmp_path):
+    """Older checkpoints name BOS/EOS only in special_tokens_map.json."""
+    _bpe_dir(tmp_path, add_bos_token=True, add_eos_token=True)
+    _edit_config(tmp_path, bos_token=None, eos_token=None)
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}})
+    )
+    ours, theirs = _assert_same_ids(tmp_path, STRINGS[:4])
+    assert ours.encode("hello")[0] == 1 and ours.encode("hello")[-1] == 2
+    assert ours.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+def test_generation_config_eos_ids_win(tmp_path):
+    """EOS ids from config.json / generation_config.json (passed by the loader) take precedence."""
+    _bpe_dir(tmp_path)
+    assert load_tokenizer(str(tmp_path)).eos_ids == (2,)
+    assert load_tokenizer(str(tmp_path), eos_ids=(2, 5)).eos_ids == (2, 5)
+
+
+# ----------------------------------------------------------------------------------------------
+# SentencePiece tokenizer.model
+
+
+@pytest.mark.parametrize(
+    "dummy_prefix, normalization, config",
+    [
+        (True, "identity", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False}),
+        (True, "identity", {"tokenizer_class": "LlamaTokenizer", "legacy": True}),
+        (True, "nmt_nfkc", {"tokenizer_class": "LlamaTokenizer", "add_eos_token": True}),
+        (False, "identity", {"tokenizer_class": "GemmaTokenizer"}),
+        (True, "identity", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_prefix_space": False}),
+    ],
+)
+def test_sentencepiece_ids_match_transformers(tmp_path, dummy_prefix, normalization, config):
+    _spm_dir(tmp_path, dummy_prefix=dummy_prefix, normalization=normalization, tokenizer_config=config)
+    strings = STRINGS + ["<start_of_turn>user\nhi<end_of_turn>", "x<s> y"]
+    ours, theirs = _assert_same_ids(tmp_path, strings)
+    assert isinstance(ours, SentencePieceTokenizer)
+    assert ours.eos_ids == (2,)
+    for text in ["hello world", "naïve 😀 café", "new\nline"]:
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"], skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat templates
+
+
+def _chat_dir(tmp_path, style, *, tokenizer="bpe"):
+    d = tmp_path / f"{style}-{tokenizer}"
+    d.mkdir()
+    template = LLAMA3_TEMPLATE if style == "llama3" else GEMMA_TEMPLATE
+    if tokenizer == "bpe":
+        specials = LLAMA3_SPECIALS if style == "llama3" else GEMMA_SPECIALS
+        bos = "<|begin_of_text|>" if style == "llama3" else "<s>"
+        _bpe_dir(d, specials, bos_token=bos, add_bos_token=True)
+    else:
+        _spm_dir(d, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    _edit_config(d, chat_template=template)
+    return d
+
+
+@pytest.mark.parametrize("style, tokenizer", [("llama3", "bpe"), ("gemma", "bpe"), ("gemma", "spm")])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_apply_chat_template(tmp_path, style, tokenizer, add_generation_prompt):
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, style, tokenizer=tokenizer)
+    ours = load_tokenizer(str(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    for conv in CONVERSATIONS:
+        text = render_chat_template(
+            ours.chat_template,
+            validate_messages(conv),
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=ours.special_tokens,
+        )
+        kw = dict(add_generation_prompt=add_generation_prompt)
+        assert text == theirs.apply_chat_template(conv, tokenize=False, **kw)
+        expected = theirs.apply_chat_template(conv, tokenize=True, return_dict=False, **kw)
+        assert ours.encode(text, add_special_tokens=False) == expected
+    if style == "gemma":  # the template's own "\n" after <start_of_turn>model only with the prompt
+        assert text.endswith("<start_of_turn>model\n") == add_generation_prompt
+
+
+def test_chat_template_jinja_file_is_read(tmp_path):
+    d = _chat_dir(tmp_path, "llama3")
+    _edit_config(d, chat_template=None)
+    assert load_tokenizer(str(d)).chat_template is None
+    (d / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
+    assert load_tokenizer(str(d)).chat_template == GEMMA_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat")
+    save_hf_model(make_hf_model("llama2", vocab_size=512), d)
+    _bpe_dir(d, GEMMA_SPECIALS, add_bos_token=True)
+    _edit_config(d, chat_template=GEMMA_TEMPLATE)
+    return LLM(str(d), num_kv_pages=64, max_model_len=256), d
+
+
+def test_llm_chat_generates_from_the_rendered_prompt(chat_llm):
+    chat_llm, d = chat_llm
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = chat_llm.chat(CONVERSATIONS[1], params)
+    assert len(outs) == 1
+    ids = theirs.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True, return_dict=False)
+    assert outs[0].prompt_token_ids == ids
+    assert outs[0].prompt == theirs.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True, tokenize=False)
+    direct = chat_llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert outs[0].token_ids == direct.token_ids and len(direct.token_ids) == 6
+
+    # A list of conversations gives one output each, in order.
+    both = chat_llm.chat(CONVERSATIONS, params)
+    assert [o.prompt_token_ids for o in both][1] == ids and len(both) == 2
+    without = chat_llm.chat(CONVERSATIONS[0], params, add_generation_prompt=False)[0]
+    assert not without.prompt.endswith("<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ("hello", r"messages must be a list"),
+        ({"role": "user", "content": "hi"}, r"messages must be a list"),
+        ([], r"messages is empty"),
+        (["hi"], r"messages\[0\] must be a dict"),
+        ([{"content": "hi"}], r"messages\[0\]\.role is missing"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"messages\[1\]\.content is missing"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string"),
+        ([{"role": 7, "content": "x"}], r"messages\[0\]\.role must be a non-empty string"),
+        ([[{"role": "user", "content": "a"}], [{"role": "user"}]], r"messages\[1\]\[0\]\.content is missing"),
+        # The template's own raise_exception reaches the caller as a request error.
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], r"roles must alternate"),
+    ],
+)
+def test_bad_messages_are_refused_by_field(chat_llm, messages, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        chat_llm[0].chat(messages)
+
+
+def test_model_without_chat_template_is_refused(tmp_path):
+    save_hf_model(make_hf_model("llama2", vocab_size=512), tmp_path)
+    _bpe_dir(tmp_path)
+    llm = LLM(str(tmp_path), num_kv_pages=16, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="chat_template"):
+        llm.chat([{"role": "user", "content": "hi"}])
