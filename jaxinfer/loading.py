@@ -1,9 +1,12 @@
 """Loading Hugging Face checkpoints: safetensors (single or sharded) into the parameter pytree.
 
-Tensors are read one at a time through a memory map and placed on device before the next is read,
-so host memory holds about one tensor (in its converted layout), not the model. The safetensors
-format is simple enough (8-byte header length, JSON header, raw little-endian data) that reading it
-directly gives us bfloat16 through ml_dtypes and precise errors for truncated files.
+Tensors are read one at a time through a memory map and placed on their devices before the next
+is read, so host memory holds about one tensor (in its converted layout), not the model. With target
+shardings, each device's shard is cut from the memory-mapped view and converted on its own
+(`jax.make_array_from_callback`), so a process reads only the slices its own devices hold: on a
+multi-host mesh no process ever touches a whole tensor it does not keep. The safetensors format is
+simple enough (8-byte header length, JSON header, raw little-endian data) that reading it directly
+gives us bfloat16 through ml_dtypes and precise errors for truncated files.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import time
 from collections.abc import Iterator
 
 import jax
@@ -101,9 +106,10 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
     return out
 
 
-# (HF names, our path, converter): the converter gets the HF arrays (one, or several to merge) and
-# the target shape.
-def _linear_in_out(x, shape):  # HF Linear weight [out, in] -> [in, *out_split]
+# (HF names, our path, converter): the converter gets the HF arrays (memory-map views: one, or several
+# to merge) and the target shape, and returns a LAZY view in our layout: anything with `.shape` and
+# numpy indexing. Nothing is read until a shard of it is indexed and made contiguous.
+def _linear_in_out(x, shape):  # HF Linear weight [out, in] -> [in, *out_split] (transpose + split: a view)
     return x.T.reshape(shape)
 
 
@@ -111,15 +117,29 @@ def _same(x, shape):
     return x.reshape(shape)
 
 
-def _gate_up(gate, up, shape):  # two HF [F, D] -> [D, 2, F]
-    return np.stack([gate.T, up.T], axis=1).reshape(shape)
+def _transpose(x, shape):
+    return x.T
+
+
+class _GateUp:
+    """gate_proj and up_proj (two HF [F, D]) seen as our merged [D, 2, F], without stacking them."""
+
+    def __init__(self, gate: np.ndarray, up: np.ndarray, shape: tuple[int, ...]):
+        if gate.shape != up.shape or (gate.shape[1], 2, gate.shape[0]) != tuple(shape):
+            raise ValueError("gate/up shapes")
+        self.parts, self.shape = (gate.T, up.T), tuple(shape)
+
+    def __getitem__(self, idx):
+        idx = () if idx is Ellipsis else tuple(idx)
+        d, which, f = (idx + (slice(None),) * 3)[:3]
+        return np.stack([p[d, f] for p in self.parts[which]], axis=1)
 
 
 def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], object]]:
     yield ("model.embed_tokens.weight",), ("embedding",), _same
     yield ("model.norm.weight",), ("final_norm", "scale"), _same
     if not cfg.tie_word_embeddings:
-        yield ("lm_head.weight",), ("lm_head",), lambda x, s: x.T
+        yield ("lm_head.weight",), ("lm_head",), _transpose
     for i in range(cfg.num_layers):
         pre, ours = f"model.layers.{i}.", f"layer_{i}"
         yield (pre + "input_layernorm.weight",), (ours, "attn_norm", "scale"), _same
@@ -140,8 +160,8 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ..
         if cfg.qk_norm:
             yield (pre + "self_attn.q_norm.weight",), (ours, "attn", "q_norm", "scale"), _same
             yield (pre + "self_attn.k_norm.weight",), (ours, "attn", "k_norm", "scale"), _same
-        yield (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), (ours, "mlp", "w_gate_up"), _gate_up
-        yield (pre + "mlp.down_proj.weight",), (ours, "mlp", "w_down"), lambda x, s: x.T
+        yield (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), (ours, "mlp", "w_gate_up"), _GateUp
+        yield (pre + "mlp.down_proj.weight",), (ours, "mlp", "w_down"), _transpose
 
 
 # Tensors checkpoints carry that hold no parameters of ours.
@@ -192,7 +212,9 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
     params: dict = {}
     expected = set()
     target_dtype = np.dtype(cfg.dtype) if cfg.dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
-    for hf_names, path, convert in _hf_names(cfg):
+    todo = list(_hf_names(cfg))
+    progress = _Progress(len(todo), f"loading {os.path.basename(os.path.normpath(model_dir))}")
+    for hf_names, path, convert in todo:
         raws = []
         for hf_name in hf_names:
             expected.add(hf_name)
@@ -211,15 +233,14 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
         for key in path:
             target = target[key]
         try:
-            arr = convert(*raws, target.shape)
+            view = convert(*raws, target.shape)
         except ValueError:
-            arr = None
-        if arr is None or arr.shape != target.shape:
+            view = None
+        if view is None or tuple(view.shape) != tuple(target.shape):
             shapes = ", ".join(f"{n!r} {tuple(r.shape)}" for n, r in zip(hf_names, raws))
             raise CheckpointError(
                 f"tensor {shapes} does not fit the config (expected {target.shape} after conversion): wrong shape"
             )
-        arr = np.ascontiguousarray(arr, dtype=target_dtype)
         sharding = None
         if shardings is not None:
             sharding = shardings
@@ -228,8 +249,10 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = jax.device_put(arr, sharding)
-        del arr, raws
+        node[path[-1]] = _place(view, target.shape, target_dtype, sharding)
+        del view, raws
+        progress.update(int(np.prod(target.shape)) * target_dtype.itemsize)
+    progress.close()
     extra = sorted(
         k
         for k in files
@@ -241,6 +264,49 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
             f"({len(extra)} in all); the config may not match the weights"
         )
     return params
+
+
+def _place(view, shape, dtype, sharding) -> jax.Array:
+    """One tensor onto its devices; only the slices this process's devices hold are read.
+
+    Blocks until the copy is done, so the host staging buffer is gone before the next tensor is read
+    (an asynchronous transfer would otherwise let several of them pile up)."""
+    if sharding is None:
+        out = jax.device_put(np.ascontiguousarray(view[...], dtype=dtype))
+    else:
+        out = jax.make_array_from_callback(
+            tuple(shape), sharding, lambda idx: np.ascontiguousarray(view[idx], dtype=dtype)
+        )
+    return out.block_until_ready()
+
+
+class _Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal (logs stay clean)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done, self.nbytes = total, label, 0, 0
+        self.enabled = sys.stderr.isatty()
+        self.start = self.last = time.perf_counter()
+
+    def update(self, nbytes: int) -> None:
+        self.done += 1
+        self.nbytes += nbytes
+        now = time.perf_counter()
+        if self.enabled and (now - self.last > 0.1 or self.done == self.total):
+            self.last = now
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            rate = self.nbytes / max(now - self.start, 1e-9) / 1e6
+            sys.stderr.write(
+                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} tensors, "
+                f"{self.nbytes / 1e6:.0f} MB, {rate:.0f} MB/s"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def load_hf_checkpoint(model_dir: str, *, dtype: str = "float32", shardings=None):

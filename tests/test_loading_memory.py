@@ -2,8 +2,11 @@
 
 A 38M-parameter Llama (152 MB in float32, four shard files) whose largest tensor is 8 MB is loaded
 in a fresh process. Two measures:
-- tracemalloc's peak over the load: every host buffer NumPy allocates (views of the memory map,
-  layout conversions, dtype casts) is traced; it must stay within a few largest tensors;
+- tracemalloc over the load: every host buffer NumPy allocates (layout conversions, dtype casts) is
+  traced. On CPU, `device_put` may adopt a converted buffer as the device array itself (zero-copy,
+  depending on its alignment), so part of what is traced at the end IS the parameters: the peak's
+  excess over what is still traced at the end (the transient staging) must stay within a few largest
+  tensors, and what is still traced at the end cannot exceed the parameters;
 - anonymous resident memory (RssAnon, sampled every 0.5 ms): its peak must not exceed what the
   loaded parameters occupy at the end by more than a few largest tensors. On CPU the "device" is
   host memory, so the parameters themselves are in RSS; the transient above them is the staging.
@@ -42,13 +45,14 @@ sampler.start()
 tracemalloc.start()
 cfg, params = load_hf_checkpoint(sys.argv[1])
 jax.block_until_ready(params)
-traced_peak = tracemalloc.get_traced_memory()[1]
+traced_end, traced_peak = tracemalloc.get_traced_memory()
 tracemalloc.stop()
 done.set()
 sampler.join()
 leaves = jax.tree.leaves(params)
 print(json.dumps(dict(
     traced_peak=traced_peak,
+    traced_end=traced_end,
     anon_peak=peak[0] - base,
     anon_after=anon() - base,
     model=sum(x.nbytes for x in leaves),
@@ -79,6 +83,7 @@ def test_loading_holds_about_one_tensor_of_host_memory(tmp_path):
     m = json.loads(out.stdout.strip().splitlines()[-1])
     print("load memory (bytes):", m)
     assert m["model"] > 15 * m["largest"]  # the premise: the model is much bigger than its largest tensor
-    assert m["traced_peak"] < 4 * m["largest"], m  # host staging: a few tensors, not the model
+    assert m["traced_end"] <= m["model"], m  # nothing but (zero-copy adopted) parameters stays behind
+    assert m["traced_peak"] - m["traced_end"] < 3 * m["largest"], m  # host staging: a few tensors, not the model
     assert m["anon_peak"] - m["anon_after"] < 4 * m["largest"], m  # no transient above the loaded params
     assert m["anon_peak"] < m["model"] + 8 * m["largest"], m
