@@ -1,4 +1,4 @@
-"""The `jaxinfer` command line: generate, serve and bench (convert arrives with the checkpoint work)."""
+"""The `jaxinfer` command line: generate, serve, bench and convert."""
 
 from __future__ import annotations
 
@@ -105,6 +105,17 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_arguments(b)
+
+    c = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint to jaxinfer's orbax format",
+        description="Read a Hugging Face safetensors checkpoint and write a jaxinfer checkpoint (orbax "
+        "parameters, config.json, tokenizer files) that `LLM(OUT_DIR)` / `--model OUT_DIR` restore directly. "
+        "`jaxinfer bench load HF_DIR` compares the load times of the two formats.",
+    )
+    c.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors)")
+    c.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (must not exist, or be empty)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored parameter dtype")
     return parser
 
 
@@ -198,6 +209,43 @@ def _print_outputs(args, model_name: str, outs) -> None:
                 print(o.text if out.prompt is None else out.prompt + o.text)
 
 
+def _convert(args) -> int:
+    import time
+
+    from jaxinfer import checkpoint
+
+    t = time.perf_counter()
+    cfg = checkpoint.convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype)
+    print(
+        f"wrote {args.out_dir}: {cfg.name} ({cfg.num_params / 1e6:.1f}M parameters, {args.dtype}) "
+        f"in {time.perf_counter() - t:.1f}s"
+    )
+    return 0
+
+
+def _bench_load(argv: list[str]) -> int:
+    from jaxinfer import checkpoint
+    from jaxinfer.errors import JaxinferError
+
+    p = argparse.ArgumentParser(
+        prog="jaxinfer bench load",
+        description="Time loading one model from its Hugging Face safetensors and from its jaxinfer (orbax) "
+        "checkpoint (converted into a temp dir unless --orbax-dir is given). Prints one JSON object.",
+    )
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("--orbax-dir", default=None, help="an existing `jaxinfer convert` output of HF_DIR")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    try:
+        result = checkpoint.bench_load(args.hf_dir, dtype=args.dtype, repeats=args.repeats, orbax_dir=args.orbax_dir)
+    except JaxinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxinfer.errors import JaxinferError
 
@@ -206,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         from pallas_kernels import bench as kernel_bench
 
         return kernel_bench.main(argv[2:])
+    if argv[:2] == ["bench", "load"]:  # HF safetensors vs orbax load time: see jaxinfer.checkpoint.bench_load
+        return _bench_load(argv[2:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
@@ -214,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             from serving import main as serve_main
 
             return serve_main.run(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "bench":
             from jaxinfer import bench
 

@@ -13,9 +13,8 @@ import numpy as np
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Logprob, Request
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
-from jaxinfer.loading import load_hf_checkpoint
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer, render_chat_template, validate_messages
 
@@ -84,6 +83,35 @@ def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
     return max(2, min(want, budget))
 
 
+def _load(model, dtype: str):
+    """(cfg, params, tokenizer) of `model`: None (the embedded default), an embedded name, a jaxinfer
+    (orbax) checkpoint directory or a Hugging Face one."""
+    from jaxinfer import checkpoint
+    from jaxinfer.config import load_hf_config
+    from jaxinfer.loading import load_safetensors_params
+    if isinstance(model, str) and model in default_model.EMBEDDED:  # e.g. the tiny random model
+        return default_model.EMBEDDED[model](dtype=dtype)  # made in memory; the engine places it
+    path = default_model.ASSETS if model is None else os.fspath(model)
+    if model is None or checkpoint.is_checkpoint(path):  # jaxinfer's orbax format (`jaxinfer convert`)
+        cfg = checkpoint.load_config(path, dtype=dtype)
+        cfg, params = checkpoint.restore(path, dtype=dtype, shardings=None)
+    else:
+        if not os.path.isdir(path):
+            raise CheckpointError(f"model directory {path!r} does not exist")
+        cfg = load_hf_config(path, dtype=dtype)
+        params = load_safetensors_params(path, cfg, shardings=None)
+    tokenizer = load_tokenizer(path, eos_ids=cfg.eos_token_ids)
+    if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
+    if model is None:
+        print(
+            f"jaxinfer: using the embedded default model {cfg.name!r} ({cfg.num_params / 1e6:.1f}M "
+            "parameters trained on the King James Bible: it writes KJV-style English, nothing more)",
+            file=sys.stderr,
+        )
+    return cfg, params, tokenizer
+
+
 class LLM:
     """Loads a model and generates from it.
 
@@ -127,19 +155,7 @@ class LLM:
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        if model is None:
-            cfg, params, tokenizer = default_model.load(dtype=dtype)
-            print(
-                f"jaxinfer: using the embedded default model {cfg.name!r} "
-                "(UNTRAINED: random weights, its text is noise)",
-                file=sys.stderr,
-            )
-        else:
-            model = os.fspath(model)
-            cfg, params = load_hf_checkpoint(model, dtype=dtype)
-            tokenizer = load_tokenizer(model, eos_ids=cfg.eos_token_ids)
-            if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
-                cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
+        cfg, params, tokenizer = _load(model, dtype)
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings

@@ -6,13 +6,15 @@ import sys
 
 import pytest
 
-from jaxinfer import LLM, InvalidRequestError, SamplingParams
+from jaxinfer import LLM, InvalidRequestError, SamplingParams, default_model
 from jaxinfer.cli import main
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=64, num_kv_pages=64, max_num_seqs=4)
+    # The engine's mechanics, on the tiny random model (fast to compile); tests/test_default_model.py
+    # covers the trained default.
+    return LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=64, max_num_seqs=4)
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -55,7 +57,7 @@ def test_stop_token_ids_and_eos(llm):
     # The same token as the model's EOS stops too, unless ignore_eos.
     import dataclasses
 
-    eos_llm = LLM(max_model_len=64, num_kv_pages=16)
+    eos_llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=16)
     eos_llm.engine.cfg = dataclasses.replace(eos_llm.engine.cfg, eos_token_ids=(stop_at,))
     out = eos_llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=SamplingParams(max_tokens=8, temperature=0))
     assert out[0].finish_reason == "stop" and out[0].token_ids == free[:first]
@@ -108,7 +110,7 @@ def test_cli_json(capsys):
     assert main(["generate", "--max-tokens", "4", "--json", "--ignore-eos", "hi there"]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     obj = json.loads(line)
-    assert len(obj["token_ids"]) == 4 and obj["finish_reason"] == "length" and "untrained" in obj["model"]
+    assert len(obj["token_ids"]) == 4 and obj["finish_reason"] == "length" and obj["model"] == "jaxinfer-kjv-6m"
     assert main(["generate", "--max-tokens", "3", "--json", "--prompt-ids", "1,5,6", "--prompt-ids", "1,7"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [json.loads(x)["prompt_token_ids"] for x in lines] == [[1, 5, 6], [1, 7]]

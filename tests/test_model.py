@@ -165,9 +165,9 @@ def test_batched_ragged_rows_equal_single_rows(params):
 
 
 def test_no_recompile_for_new_prompt_in_same_bucket(params):
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams, default_model
 
-    llm = LLM(max_model_len=256, num_kv_pages=64)
+    llm = LLM(default_model.TINY_RANDOM, max_model_len=256, num_kv_pages=64)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=[[1, 5, 9, 20, 30, 40, 50]], sampling_params=sp)  # bucket T=16
     before = num_compiles()

@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, default_model
 from jaxinfer.client import AsyncClient, Client, ServerError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.jetstream import jetstream_pb2_grpc as js_grpc
@@ -33,7 +33,15 @@ from jaxinfer.v1 import jaxinfer_pb2 as pb
 from jaxinfer.v1 import jaxinfer_pb2_grpc as pb_grpc
 from serving.server import Server, ServerConfig
 
-ENGINE = dict(max_model_len=128, page_size=16, num_kv_pages=160, max_num_seqs=16, max_num_batched_tokens=256)
+# The tiny random model (fast to compile): these tests are about the server, not the model's text.
+ENGINE = dict(
+    model=default_model.TINY_RANDOM,
+    max_model_len=128,
+    page_size=16,
+    num_kv_pages=160,
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+)
 
 
 class ServerThread:
@@ -304,7 +312,9 @@ def test_invalid_utf8_is_named(server):
 
 def test_queue_full_is_resource_exhausted(llm):
     # Another engine over the same weights, with room for one running request and one queued.
-    small = LLM(max_model_len=128, num_kv_pages=40, max_num_seqs=1, max_num_batched_tokens=64)
+    small = LLM(
+        default_model.TINY_RANDOM, max_model_len=128, num_kv_pages=40, max_num_seqs=1, max_num_batched_tokens=64
+    )
     s = ServerThread(small, max_queued_requests=1)
     gate = threading.Event()  # holds the engine's steps, so nothing finishes while the queue fills
     step = small.engine.step
@@ -640,14 +650,14 @@ def test_jetstream_never_sends_the_stop_token(llm):
 
     from jaxinfer.engine import Engine
 
-    # The untrained default model greedily echoes one token; make that token its EOS. A server that
+    # The tiny random model greedily echoes one token; make that token its EOS. A server that
     # forwarded the stop token would then send it; a correct one ends the stream with nothing.
     prompt = llm.tokenizer.encode("the lazy dog")
     free = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ref = llm.generate(prompt_token_ids=[prompt], sampling_params=free)[0].token_ids
     eos = ref[0]
     expected = ref[: ref.index(eos)]
-    small = LLM(max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
+    small = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
     small.cfg = dataclasses.replace(small.cfg, eos_token_ids=(eos,))
     small.engine = Engine(
         small.cfg,

@@ -1,0 +1,343 @@
+"""jaxinfer's own checkpoint format: the parameter pytree in orbax, the ModelConfig, the tokenizer.
+
+A checkpoint directory holds
+
+    jaxinfer_checkpoint.json   marker: format name and version, the stored parameter dtype
+    config.json                the ModelConfig, losslessly (`config_to_dict` / `config_from_dict`)
+    params/                    the parameter pytree, written by orbax's StandardCheckpointer
+    tokenizer.*                the tokenizer files, copied as they were (tokenizer.json, tokenizer.model,
+                               tokenizer_config.json, ...), so `load_tokenizer` reads them as usual
+
+Loading one skips the Hugging Face name mapping and layout conversion altogether: `restore` hands
+orbax abstract arrays that carry the target dtype and sharding, so each array is read straight onto
+its devices. Before that, the stored tree is checked against the config, so a missing or misshapen
+tensor is reported by name instead of from deep inside tensorstore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import config as config_module
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError, JaxinferError
+from jaxinfer.model import abstract_params
+
+MARKER = "jaxinfer_checkpoint.json"
+FORMAT = "jaxinfer-orbax"
+VERSION = 1
+PARAMS_DIR = "params"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+# ----------------------------------------------------------------------------------------------
+# ModelConfig <-> JSON.
+
+
+def _variant_types() -> dict[str, type]:
+    """The dataclasses of jaxinfer.config that may appear inside a ModelConfig (RoPE scalings,
+    attention kinds), by class name."""
+    return {
+        name: obj
+        for name, obj in vars(config_module).items()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj is not ModelConfig
+    }
+
+
+def _encode(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            "type": type(value).__name__,
+            **{f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)},
+        }
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value, where: str):
+    if isinstance(value, list):
+        return tuple(_decode(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, dict):
+        kinds = _variant_types()
+        kind = value.get("type")
+        if kind not in kinds:
+            raise CheckpointError(f"{where}: unknown type {kind!r} (known: {', '.join(sorted(kinds))})")
+        fields = {k: _decode(v, f"{where}.{k}") for k, v in value.items() if k != "type"}
+        try:
+            return kinds[kind](**fields)
+        except TypeError as e:
+            raise CheckpointError(f"{where}: bad fields for {kind}: {e}") from None
+    return value
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    """Every field of the config, as JSON-ready values; variants as {"type": ClassName, ...}."""
+    return {f.name: _encode(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def config_from_dict(d: dict, *, source: str = "config") -> ModelConfig:
+    """Inverse of `config_to_dict`; JSON lists come back as tuples (configs stay hashable).
+
+    Raises:
+        CheckpointError: naming the unknown field or malformed value.
+    """
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown field {unknown[0]!r} (written by a newer jaxinfer?)")
+    values = {k: _decode(v, f"{source}: {k}") for k, v in d.items()}
+    try:
+        return ModelConfig(**values)
+    except TypeError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    except JaxinferError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Save / restore.
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """True when `path` is a jaxinfer checkpoint directory (it has the marker file)."""
+    return os.path.isfile(os.path.join(os.fspath(path), MARKER))
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+def _leaf_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def save(
+    out_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    params,
+    *,
+    dtype: str | None = None,
+    tokenizer_dir: str | None = None,
+    tokenizer_files: list[str] = (),
+    tokenizer_config: dict | None = None,
+) -> None:
+    """Writes a checkpoint directory (see the module docstring).
+
+    Args:
+        out_dir: must not exist, or be empty.
+        cfg: the model config; stored with `dtype` as its dtype.
+        params: the parameter pytree (any sharding).
+        dtype: storage dtype of the parameters ("float32" | "bfloat16"); default cfg.dtype.
+        tokenizer_dir: copy the tokenizer files (TOKENIZER_FILES) found in this directory.
+        tokenizer_files: further files to copy beside the parameters.
+        tokenizer_config: written as tokenizer_config.json (after the copies).
+    """
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise CheckpointError(f"output directory {out_dir!r} exists and is not empty")
+    dtype = dtype or cfg.dtype
+    if dtype not in config_module.DTYPES:
+        raise CheckpointError(f"dtype must be one of {config_module.DTYPES}, got {dtype!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    stored = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), params)
+    with _checkpointer() as ckpt:
+        ckpt.save(os.path.join(out_dir, PARAMS_DIR), stored)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_to_dict(dataclasses.replace(cfg, dtype=dtype)), f, indent=1)
+    files = list(tokenizer_files)
+    if tokenizer_dir is not None:
+        files += [
+            os.path.join(tokenizer_dir, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_dir, n))
+        ]
+    for src in files:
+        shutil.copyfile(src, os.path.join(out_dir, os.path.basename(src)))
+    if tokenizer_config is not None:
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f, indent=1)
+    # The marker last: a directory with it is complete.
+    with open(os.path.join(out_dir, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "version": VERSION, "params": PARAMS_DIR, "dtype": dtype}, f, indent=1)
+
+
+def load_config(ckpt_dir: str, *, dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory (dtype overridden when given)."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist")
+    marker = os.path.join(ckpt_dir, MARKER)
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_dir!r} is not a jaxinfer checkpoint (no {MARKER})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{marker} is corrupt: {e}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
+        raise CheckpointError(f"{marker}: expected format {FORMAT!r} version {VERSION}, got {info!r}")
+    path = os.path.join(ckpt_dir, "config.json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt_dir!r} has no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt: {e}") from None
+    cfg = config_from_dict(d, source=path)
+    return dataclasses.replace(cfg, dtype=dtype) if dtype is not None else cfg
+
+
+def _stored_tree(params_dir: str) -> dict:
+    """{tensor name: (shape, dtype)} from the orbax metadata, without reading any array."""
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"checkpoint is missing its parameter directory {params_dir!r}")
+    try:
+        with _checkpointer() as ckpt:
+            meta = ckpt.metadata(params_dir)
+    except Exception as e:  # orbax raises assorted types for unreadable metadata
+        raise CheckpointError(f"{params_dir}: cannot read the orbax metadata ({type(e).__name__}: {e})") from None
+    item = getattr(meta, "item_metadata", meta)
+    tree = getattr(item, "tree", item)
+    if not isinstance(tree, dict):  # orbax logs a warning and returns no tree for unreadable metadata
+        raise CheckpointError(f"{params_dir}: cannot read the orbax metadata (corrupt or incomplete checkpoint)")
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return {_leaf_name(p): (tuple(x.shape), x.dtype) for p, x in leaves}
+
+
+def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=None):
+    """Returns (ModelConfig, params) from a checkpoint directory, arrays already on their devices.
+
+    Args:
+        ckpt_dir: a directory written by `save`.
+        dtype: parameter and compute dtype to restore in (converted from the stored dtype).
+        shardings: optional pytree of `jax.sharding.Sharding` matching the parameter tree (or one
+            Sharding for every array); default: the first device.
+
+    Raises:
+        CheckpointError: naming the missing file, the missing/unexpected/misshapen tensor, or the
+            unreadable data.
+    """
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    cfg = load_config(ckpt_dir, dtype=dtype)
+    params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
+    stored = _stored_tree(params_dir)
+    abstract = abstract_params(cfg)
+    if shardings is None:
+        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, abstract)
+    want = {}
+    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(shardings)):
+        want[_leaf_name(path)] = (x.shape, sharding)
+    for name, (shape, _) in want.items():
+        if name not in stored:
+            raise CheckpointError(f"{params_dir}: missing tensor {name!r} (expected shape {shape})")
+        if stored[name][0] != shape:
+            raise CheckpointError(
+                f"{params_dir}: tensor {name!r} has shape {stored[name][0]}, the config needs {shape}: wrong shape"
+            )
+    extra = sorted(set(stored) - set(want))
+    if extra:
+        raise CheckpointError(
+            f"{params_dir}: unexpected tensor {extra[0]!r} ({len(extra)} in all); the config may not match the weights"
+        )
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=want[_leaf_name(p)][1]), abstract
+    )
+    try:
+        with _checkpointer() as ckpt:
+            params = ckpt.restore(params_dir, target)
+    except Exception as e:  # tensorstore/orbax errors: corrupt or truncated array data
+        raise CheckpointError(
+            f"{params_dir}: cannot read the parameters ({type(e).__name__}: {str(e)[:400]})"
+        ) from None
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion and load-time measurement.
+
+
+def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "float32") -> ModelConfig:
+    """Hugging Face safetensors checkpoint -> jaxinfer checkpoint (parameters stored in `dtype`)."""
+    from jaxinfer.loading import load_hf_checkpoint
+    from jaxinfer.tokenizer import load_tokenizer
+
+    cfg, params = load_hf_checkpoint(hf_dir, dtype=dtype)
+    # Like LLM does: a config without EOS takes the tokenizer's, so the checkpoint stands alone.
+    if not cfg.eos_token_ids:
+        tok = load_tokenizer(hf_dir)
+        if tok is not None and tok.eos_ids:
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_ids))
+    save(out_dir, cfg, params, dtype=dtype, tokenizer_dir=hf_dir)
+    return cfg
+
+
+def _block(params) -> None:
+    jax.block_until_ready(jax.tree.leaves(params))
+
+
+def bench_load(hf_dir: str, *, dtype: str = "float32", repeats: int = 3, orbax_dir: str | None = None) -> dict:
+    """Times loading one model from its HF safetensors and from its jaxinfer (orbax) checkpoint.
+
+    The orbax copy is converted into a temp dir unless `orbax_dir` is given. Each format is loaded
+    `repeats` times, alternating, arrays on device and ready; the first load of each also pays for
+    cold files, so the median is the figure to compare.
+
+    Returns:
+        {"params": n, "bytes": b, "hf_s": [...], "orbax_s": [...], "hf_median_s", "orbax_median_s"}.
+    """
+    from jaxinfer.loading import load_hf_checkpoint
+
+    tmp = None
+    if orbax_dir is None:
+        tmp = tempfile.mkdtemp(prefix="jaxinfer-bench-load-")
+        orbax_dir = os.path.join(tmp, "ckpt")
+        convert_hf(hf_dir, orbax_dir, dtype=dtype)
+    try:
+        hf_s, orbax_s = [], []
+        nbytes = n = 0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            _, params = load_hf_checkpoint(hf_dir, dtype=dtype)
+            _block(params)
+            hf_s.append(time.perf_counter() - t)
+            del params
+            t = time.perf_counter()
+            _, params = restore(orbax_dir, dtype=dtype)
+            _block(params)
+            orbax_s.append(time.perf_counter() - t)
+            n = sum(x.size for x in jax.tree.leaves(params))
+            nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+            del params
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "params": int(n),
+        "bytes": int(nbytes),
+        "dtype": dtype,
+        "hf_s": [round(s, 3) for s in hf_s],
+        "orbax_s": [round(s, 3) for s in orbax_s],
+        "hf_median_s": round(float(np.median(hf_s)), 3),
+        "orbax_median_s": round(float(np.median(orbax_s)), 3),
+    }

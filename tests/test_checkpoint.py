@@ -1,0 +1,256 @@
+"""jaxinfer checkpoints (orbax): lossless configs, HF -> convert -> LLM parity, sharded restore, and
+errors that name the file or tensor."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from hf_models import make_hf_model, save_hf_model, train_sentencepiece
+
+from jaxinfer import LLM, SamplingParams, checkpoint
+from jaxinfer.cli import main
+from jaxinfer.config import (
+    GlobalAttention,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    ModelConfig,
+    SlidingWindow,
+)
+from jaxinfer.errors import CheckpointError
+from jaxinfer.loading import load_hf_checkpoint
+from jaxinfer.model import init_params
+
+SMALL = ModelConfig(
+    name="small",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_ids=(2, 5),
+)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SMALL,
+        dataclasses.replace(
+            SMALL,
+            rope_scaling=Llama3RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+            ),
+            layer_attention=(SlidingWindow(16), GlobalAttention()),
+            tie_word_embeddings=True,
+            qkv_bias=True,
+            qk_norm=True,
+        ),
+        dataclasses.replace(SMALL, rope_scaling=LinearRopeScaling(factor=4.0), bos_token_id=None, rms_norm_eps=1e-5),
+    ],
+)
+def test_config_round_trips_through_json(cfg):
+    text = json.dumps(checkpoint.config_to_dict(cfg))
+    back = checkpoint.config_from_dict(json.loads(text))
+    assert back == cfg and hash(back) == hash(cfg)
+    assert isinstance(back.layer_attention, tuple) and isinstance(back.eos_token_ids, tuple)
+
+
+def test_config_from_dict_refuses_unknown_fields_and_types():
+    d = checkpoint.config_to_dict(SMALL)
+    with pytest.raises(CheckpointError, match="unknown field 'frobnicate'"):
+        checkpoint.config_from_dict({**d, "frobnicate": 1})
+    with pytest.raises(CheckpointError, match="rope_scaling: unknown type 'YarnScaling'"):
+        checkpoint.config_from_dict({**d, "rope_scaling": {"type": "YarnScaling", "factor": 2.0}})
+    with pytest.raises(CheckpointError, match=r"num_attention_heads \(3\)"):
+        checkpoint.config_from_dict({**d, "num_heads": 3})
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    save_hf_model(make_hf_model("llama3.1", vocab_size=36), path)  # the vocabulary of the tokenizer below
+    train_sentencepiece(path, vocab_size=36)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("conv") / "ckpt")
+    assert main(["convert", hf_dir, out]) == 0
+    return out
+
+
+def test_convert_writes_marker_config_params_and_tokenizer(converted, hf_dir):
+    assert checkpoint.is_checkpoint(converted) and not checkpoint.is_checkpoint(hf_dir)
+    assert {"jaxinfer_checkpoint.json", "config.json", "params", "tokenizer.model"} <= set(os.listdir(converted))
+    cfg, params = checkpoint.restore(converted)
+    hf_cfg, hf_params = load_hf_checkpoint(hf_dir)
+    assert cfg == hf_cfg
+    assert isinstance(cfg.rope_scaling, Llama3RopeScaling)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_llm_on_converted_dir_matches_llm_on_hf_dir(converted, hf_dir):
+    kw = dict(max_model_len=64, num_kv_pages=32, max_num_seqs=4)
+    from_hf, from_orbax = LLM(hf_dir, **kw), LLM(converted, **kw)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    prompts = [[1, 17, 33, 5, 30], [1, 24, 12, 11, 7, 25, 28, 3, 19]]
+    a = from_hf.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    b = from_orbax.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and len(x.token_ids) == 12
+        for lx, ly in zip(x.logprobs, y.logprobs):
+            assert lx.top == ly.top  # top-5 log-probabilities: identical, not merely close
+    # The copied tokenizer works: text prompts encode the same way.
+    text = from_orbax.generate(["In the beginning"], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert text.prompt_token_ids == from_hf.tokenizer.encode("In the beginning")
+
+
+def test_bfloat16_conversion_stores_bfloat16_and_restores_any_dtype(hf_dir, tmp_path):
+    out = str(tmp_path / "bf16")
+    assert main(["convert", hf_dir, out, "--dtype", "bfloat16"]) == 0
+    with open(os.path.join(out, checkpoint.MARKER)) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    _, hf16 = load_hf_checkpoint(hf_dir, dtype="bfloat16")
+    cfg, p32 = checkpoint.restore(out, dtype="float32")
+    assert cfg.dtype == "float32"
+    for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(hf16)):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(np.float32))
+    _, p16 = checkpoint.restore(out, dtype="bfloat16")
+    assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(p16))
+
+
+def test_restore_lands_on_a_two_device_named_sharding(converted):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    cfg = checkpoint.load_config(converted)
+    abstract = jax.eval_shape(lambda: init_params(cfg))
+
+    def spec(x):  # split the first axis over the 2 devices where it divides, else replicate
+        return NamedSharding(mesh, PartitionSpec("model") if x.shape[0] % 2 == 0 else PartitionSpec())
+
+    shardings = jax.tree.map(spec, abstract)
+    _, sharded = checkpoint.restore(converted, shardings=shardings)
+    _, single = checkpoint.restore(converted)
+    split = 0
+    for x, s, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings), jax.tree.leaves(single)):
+        assert x.sharding == s and len(x.devices()) == 2
+        split += s.spec == PartitionSpec("model")
+        if s.spec == PartitionSpec("model"):
+            assert x.addressable_shards[0].data.shape[0] == x.shape[0] // 2
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert split > 0
+    assert all(y.devices() == {jax.devices()[0]} for y in jax.tree.leaves(single))
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors name the file or the tensor.
+
+
+@pytest.fixture
+def small_ckpt(tmp_path):
+    out = str(tmp_path / "ckpt")
+    checkpoint.save(out, SMALL, init_params(SMALL, 0))
+    return out
+
+
+def test_missing_directory_and_not_a_checkpoint(tmp_path, hf_dir):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.restore(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="not a jaxinfer checkpoint.*jaxinfer_checkpoint.json"):
+        checkpoint.restore(hf_dir)
+
+
+def test_missing_or_corrupt_config(small_ckpt):
+    path = os.path.join(small_ckpt, "config.json")
+    with open(path, "w") as f:
+        f.write('{"vocab_size": 96, "hidden')
+    with pytest.raises(CheckpointError, match=r"config\.json is corrupt"):
+        checkpoint.restore(small_ckpt)
+    os.remove(path)
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
+        checkpoint.restore(small_ckpt)
+    # LLM goes through the same path.
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
+        LLM(small_ckpt)
+
+
+def test_corrupt_marker(small_ckpt):
+    with open(os.path.join(small_ckpt, checkpoint.MARKER), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match="jaxinfer_checkpoint.json is corrupt"):
+        checkpoint.restore(small_ckpt)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    params = init_params(SMALL, 0)
+    del params["layer_1"]["mlp"]["w_down"]
+    out = str(tmp_path / "ckpt")
+    checkpoint.save(out, SMALL, params)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layer_1/mlp/w_down' \(expected shape \(64, 32\)\)"):
+        checkpoint.restore(out)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    params = init_params(SMALL, 0)
+    params["lm_head_extra"] = params["embedding"]
+    out = str(tmp_path / "ckpt")
+    checkpoint.save(out, SMALL, params)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'lm_head_extra'"):
+        checkpoint.restore(out)
+
+
+def test_wrong_shape_is_named(small_ckpt):
+    path = os.path.join(small_ckpt, "config.json")
+    with open(path) as f:
+        d = json.load(f)
+    d["intermediate_size"] = 80
+    with open(path, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'layer_0/mlp/w_down' has shape \(64, 32\), the config needs \(80, 32\)"
+    ):
+        checkpoint.restore(small_ckpt)
+
+
+def test_corrupt_array_data(small_ckpt):
+    data = os.path.join(small_ckpt, "params", "d")
+    files = [os.path.join(data, f) for f in os.listdir(data)]
+    assert files
+    for f in files:  # same sizes, garbage content
+        size = os.path.getsize(f)
+        with open(f, "wb") as fh:
+            fh.write(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    with pytest.raises(CheckpointError, match=r"params: cannot read"):
+        checkpoint.restore(small_ckpt)
+
+
+def test_missing_params_dir(small_ckpt):
+    shutil.rmtree(os.path.join(small_ckpt, "params"))
+    with pytest.raises(CheckpointError, match="missing its parameter directory"):
+        checkpoint.restore(small_ckpt)
+
+
+def test_save_refuses_a_non_empty_directory(small_ckpt):
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        checkpoint.save(small_ckpt, SMALL, init_params(SMALL, 0))
+
+
+def test_cli_convert_error_and_bench_load(tmp_path, hf_dir, capsys):
+    assert main(["convert", str(tmp_path / "no_such_hf"), str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "load", hf_dir, "--repeats", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["hf_s"][0] > 0 and report["orbax_s"][0] > 0
+    assert report["params"] == load_hf_checkpoint(hf_dir)[0].num_params

@@ -1,0 +1,131 @@
+"""The embedded default model: shipped as a jaxinfer checkpoint, trained, and it writes KJV English.
+
+The English check counts generated words found in the corpus word list shipped beside the model
+(every word of the King James Bible) and how many are among the commonest English function words;
+`test_the_english_check_rejects_token_salad` runs the same check on random tokens of the same
+vocabulary to show it can fail.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams, checkpoint, default_model, train
+from jaxinfer.cli import main
+
+PROMPTS = ["In the beginning", "And the LORD said unto Moses,", "Blessed are the", "And it came to pass, when"]
+
+# Function words of English in general (not of this corpus): about 40% of running English text.
+COMMON_ENGLISH = set(
+    "the of and to a in that is was he for it with as his on be at by i this had not are but from or have an they "
+    "which you were her she all we there their been has when who will no if out so said what up its into them "
+    "than him then my me our your us".split()
+)
+
+
+def _words(text: str) -> list[str]:
+    return [w.strip("'") for w in re.findall(r"[a-z']+", text.lower()) if w.strip("'")]
+
+
+def english_check(texts: list[str]) -> tuple[float, float, int]:
+    """(fraction of words in the corpus word list, fraction that are common English words, distinct words)."""
+    words = [w for t in texts for w in _words(t)]
+    if not words:
+        return 0.0, 0.0, 0
+    vocab = default_model.corpus_words()
+    return (
+        sum(w in vocab for w in words) / len(words),
+        sum(w in COMMON_ENGLISH for w in words) / len(words),
+        len(set(words)),
+    )
+
+
+def looks_like_english(texts: list[str]) -> bool:
+    in_corpus, common, distinct = english_check(texts)
+    return in_corpus >= 0.8 and common >= 0.25 and distinct >= 30
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=128, num_kv_pages=48, max_num_seqs=8)
+
+
+def test_generations_are_kjv_english(llm):
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, n=2, ignore_eos=True)
+    texts = [o.text for o in llm.generate(PROMPTS, greedy)]
+    texts += [s.text for r in llm.generate(PROMPTS, sampled) for s in r.outputs]
+    in_corpus, common, distinct = english_check(texts)
+    assert sum(len(_words(t)) for t in texts) >= 150
+    assert in_corpus >= 0.8, (in_corpus, texts)
+    assert common >= 0.25, (common, texts)
+    assert distinct >= 30, texts
+    assert looks_like_english(texts)
+
+
+def test_the_english_check_rejects_token_salad(llm):
+    rng = np.random.default_rng(0)
+    vocab = llm.tokenizer.vocab_size
+    salad = [llm.tokenizer.decode(rng.integers(3, vocab, 40).tolist()) for _ in range(12)]
+    assert not looks_like_english(salad), english_check(salad)
+    tiny = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=16, max_num_seqs=4)
+    noise = [o.text for o in tiny.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
+    assert not looks_like_english(noise), english_check(noise)
+
+
+def test_training_forward_matches_prefill_on_the_shipped_weights():
+    cfg, params = checkpoint.restore(default_model.ASSETS, dtype="float32")
+    _, _, tok = default_model.load()
+    rows = [
+        tok.encode("And God said, Let there be light: and there was light.")[:12],
+        tok.encode("Blessed are the meek: for they shall inherit the earth.")[:12],
+    ]
+    diff = train.check_against_prefill(cfg, params, np.asarray(rows))
+    assert diff < 1e-4
+
+
+def test_shipped_files_config_and_report():
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(default_model.ASSETS) for f in fs)
+    assert total <= 25 * 2**20
+    cfg, params, tok = default_model.load(dtype="bfloat16")
+    assert 3e6 <= cfg.num_params <= 8e6 and cfg.dtype == "bfloat16"
+    assert sum(x.size for x in __import__("jax").tree.leaves(params)) == cfg.num_params
+    assert tok.vocab_size == cfg.vocab_size and tok.bos_id == cfg.bos_token_id and tok.eos_ids == cfg.eos_token_ids
+    with open(os.path.join(default_model.ASSETS, "training_report.json")) as f:
+        report = json.load(f)
+    assert report["num_params"] == cfg.num_params
+    assert 1 < report["heldout_token_perplexity"] < 200
+    with open(os.path.join(default_model.ASSETS, checkpoint.MARKER)) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "In the beginning God created the heaven and the earth.",
+        "Tabs\tand\nnewlines,  doubled  spaces, a trailing one ",
+        "Grüße, 世界 🙂 ½",
+    ],
+)
+def test_tokenizer_round_trips_any_text(text):
+    """Byte fallback: nothing is lost (but one leading space, which encodes as the word prefix, as in Llama)."""
+    _, _, tok = default_model.load()
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id and tok.decode(ids[1:]) == text
+
+
+def test_cli_uses_the_trained_default(capsys):
+    assert main(["generate", "--max-tokens", "12", "--json", "--max-model-len", "64", "In the beginning"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["model"] == "jaxinfer-kjv-6m"
+    assert english_check([obj["text"]])[0] >= 0.8, obj["text"]
+
+
+def test_tiny_random_model_is_embedded_too():
+    tiny = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=16, max_num_seqs=2)
+    assert tiny.cfg.vocab_size == 259 and tiny.cfg.num_layers == 2
+    out = tiny.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
