@@ -36,7 +36,10 @@ def write_kv(
     """
     if resolve_backend(backend) == "pallas" and jax.default_backend() in ("tpu", "cpu"):
         from pallas_kernels.kv_write import kv_write
+        from pallas_kernels.sharded import kv_write_sharded
 
+        if (mesh := context_mesh()) is not None:
+            kv_write = kv_write_sharded(kv_write, mesh)
         interpret = jax.default_backend() == "cpu"
         if isinstance(k_pages, QuantizedPages):
             kv, vv, ks, vs = kv_write(
@@ -134,6 +137,13 @@ def reference_paged_attention(
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
+def context_mesh():
+    """The mesh the step is traced under (`jax.set_mesh`, see Engine), when it has a `model` axis;
+    the kernels then run per device under shard_map. None outside any mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or "model" not in mesh.axis_names else mesh
+
+
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """ "auto" -> "pallas" on TPU (the Mosaic kernel), "reference" elsewhere.
 
@@ -176,6 +186,10 @@ def paged_attention(
     if q_lens is None:
         raise ValueError("the Pallas backend needs q_lens")
     kernel = ragged_paged_attention_gpu if jax.default_backend() == "gpu" else ragged_paged_attention
+    if (mesh := context_mesh()) is not None:
+        from pallas_kernels.sharded import kv_head_sharded
+
+        kernel = kv_head_sharded(kernel, mesh)
     scales = {}
     if isinstance(k_pages, QuantizedPages):
         scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)

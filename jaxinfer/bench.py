@@ -457,3 +457,35 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
             f"{tn:>11.2f} {ours['total_s']:>13.2f} {total_ratio:>11.2f}x"
         )
     return rows
+
+
+def mesh_memory(model, meshes: list[str], *, dtype: str = "float32", num_kv_pages: int = 256, page_size: int = 16):
+    """Parameter and KV-cache bytes per device for each mesh, read off the arrays' own shards, and
+    whether each mesh's greedy tokens equal the first mesh's (so the sharding is checked, not assumed).
+
+    Returns a list of dicts, one per mesh, in order.
+    """
+    from jaxinfer import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    rows, first = [], None
+    for spec in meshes:
+        llm = LLM(model, dtype=dtype, mesh=spec, num_kv_pages=num_kv_pages, page_size=page_size, max_model_len=128)
+        if first is None:
+            low = 3 if llm.cfg.vocab_size > 8 else 0
+            prompts = [rng.integers(low, llm.cfg.vocab_size, n).tolist() for n in (5, 17, 40)]
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        tokens = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+        first = tokens if first is None else first
+        mem = llm.engine.memory_per_device()
+        mesh = llm.engine.mesh
+        rows.append(
+            {
+                "mesh": spec,
+                "devices": 1 if mesh is None else mesh.size,
+                **mem,
+                "same_tokens_as_first": tokens == first,
+            }
+        )
+        del llm
+    return rows

@@ -33,6 +33,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="paged attention: the Pallas kernel on TPU and pure JAX elsewhere (auto), or forced",
     )
     e.add_argument(
+        "--mesh",
+        default=None,
+        help="device mesh, e.g. 'data=2,model=4' (tensor parallel over model, rows over data; default: one device)",
+    )
+    e.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "int8"],
@@ -50,6 +55,7 @@ def engine_kwargs(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        mesh=args.mesh,
     )
 
 
@@ -246,6 +252,51 @@ def _bench_load(argv: list[str]) -> int:
     return 0
 
 
+def _bench_mesh(argv: list[str]) -> int:
+    import os
+
+    p = argparse.ArgumentParser(
+        prog="jaxinfer bench mesh",
+        description="Parameter and KV-cache bytes per device for each mesh (measured from the arrays' shards), "
+        "and whether every mesh gives the first one's greedy tokens.",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
+    p.add_argument("--meshes", default="data=1,model=1;data=1,model=2;data=1,model=4;data=1,model=8;data=2,model=4")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-kv-pages", type=int, default=256)
+    p.add_argument("--cpu-devices", type=int, default=None, help="run on N virtual CPU devices (XLA host platform)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.cpu_devices:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+        )
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    from jaxinfer.bench import mesh_memory
+    from jaxinfer.errors import JaxinferError
+
+    try:
+        rows = mesh_memory(args.model, args.meshes.split(";"), dtype=args.dtype, num_kv_pages=args.num_kv_pages)
+    except JaxinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    base = rows[0]
+    print(f"{'mesh':<18}{'devices':>8}{'params/device':>16}{'x first':>9}{'KV/device':>14}{'x first':>9}  same tokens")
+    for r in rows:
+        p_ratio = r["param_bytes_per_device"] / base["param_bytes_per_device"]
+        kv_ratio = r["kv_cache_bytes_per_device"] / base["kv_cache_bytes_per_device"]
+        print(
+            f"{r['mesh']:<18}{r['devices']:>8}{r['param_bytes_per_device'] / 1e6:>13.2f} MB{p_ratio:>9.3f}"
+            f"{r['kv_cache_bytes_per_device'] / 1e6:>11.2f} MB{kv_ratio:>9.3f}  {r['same_tokens_as_first']}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxinfer.errors import JaxinferError
 
@@ -256,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         return kernel_bench.main(argv[2:])
     if argv[:2] == ["bench", "load"]:  # HF safetensors vs orbax load time: see jaxinfer.checkpoint.bench_load
         return _bench_load(argv[2:])
+    if argv[:2] == ["bench", "mesh"]:  # bytes per device per mesh: see jaxinfer.bench.mesh_memory
+        return _bench_mesh(argv[2:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":

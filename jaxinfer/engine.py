@@ -14,6 +14,7 @@ all compiled by `warmup()`, so a serving engine never compiles after it starts t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -54,14 +55,16 @@ def num_compiles() -> int:
     return _compile_count
 
 
-@jax.jit
-def _poison(cache: KVCache, pages: jax.Array) -> KVCache:
+def _poison_pages(cache: KVCache, pages: jax.Array) -> KVCache:
     def poison(pool):  # an int8 pool cannot hold NaN: its scales can, and every read multiplies by them
         if isinstance(pool, QuantizedPages):
             return QuantizedPages(values=pool.values, scales=pool.scales.at[:, pages].set(jnp.nan))
         return pool.at[:, pages].set(jnp.asarray(jnp.nan, pool.dtype))
 
     return KVCache(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)))
+
+
+_poison = jax.jit(_poison_pages)
 
 
 def _pow2_floor(n: int) -> int:
@@ -110,6 +113,12 @@ class Engine:
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share cached prompt pages between requests.
         poison_freed_pages: fill freed pages with NaN (tests: proves stale data never leaks).
+        mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxinfer.sharding); parameters
+            and the KV cache are placed by the rules table, step batches split rows over `data`,
+            and the steps trace under the mesh (the Pallas kernels then run under shard_map).
+            None: one device, as placed by JAX.
+        channel: multi-host only (jaxinfer.distributed.StepChannel): on the leader, every step's
+            inputs are broadcast to the followers before the step runs.
     """
 
     def __init__(
@@ -125,6 +134,8 @@ class Engine:
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         poison_freed_pages: bool = False,
+        mesh=None,
+        channel=None,
     ):
         for name, value, lo in (
             ("page_size", page_size, 1),
@@ -154,7 +165,30 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_tokens=self.max_prefill_tokens,
         )
-        self.cache = KVCache.create(cfg, num_pages=num_kv_pages, page_size=page_size)
+        self.mesh = mesh
+        self.channel = channel
+        self._sample_device = None
+        if jax.process_count() > 1:
+            if mesh is None:
+                raise InvalidRequestError("a multi-process job needs a mesh over every process's devices (--mesh)")
+            # The leader samples from its own copy of the replicated logits, on one of its devices.
+            self._sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+        if mesh is None:
+            self.cache = KVCache.create(cfg, num_pages=num_kv_pages, page_size=page_size)
+        else:
+            from jaxinfer import sharding
+
+            self.params = jax.device_put(params, sharding.param_shardings(cfg, mesh))
+            create = functools.partial(KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size)
+            cache_sh = sharding.cache_shardings(jax.eval_shape(create), mesh)
+            self.cache = jax.jit(create, out_shardings=cache_sh)()
+            # The steps pin their outputs: logits replicated (the sampler wants whole rows), the
+            # cache exactly as it came in, so donation aliases it and no step ever recompiles
+            # for a drifted sharding.
+            outs = (sharding.replicated(mesh), cache_sh)
+            jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
+            self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
+            self._sharded_poison = jax.jit(_poison_pages, out_shardings=cache_sh)
         self.metrics = EngineMetrics(kv_pages_total=self.pool.capacity, kv_cache_bytes=self.cache.nbytes)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -184,8 +218,11 @@ class Engine:
             t *= 2
         return shapes
 
-    def warmup(self) -> int:
-        """Compiles every step shape now. Returns how many XLA compilations that took."""
+    def warmup(self, *, sampler: bool = True) -> int:
+        """Compiles every step shape now. Returns how many XLA compilations that took.
+
+        Multi-host: every process calls it (same shapes, same order); followers with sampler=False.
+        """
         before = num_compiles()
         for b, t, mp in self.decode_shapes() + self.prefill_shapes():
             batch = Batch(
@@ -194,16 +231,76 @@ class Engine:
                 kv_lens=np.zeros(b, np.int32),
                 page_table=np.full((b, mp), SCRATCH_PAGE, np.int32),
             )
-            fn = model_lib.decode_step if t == 1 else model_lib.prefill
-            logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
+            self._run_step(batch, t)
+        if not sampler:
+            return num_compiles() - before
         rows = sorted({b for b, _, _ in self.decode_shapes() + self.prefill_shapes()})
         for b in rows:
+            logits = np.zeros((b, self.cfg.vocab_size), np.float32)
+            if self._sample_device is not None:
+                logits = jax.device_put(logits, self._sample_device)
+            elif self.mesh is not None:  # placed as the steps return them, or the sampler compiles again
+                from jaxinfer.sharding import replicated
+
+                logits = jax.device_put(logits, replicated(self.mesh))
             for w in history_widths(self.max_model_len):
-                sample(np.zeros((b, self.cfg.vocab_size), np.float32), SamplingBatch.from_rows([], b, w))
+                sample(logits, SamplingBatch.from_rows([], b, w))
         jax.block_until_ready(self.cache)
-        if self.poison_freed_pages:
-            self.cache = _poison(self.cache, np.zeros(1, np.int32))
+        if self.poison_freed_pages and self.channel is None:
+            self._poison(np.zeros(1, np.int32))
         return num_compiles() - before
+
+    def _model_step(self, batch: Batch, t: int) -> jax.Array:
+        """One jitted prefill (t > 1) or decode (t == 1) call; replaces the cache, returns logits.
+
+        Multi-host leader: broadcasts the inputs first; returns its local copy of the logits. Any
+        failure there is a failure of the job (a follower gone), reported as PeerFailureError.
+        """
+        if self.channel is None:
+            return self._run_step(batch, t)
+        from jaxinfer.distributed import PeerFailureError
+
+        try:
+            self.channel.send_step(batch, t)
+            logits = self._run_step(batch, t)
+            local = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
+            return local.block_until_ready()
+        except Exception as e:
+            raise PeerFailureError(f"a step across the processes failed (a follower died?): {e}") from e
+
+    def close(self) -> None:
+        """Multi-host leader: tells the followers to exit (they return from run_follower)."""
+        if self.channel is not None:
+            self.channel.send_stop()
+            self.channel = None
+
+    def _run_step(self, batch: Batch, t: int) -> jax.Array:
+        if self.mesh is None:
+            fn = model_lib.decode_step if t == 1 else model_lib.prefill
+            logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
+            return logits
+        from jaxinfer import sharding
+
+        batch = jax.device_put(batch, sharding.batch_shardings(batch, self.mesh))
+        with jax.set_mesh(self.mesh):
+            logits, self.cache = self._sharded_steps[t == 1](self.params, self.cache, batch, cfg=self.cfg)
+        return logits
+
+    def _poison(self, pages: np.ndarray) -> None:
+        if self.channel is not None:
+            from jaxinfer.distributed import PeerFailureError
+
+            try:
+                self.channel.send_poison(pages)
+            except Exception as e:
+                raise PeerFailureError(f"broadcasting freed pages failed (a follower died?): {e}") from e
+        self._run_poison(pages)
+
+    def _run_poison(self, pages: np.ndarray) -> None:
+        if self.mesh is None:
+            self.cache = _poison(self.cache, pages)
+        else:
+            self.cache = self._sharded_poison(self.cache, pages)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -333,8 +430,7 @@ class Engine:
             table[i, : len(seq.pages)] = seq.pages
             rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, seq.tokens, seq.prompt_len))
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=table)
-        fn = model_lib.decode_step if t == 1 else model_lib.prefill
-        logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
+        logits = self._model_step(batch, t)
         # The token history is only sent (and only as wide as needed) when some row has a penalty.
         width = history_width(rows, maximum=self.max_model_len)
         return sample(logits, SamplingBatch.from_rows(rows, b, width))
@@ -391,7 +487,7 @@ class Engine:
         if s.freed_pages and self.poison_freed_pages:
             pages = np.asarray(s.freed_pages, np.int32)
             pad = bucket(len(pages)) - len(pages)
-            self.cache = _poison(self.cache, np.pad(pages, (0, pad), constant_values=SCRATCH_PAGE))
+            self._poison(np.pad(pages, (0, pad), constant_values=SCRATCH_PAGE))
         s.freed_pages = []
 
     def _after_step(self) -> None:
@@ -406,6 +502,13 @@ class Engine:
 
     # -- metrics ----------------------------------------------------------------------------
 
+    def memory_per_device(self) -> dict:
+        """The most parameter and KV-cache bytes any one device holds (they shrink as `model` grows)."""
+        from jaxinfer.sharding import bytes_per_device
+
+        params, cache = bytes_per_device(self.params), bytes_per_device(self.cache)
+        return {"param_bytes_per_device": max(params.values()), "kv_cache_bytes_per_device": max(cache.values())}
+
     def stats(self) -> dict:
         s, m = self.scheduler, self.metrics
         return {
@@ -414,6 +517,7 @@ class Engine:
             "kv_pages_cached": self.pool.num_cached,
             "kv_cache_bytes": self.cache.nbytes,
             "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
+            **self.memory_per_device(),
             "running": len(s.running),
             "waiting": len(s.waiting),
             "num_preemptions": s.num_preemptions,

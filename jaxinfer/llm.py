@@ -16,6 +16,7 @@ from jaxinfer.engine import Engine, Logprob, Request
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.sharding import make_mesh
 from jaxinfer.tokenizer import load_tokenizer, render_chat_template, validate_messages
 
 
@@ -83,23 +84,29 @@ def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
     return max(2, min(want, budget))
 
 
-def _load(model, dtype: str):
+def _load(model, dtype: str, mesh):
     """(cfg, params, tokenizer) of `model`: None (the embedded default), an embedded name, a jaxinfer
-    (orbax) checkpoint directory or a Hugging Face one."""
+    (orbax) checkpoint directory or a Hugging Face one. On a mesh, parameters are read straight onto
+    their shardings (each process reads only what its devices hold), never staged on one device."""
     from jaxinfer import checkpoint
     from jaxinfer.config import load_hf_config
     from jaxinfer.loading import load_safetensors_params
+    from jaxinfer.sharding import param_shardings
+
+    def shardings(cfg):
+        return None if mesh is None else param_shardings(cfg, mesh)
+
     if isinstance(model, str) and model in default_model.EMBEDDED:  # e.g. the tiny random model
         return default_model.EMBEDDED[model](dtype=dtype)  # made in memory; the engine places it
     path = default_model.ASSETS if model is None else os.fspath(model)
     if model is None or checkpoint.is_checkpoint(path):  # jaxinfer's orbax format (`jaxinfer convert`)
         cfg = checkpoint.load_config(path, dtype=dtype)
-        cfg, params = checkpoint.restore(path, dtype=dtype, shardings=None)
+        cfg, params = checkpoint.restore(path, dtype=dtype, shardings=shardings(cfg))
     else:
         if not os.path.isdir(path):
             raise CheckpointError(f"model directory {path!r} does not exist")
         cfg = load_hf_config(path, dtype=dtype)
-        params = load_safetensors_params(path, cfg, shardings=None)
+        params = load_safetensors_params(path, cfg, shardings=shardings(cfg))
     tokenizer = load_tokenizer(path, eos_ids=cfg.eos_token_ids)
     if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
@@ -110,6 +117,15 @@ def _load(model, dtype: str):
             file=sys.stderr,
         )
     return cfg, params, tokenizer
+
+
+def _leader_channel():
+    """Multi-host leader: the channel its engine broadcasts each step on (followers get None)."""
+    if jax.process_count() == 1:
+        return None
+    from jaxinfer.distributed import StepChannel, is_leader
+
+    return StepChannel() if is_leader() else None
 
 
 class LLM:
@@ -129,6 +145,10 @@ class LLM:
             JAX), or "pallas" (the kernel; on CPU in interpret mode: slow, for checking).
         kv_cache_dtype: "auto" (the model dtype) or "int8" (int8 K/V with one float32 scale per token
             and KV head: (H + 4) / (2H) of bfloat16's bytes, so about twice the tokens fit).
+        mesh: shard over devices: "data=2,model=4" (or {"data": 2, "model": 4}) uses the first 8
+            devices (a multi-process mesh must use all of them). Tensor parallelism over `model`
+            (heads, MLP, vocabulary; KV heads replicated when they do not split evenly), batch rows
+            over `data`. None: one device. See jaxinfer.sharding for the rules table.
         warmup: compile every step shape now, so no request ever waits for a compilation.
     """
 
@@ -145,6 +165,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        mesh: str | dict | None = None,
         warmup: bool = False,
     ):
         if dtype not in DTYPES:
@@ -155,7 +176,8 @@ class LLM:
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        cfg, params, tokenizer = _load(model, dtype)
+        device_mesh = None if mesh is None else make_mesh(mesh)  # validated before anything loads
+        cfg, params, tokenizer = _load(model, dtype, device_mesh)
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
@@ -180,6 +202,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             tokenizer=tokenizer,
+            mesh=device_mesh,
+            channel=_leader_channel(),
         )
         if warmup:
             self.engine.warmup()

@@ -237,6 +237,7 @@ Args:
 Returns:
     (logits [B, V] float32 at each row's last new token, the new KVCache).
 """
+decode_step_fn = _decode  # un-jitted, for callers that jit with their own shardings (Engine on a mesh)
 decode_step = jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("cache",))
 decode_step.__doc__ = """One new token per row (tokens [B, 1]); otherwise exactly `prefill`."""
 

@@ -34,7 +34,15 @@ class DrainingError(Exception):
 
 
 class EngineFailedError(Exception):
-    """The engine raised while running this request's step (a bug); the message says what."""
+    """The engine raised while running this request's step (a bug); the message says what.
+
+    `unavailable`: the job itself is broken (multi-host: a follower died or stopped answering);
+    the server answers UNAVAILABLE and stops serving rather than INTERNAL.
+    """
+
+    def __init__(self, message: str, *, unavailable: bool = False):
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 @dataclasses.dataclass
@@ -102,8 +110,12 @@ class AsyncEngine:
             `submit` raises QueueFullError past `max_num_seqs + max_queued` requests in flight.
     """
 
-    def __init__(self, engine: Engine, *, max_queued: int = 256):
+    def __init__(self, engine: Engine, *, max_queued: int = 256, peer_timeout: float | None = None, on_broken=None):
         self.engine = engine
+        self.peer_timeout = peer_timeout  # multi-host: longest a step may take before the job counts as broken
+        self.on_broken = on_broken  # called on the event loop once, with the error, when the job breaks
+        self.broken: Exception | None = None
+        self._step_started: float | None = None
         self.max_queued = max_queued
         self.max_in_flight = engine.max_num_seqs + max_queued
         self.draining = False
@@ -118,6 +130,27 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
+        if self.peer_timeout is not None:
+            self._watchdog = self._loop.create_task(self._watch_steps())
+
+    async def _watch_steps(self) -> None:
+        """Multi-host: a step blocked past peer_timeout (a follower hung without dying) breaks the job."""
+        from jaxinfer.distributed import PeerFailureError
+
+        while self.broken is None and not self._stop.is_set():
+            await asyncio.sleep(min(0.5, self.peer_timeout / 4))
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.peer_timeout:
+                self._break(PeerFailureError(f"a step has waited {self.peer_timeout:.0f} s for the other processes"))
+                self._deliver([(rid, self._failure(self.broken)) for rid in list(self._streams)])
+
+    def _break(self, error: Exception) -> None:
+        """Event loop: the job is broken for good; new requests get UNAVAILABLE."""
+        if self.broken is None:
+            self.broken = error
+            log.error("the multi-host job is broken: %s", error)
+            if self.on_broken is not None:
+                self.on_broken(error)
 
     @property
     def num_in_flight(self) -> int:
@@ -132,6 +165,8 @@ class AsyncEngine:
 
         `interval`: deltas reach the stream once a sample has that many new tokens (see `_offer`).
         """
+        if self.broken is not None:
+            raise self._failure(self.broken)
         if self.draining:
             raise DrainingError("the server is draining (shutting down) and takes no new requests")
         if len(self._streams) >= self.max_in_flight:
@@ -174,7 +209,13 @@ class AsyncEngine:
             self.abort(stream)
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=30)
+        # A broken multi-host job may have left the thread blocked in a collective that never returns.
+        self._thread.join(timeout=30 if self.broken is None else 1)
+        if self.broken is None and not self._thread.is_alive():
+            try:
+                self.engine.close()  # multi-host: the followers exit
+            except Exception:
+                log.exception("telling the followers to stop failed")
 
     def _deliver(self, batch: list[tuple[str, object]]) -> None:
         """Runs on the event loop: routes one step's deltas (or a failure) to their streams."""
@@ -215,9 +256,20 @@ class AsyncEngine:
                     block = False
                     self._apply(cmd, batch)
                 if engine.has_unfinished():
-                    self._collect(engine.step(), batch)
+                    self._step_started = time.monotonic()
+                    try:
+                        updates = engine.step()
+                    finally:
+                        self._step_started = None
+                    self._collect(updates, batch)
             except Exception as e:  # a bug in a step: fail what is running, keep serving
-                log.exception("engine step failed; failing the requests in flight")
+                from jaxinfer.distributed import PeerFailureError
+
+                if isinstance(e, PeerFailureError):  # not a bug: the job is gone; nothing more can run
+                    log.error("%s", e)
+                    self._loop.call_soon_threadsafe(self._break, e)
+                else:
+                    log.exception("engine step failed; failing the requests in flight")
                 batch += self._fail_all(e)
             if batch:
                 self._loop.call_soon_threadsafe(self._deliver, batch)
@@ -252,9 +304,17 @@ class AsyncEngine:
                 self.engine.release(rid)
                 batch.append((rid, None))
 
+    @staticmethod
+    def _failure(error: Exception) -> EngineFailedError:
+        from jaxinfer.distributed import PeerFailureError
+
+        if isinstance(error, PeerFailureError):
+            return EngineFailedError(f"the multi-host job is broken: {error}", unavailable=True)
+        return EngineFailedError(f"the engine failed while running this request: {type(error).__name__}: {error}")
+
     def _fail_all(self, error: Exception) -> list:
         batch = []
-        failure = EngineFailedError(f"the engine failed while running this request: {type(error).__name__}: {error}")
+        failure = self._failure(error)
         for rid in list(self.engine.requests):
             try:
                 self.engine.abort(rid)

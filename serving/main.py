@@ -33,6 +33,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_engine_arguments(p)
+    d = p.add_argument_group("multi-host (every process runs the same command with its own --process-id)")
+    d.add_argument("--coordinator-address", help="HOST:PORT of process 0's coordinator (jax.distributed)")
+    d.add_argument("--num-processes", type=int, help="processes in the job")
+    d.add_argument("--process-id", type=int, help="this process (0 is the leader: scheduler and gRPC server)")
+    d.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a job JAX detects by itself (TPU pod slices, SLURM) instead of the three flags above",
+    )
+    d.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a step may wait on the other processes before the leader fails requests and stops serving",
+    )
 
 
 def run(args) -> int:
@@ -45,6 +60,16 @@ def run(args) -> int:
             print(f"error: --{name.replace('_', '-')} out of range: {v}", file=sys.stderr)
             return 2
     logging.basicConfig(level=args.log_level, format="%(message)s", stream=sys.stderr)
+    if args.distributed or args.coordinator_address or args.num_processes or args.process_id is not None:
+        from jaxinfer import distributed
+
+        try:
+            distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not distributed.is_leader():
+            return _follow(args)
     config = ServerConfig(
         model=args.model,
         dtype=args.dtype,
@@ -54,6 +79,7 @@ def run(args) -> int:
         max_queued_requests=args.max_queued_requests,
         drain_timeout=args.drain_timeout,
         stream_interval=args.stream_interval,
+        peer_timeout=args.peer_timeout,
         engine=engine_kwargs(args),
     )
 
@@ -79,7 +105,45 @@ def run(args) -> int:
         if server.state == "serving":
             print(f"jaxinfer serve: ready ({server.llm.cfg.name})", flush=True)
         await server.wait_stopped()
+        if server.engine is not None and server.engine.broken is not None:
+            print(f"jaxinfer serve: stopped; the multi-host job was broken ({server.engine.broken})", flush=True)
+            return _exit_broken()
         print("jaxinfer serve: stopped", flush=True)
         return 0
 
     return asyncio.run(main())
+
+
+def _exit_broken() -> int:
+    """Exit 1 at once, skipping interpreter teardown and `jax.distributed`'s shutdown barrier.
+
+    Both would wait on the dead or hung peer: the barrier until the heartbeat timeout, the teardown
+    forever on an engine thread blocked inside a collective (and then abort). Nothing is left to
+    flush but the standard streams."""
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _follow(args) -> int:
+    """A follower: the same model and mesh as the leader, then the leader's steps until it stops."""
+    import jax
+
+    import jaxinfer
+    from jaxinfer.cli import engine_kwargs
+    from jaxinfer.distributed import PeerFailureError, StepChannel, run_follower
+
+    log = logging.getLogger("jaxinfer.serving")
+    llm = jaxinfer.LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
+    llm.engine.warmup(sampler=False)
+    log.info("jaxinfer serve: follower %d of %d ready", jax.process_index(), jax.process_count())
+    try:
+        code = run_follower(llm.engine, StepChannel())
+    except PeerFailureError as e:
+        log.error("jaxinfer serve: follower %d: %s", jax.process_index(), e)
+        return _exit_broken()  # JAX's own shutdown would wait on (then abort over) the dead leader
+    log.info("jaxinfer serve: follower %d: the leader stopped; exiting", jax.process_index())
+    return code

@@ -30,6 +30,7 @@ import jaxinfer
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.sharding import format_mesh
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from serving import wire
 from serving.async_engine import AsyncEngine, Delta, DrainingError, EngineFailedError, QueueFullError, RequestStream
@@ -53,6 +54,7 @@ class ServerConfig:
     max_queued_requests: int = 256
     drain_timeout: float = 30.0
     stream_interval: int = 1  # GenerateStream sends a sample's tokens once this many have accumulated
+    peer_timeout: float = 60.0  # multi-host: a step waiting this long on the other processes breaks the job
     engine: dict = dataclasses.field(default_factory=dict)
 
 
@@ -160,13 +162,25 @@ class Server:
             return
         if self.state != "loading":  # stop() came first
             return
-        self.engine = AsyncEngine(self.llm.engine, max_queued=self.config.max_queued_requests)
+        self.engine = AsyncEngine(
+            self.llm.engine,
+            max_queued=self.config.max_queued_requests,
+            peer_timeout=self.config.peer_timeout if jax.process_count() > 1 else None,
+            on_broken=self._on_broken,
+        )
         self.engine.start()
         self.state = "serving"
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(json.dumps({"event": "ready", "model": self.llm.cfg.name, "port": self.port}))
         self.ready.set()
+
+    def _on_broken(self, error: Exception) -> None:
+        """The multi-host job broke (a follower died or hung): stop serving, say so in health."""
+        self.state = "failed"
+        self.load_error = error
+        for name in HEALTH_SERVICES:
+            asyncio.ensure_future(self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self, drain_timeout: float | None = None) -> bool:
         """Drains and stops. Returns True if every request in flight finished within the drain time."""
@@ -203,7 +217,7 @@ class Server:
         if self.state == "loading":
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is loading and warming up the model; retry soon")
         if self.state == "failed":
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the model failed to load: {self.load_error}")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the server cannot serve: {self.load_error}")
         if self.state != "serving":
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); retry elsewhere")
 
@@ -226,6 +240,8 @@ class Server:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except DrainingError as e:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        except EngineFailedError as e:
+            raise _engine_failed(e) from None
 
     def _observe(self, method: str, handler, *, streaming: bool):
         """Wraps a handler: RpcError -> status, cancellation -> abort, metrics and the log line."""
@@ -382,7 +398,7 @@ class Server:
                 if d.finish_reason is not None:
                     c.finish_reason = wire.FINISH_REASONS[d.finish_reason]
         except EngineFailedError as e:
-            raise RpcError(grpc.StatusCode.INTERNAL, str(e)) from None
+            raise _engine_failed(e) from None
         for c, t in zip(comps, texts):
             c.text = "".join(t)
         return pb.GenerateResponse(
@@ -410,7 +426,7 @@ class Server:
                     msg.usage.CopyFrom(self._usage(stream))  # the last message of the request
                 yield msg
         except EngineFailedError as e:
-            raise RpcError(grpc.StatusCode.INTERNAL, str(e)) from None
+            raise _engine_failed(e) from None
 
     async def _tokenize_rpc(self, request, ctx, info):
         return pb.TokenizeResponse(token_ids=self._tokenize(request.text, "text"))
@@ -426,7 +442,11 @@ class Server:
             max_model_len=eng.max_model_len,
             vocab_size=cfg.vocab_size,
             dtype=cfg.dtype,
-            mesh=f"1 device ({dev.platform}: {dev.device_kind}), unsharded",
+            mesh=(
+                f"1 device ({dev.platform}: {dev.device_kind}), unsharded"
+                if eng.mesh is None
+                else f"{format_mesh(dict(eng.mesh.shape))} over {eng.mesh.size} {dev.platform} devices"
+            ),
             kv_pages_total=eng.pool.capacity,
             page_size=eng.page_size,
             kv_cache_bytes=eng.cache.nbytes,
@@ -508,7 +528,11 @@ class Server:
                         pending_ids[i], pending_text[i] = [], []
                     yield js.DecodeResponse(stream_content=js.DecodeResponse.StreamContent(samples=samples))
         except EngineFailedError as e:
-            raise RpcError(grpc.StatusCode.INTERNAL, str(e)) from None
+            raise _engine_failed(e) from None
+
+
+def _engine_failed(e: EngineFailedError) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE if e.unavailable else grpc.StatusCode.INTERNAL, str(e))
 
 
 async def _steps(stream: RequestStream):

@@ -1,0 +1,133 @@
+"""Multi-host serving on JAX's multi-controller runtime: one leader, followers in lockstep.
+
+Every process runs the same program on its own devices of one global mesh. Process 0 (the leader)
+runs the scheduler and the gRPC server; before each jitted step it broadcasts that step's inputs
+(a small header, then the Batch's integer arrays, or the pages to poison) to the followers with a
+collective (`multihost_utils.broadcast_one_to_all`), and every process then calls the same jitted
+step on the same global arrays, in the same order. Followers never decide anything: they loop on
+`StepChannel.recv`. The leader samples on one of its own devices from its local copy of the
+(replicated) logits, so sampling needs no collective.
+
+Failure: a follower that dies breaks the next collective on the leader (gloo reports the closed
+connection at once); the engine turns that into `PeerFailureError`, and the server fails the
+requests in flight with UNAVAILABLE and reports NOT_SERVING. A follower that hangs without dying
+would block the collective: the server's watchdog (`--peer-timeout`) bounds that wait.
+
+CPU (tests, and CPU clusters) uses gloo collectives; TPU and GPU use their own. `initialize()`
+without arguments lets `jax.distributed.initialize` detect TPU pods and SLURM by itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxinfer.kv_cache import Batch
+
+_HEADER = 6
+OP_STEP, OP_POISON, OP_STOP = 1, 2, 3
+
+
+class PeerFailureError(RuntimeError):
+    """A collective with the other processes failed: a follower died or stopped answering."""
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    initialization_timeout: int = 120,
+) -> None:
+    """Joins the job. With no arguments, JAX detects the cluster (TPU pod slices, SLURM, ...).
+
+    The runtime is put in its recoverable mode: otherwise, once a peer stops sending heartbeats,
+    JAX's coordination service aborts every surviving process (a fatal check failure), and their
+    exit blocks in a shutdown barrier on the dead peer. jaxinfer handles a broken job itself: the
+    leader fails what is in flight with UNAVAILABLE, reports NOT_SERVING and exits 1 on SIGTERM.
+    """
+    if (coordinator_address is None) != (num_processes is None) or (num_processes is None) != (process_id is None):
+        raise ValueError("give --coordinator-address, --num-processes and --process-id together, or none of them")
+    if num_processes is not None:
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+    jax.config.update("jax_enable_recoverability", True)
+    if jax.config.jax_platforms in (None, "", "cpu") or str(jax.config.jax_platforms).startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=initialization_timeout,
+    )
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+class StepChannel:
+    """The leader's step inputs, broadcast to every process (see the module docstring)."""
+
+    def __init__(self):
+        from jax.experimental import multihost_utils
+
+        self._broadcast = multihost_utils.broadcast_one_to_all
+        self.is_leader = is_leader()
+
+    def _send(self, header: list[int], payload: tuple[np.ndarray, ...]) -> None:
+        head = np.zeros(_HEADER, np.int32)
+        head[: len(header)] = header
+        self._broadcast(head)
+        if payload:
+            self._broadcast(payload)
+
+    def send_step(self, batch: Batch, t: int) -> None:
+        b, mp = batch.page_table.shape
+        arrays = tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, batch.page_table))
+        self._send([OP_STEP, b, t, mp], arrays)
+
+    def send_poison(self, pages: np.ndarray) -> None:
+        self._send([OP_POISON, len(pages)], (np.asarray(pages, np.int32),))
+
+    def send_stop(self) -> None:
+        self._send([OP_STOP], ())
+
+    def recv(self):
+        """(op, payload) on a follower: (OP_STEP, (Batch, t)), (OP_POISON, pages) or (OP_STOP, None)."""
+        head = np.asarray(self._broadcast(np.zeros(_HEADER, np.int32)))
+        op = int(head[0])
+        if op == OP_STEP:
+            b, t, mp = (int(x) for x in head[1:4])
+            shapes = ((b, t), (b,), (b,), (b, mp))
+            tokens, q_lens, kv_lens, table = (
+                np.asarray(x) for x in self._broadcast(tuple(np.zeros(s, np.int32) for s in shapes))
+            )
+            return op, (Batch(tokens=tokens, q_lens=q_lens, kv_lens=kv_lens, page_table=table), t)
+        if op == OP_POISON:
+            (pages,) = self._broadcast((np.zeros(int(head[1]), np.int32),))
+            return op, np.asarray(pages)
+        if op == OP_STOP:
+            return op, None
+        raise PeerFailureError(f"unknown step op {op} from the leader")
+
+
+def run_follower(engine, channel: StepChannel) -> int:
+    """A follower's whole life after warm-up: replay the leader's steps until it says stop.
+
+    Returns 0 on the leader's stop; raises PeerFailureError when the leader is gone.
+    """
+    while True:
+        try:
+            op, payload = channel.recv()
+        except Exception as e:
+            raise PeerFailureError(f"lost the leader: {type(e).__name__}: {e}") from e
+        if op == OP_STOP:
+            return 0
+        try:
+            if op == OP_STEP:
+                jax.block_until_ready(engine._run_step(*payload))
+            elif op == OP_POISON:
+                engine._run_poison(payload)
+        except Exception as e:
+            raise PeerFailureError(f"a step across the processes failed: {type(e).__name__}: {e}") from e

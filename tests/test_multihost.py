@@ -1,0 +1,191 @@
+"""Multi-host serving for real: two `jaxinfer serve` processes joined by `jax.distributed` on 127.0.0.1
+(4 CPU devices each, gloo collectives), one 8-device mesh across both.
+
+The leader (process 0) runs the scheduler and the gRPC server and broadcasts every step; the
+follower replays them. Checked: greedy outputs served through the leader equal a single-process
+LLM's, for concurrent unary and streaming calls; a follower killed mid-stream makes the in-flight
+request fail with UNAVAILABLE within a bound, later requests too, health says NOT_SERVING, and the
+leader exits (code 1) promptly on SIGTERM instead of hanging on the dead peer; a follower that hangs
+without dying (SIGSTOP) is caught by --peer-timeout the same way.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.client import Client, ServerError
+
+# Small capacity: fewer step shapes, so each process compiles little during warm-up.
+ENGINE = ["--max-model-len", "64", "--page-size", "8", "--num-kv-pages", "48", "--max-num-seqs", "4"]
+ENGINE += ["--max-num-batched-tokens", "32", "--no-prefix-caching"]
+PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 8, 90, 100, 3, 4], [1, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+READY_TIMEOUT = 300  # two processes importing JAX and compiling every step shape on a loaded 2-core machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """Leader + follower subprocesses; logs to files under tmp_path; always killed at the end."""
+
+    def __init__(self, tmp_path, model: str, mesh: str, *extra: str):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+        coordinator = f"127.0.0.1:{_free_port()}"
+        common = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", model, "--mesh", mesh, *ENGINE, *extra]
+        common += ["--coordinator-address", coordinator, "--num-processes", "2"]
+        self.logs = {}
+        self.procs = {}
+        for role, pid in (("leader", 0), ("follower", 1)):
+            out = open(tmp_path / f"{role}.out", "w+")
+            err = open(tmp_path / f"{role}.err", "w+")
+            self.logs[role] = (out, err)
+            port = ["--port", "0"] if pid == 0 else []
+            self.procs[role] = subprocess.Popen(
+                [*common, "--process-id", str(pid), *port], stdout=out, stderr=err, env=env, cwd=tmp_path
+            )
+        self.port = self._wait_for(r"listening on 127\.0\.0\.1:(\d+)", 120)
+        self._wait_for(r"ready \(", READY_TIMEOUT)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def log(self, role: str, stream: int = 1) -> str:
+        f = self.logs[role][stream]
+        f.flush()
+        with open(f.name) as g:
+            return g.read()
+
+    def _wait_for(self, pattern: str, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.log("leader", 0))
+            if m:
+                return int(m.group(1)) if m.groups() else 0
+            for role, p in self.procs.items():
+                if p.poll() is not None:
+                    raise AssertionError(f"{role} exited with {p.returncode}:\n{self.log(role)[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} from the leader in {timeout} s:\n{self.log('leader')[-3000:]}")
+
+    def close(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        for out, err in self.logs.values():
+            out.close()
+            err.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random-weight Llama written by transformers: 8 query heads, 2 KV heads (fewer than model=8,
+    so the KV cache is replicated across both processes' devices while the heads split)."""
+    from hf_models import make_hf_model, save_hf_model
+
+    path = tmp_path_factory.mktemp("mh-model")
+    save_hf_model(make_hf_model("llama3.1", num_attention_heads=8, num_key_value_heads=2), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model_dir, max_model_len=64, page_size=8, num_kv_pages=48, max_num_seqs=4, max_num_batched_tokens=32)
+    out = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+    assert len({tuple(o) for o in out}) == len(out)  # varied, so agreement means something
+    return out
+
+
+def _stream_until_error(client: Client, after_tokens: int, act) -> tuple[int, float, ServerError | None]:
+    """Streams a long request; after `after_tokens` deltas calls act(); returns (deltas seen, seconds
+    from act() to the error, the error)."""
+    seen, t_act = 0, None
+    try:
+        for _ in client.stream(
+            prompt_token_ids=[1, 5, 9], sampling_params=SamplingParams(max_tokens=50, temperature=0)
+        ):
+            seen += 1
+            if seen == after_tokens:
+                act()
+                t_act = time.monotonic()
+    except ServerError as e:
+        return seen, time.monotonic() - t_act, e
+    return seen, float("nan"), None
+
+
+def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, model_dir, reference):
+    job = Job(tmp_path, model_dir, "data=1,model=8")
+    try:
+        client = Client(job.address)
+        info = client.model_info()
+        assert info["mesh"] == "data=1,model=8 over 8 cpu devices"
+        # Concurrent unary and streaming requests through the leader == one process, token for token.
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            unary = [pool.submit(client.generate, prompt_token_ids=p, sampling_params=GREEDY) for p in PROMPTS]
+            streams = [
+                pool.submit(
+                    lambda p: [
+                        t for d in client.stream(prompt_token_ids=p, sampling_params=GREEDY) for t in d.token_ids
+                    ],
+                    p,
+                )
+                for p in PROMPTS
+            ]
+            assert [f.result(timeout=120).token_ids for f in unary] == reference
+            assert [f.result(timeout=120) for f in streams] == reference
+        assert "follower 1 of 2 ready" in job.log("follower")
+
+        # Kill the follower mid-stream: the leader's next collective fails; the request ends UNAVAILABLE.
+        seen, waited, err = _stream_until_error(client, 3, lambda: job.procs["follower"].send_signal(signal.SIGKILL))
+        assert err is not None and err.code == "UNAVAILABLE", (seen, err)
+        assert "multi-host job is broken" in str(err)
+        assert 3 <= seen < 50 and waited < 15, (seen, waited)
+        with pytest.raises(ServerError) as later:
+            client.generate(prompt_token_ids=[1, 2], sampling_params=GREEDY)
+        assert later.value.code == "UNAVAILABLE"
+        assert client.health() == "NOT_SERVING"
+        # SIGTERM: out promptly with status 1, not blocked on the dead peer nor aborted by JAX.
+        t = time.monotonic()
+        job.procs["leader"].send_signal(signal.SIGTERM)
+        assert job.procs["leader"].wait(timeout=30) == 1
+        assert time.monotonic() - t < 20
+        assert "multi-host job was broken" in job.log("leader", 0)
+        assert "Check failure" not in job.log("leader")
+    finally:
+        job.close()
+
+
+def test_a_hung_follower_is_caught_by_the_peer_timeout(tmp_path):
+    """SIGSTOP: the follower's sockets stay open, so no collective fails; only the watchdog can tell."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", "--peer-timeout", "4")
+    try:
+        client = Client(job.address)
+        out = client.generate(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY)
+        assert len(out.token_ids) == 10
+        seen, waited, err = _stream_until_error(client, 2, lambda: job.procs["follower"].send_signal(signal.SIGSTOP))
+        assert err is not None and err.code == "UNAVAILABLE", (seen, err)
+        assert "waited 4 s for the other processes" in str(err)
+        assert 3 <= waited < 12, waited
+        assert client.health() == "NOT_SERVING"
+        job.procs["leader"].send_signal(signal.SIGTERM)
+        assert job.procs["leader"].wait(timeout=30) == 1
+        # Resumed, the follower finds the leader gone: it says so and exits 1 by itself.
+        job.procs["follower"].send_signal(signal.SIGCONT)
+        assert job.procs["follower"].wait(timeout=60) == 1
+        assert "follower 1: " in job.log("follower") and "Check failure" not in job.log("follower")
+    finally:
+        job.procs["follower"].send_signal(signal.SIGCONT)
+        job.close()
