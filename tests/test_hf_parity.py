@@ -92,13 +92,14 @@ def test_sliding_window_is_active():
     assert np.abs(windowed - unwindowed).max() > 1e-3
 
 
-def test_sharded_bfloat16_checkpoint(tmp_path):
-    """bf16 weights split over several files with an index load exactly (as float32 compute)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_sharded_half_precision_checkpoint(tmp_path, dtype):
+    """bf16 / fp16 weights split over several files with an index load exactly (as float32 compute)."""
     hf = make_hf_model("llama2")
-    save_hf_model(hf, tmp_path, dtype=torch.bfloat16, max_shard_size="40KB")
+    save_hf_model(hf, tmp_path, dtype=dtype, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
-    hf32 = hf.to(torch.float32)  # bf16-rounded weights, float32 maths: what we do with dtype=float32
+    hf32 = hf.to(torch.float32)  # rounded weights, float32 maths: what we do with dtype=float32
     hf_tokens = _hf_greedy(hf32, PROMPT, NEW)
     llm = LLM(str(tmp_path), num_kv_pages=64)
     out = llm.generate(
