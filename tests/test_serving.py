@@ -500,7 +500,8 @@ def test_metrics_endpoint_and_stream_interval(llm):
 def test_bench_serve_smoke(capsys):
     from jaxinfer import cli
 
-    args = ["bench", "serve", "--num-requests", "8", "--prompt-len-range", "4,24", "--output-len-range", "2,9"]
+    args = ["bench", "serve", "--model", default_model.TINY_RANDOM, "--num-requests", "8"]
+    args += ["--prompt-len-range", "4,24", "--output-len-range", "2,9"]
     args += ["--max-num-seqs", "4", "--concurrency", "3", "--request-rate", "50", "--vs-offline", "--json"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out

@@ -43,7 +43,7 @@ def _workload():
     return prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _run(cfg, params, mesh):
+def _run(cfg, params, mesh, num_prompts: int = 6):
     e = Engine(
         cfg,
         params,
@@ -55,7 +55,7 @@ def _run(cfg, params, mesh):
         mesh=mesh,
     )
     prompts, sp = _workload()
-    reqs = [e.add_request(p, sp) for p in prompts]
+    reqs = [e.add_request(p, sp) for p in prompts[:num_prompts]]
     while e.has_unfinished():
         e.step()
     return [r.seqs[0].output_ids for r in reqs], e
@@ -89,12 +89,13 @@ def test_every_mesh_gives_the_single_device_tokens(params, single, spec):
 def test_kernels_under_shard_map_in_the_model_match(params, single):
     """attention_backend="pallas" on a 2x4 mesh (kernel and KV write per device under shard_map,
     rows split over data) and an int8 cache on 4x2: the single-device reference tokens / the int8
-    single-device tokens."""
-    out, _ = _run(dataclasses.replace(CFG, attention_backend="pallas"), params, make_mesh("data=2,model=4"))
-    assert out == single[0]
+    single-device tokens. Three of the prompts (batch invariance makes them comparable), since the
+    kernels are interpreted."""
+    out, _ = _run(dataclasses.replace(CFG, attention_backend="pallas"), params, make_mesh("data=2,model=4"), 3)
+    assert out == single[0][:3]
     int8 = dataclasses.replace(CFG, kv_cache_dtype="int8")
-    want, _ = _run(int8, params, None)
-    got, e = _run(dataclasses.replace(int8, attention_backend="pallas"), params, make_mesh("data=4,model=2"))
+    want, _ = _run(int8, params, None, 3)
+    got, e = _run(dataclasses.replace(int8, attention_backend="pallas"), params, make_mesh("data=4,model=2"), 3)
     assert got == want
     assert e.cache.k[0].scales.sharding.spec == P("model", None, None)
 
