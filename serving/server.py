@@ -306,6 +306,10 @@ class Server:
                 raise e
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
+            # Counted before the client hears the status, so a scrape right after it sees the RPC.
+            cleanup(info)
+            finish(ctx, info, code, info["t0"])
+            info["finished"] = True
             await ctx.abort(code, info.get("error", code.name))
 
         def new_info() -> dict:
@@ -322,8 +326,9 @@ class Server:
                 except BaseException as e:
                     await fail(ctx, e, info)
                 finally:
-                    cleanup(info)
-                    finish(ctx, info, info["code"], info["t0"])
+                    if not info.get("finished"):
+                        cleanup(info)
+                        finish(ctx, info, info["code"], info["t0"])
 
         else:
 
@@ -335,8 +340,9 @@ class Server:
                 except BaseException as e:
                     await fail(ctx, e, info)
                 finally:
-                    cleanup(info)
-                    finish(ctx, info, info["code"], info["t0"])
+                    if not info.get("finished"):
+                        cleanup(info)
+                        finish(ctx, info, info["code"], info["t0"])
 
         return wrapped
 
