@@ -6,7 +6,8 @@ follower replays them. Checked: greedy outputs served through the leader equal a
 LLM's, for concurrent unary and streaming calls; a follower killed mid-stream makes the in-flight
 request fail with UNAVAILABLE within a bound, later requests too, health says NOT_SERVING, and the
 leader exits (code 1) promptly on SIGTERM instead of hanging on the dead peer; a follower that hangs
-without dying (SIGSTOP) is caught by --peer-timeout the same way.
+without dying (SIGSTOP) is caught by --peer-timeout the same way, and once resumed with its leader
+gone, it stops by itself.
 """
 
 from __future__ import annotations
@@ -182,10 +183,16 @@ def test_a_hung_follower_is_caught_by_the_peer_timeout(tmp_path):
         assert client.health() == "NOT_SERVING"
         job.procs["leader"].send_signal(signal.SIGTERM)
         assert job.procs["leader"].wait(timeout=30) == 1
-        # Resumed, the follower finds the leader gone: it says so and exits 1 by itself.
+        # Resumed, the follower finds the leader (and the coordination service it hosted) gone and stops
+        # by itself: through our path (its collective fails: it logs why and exits 1) or, when JAX's
+        # error poll sees the dead coordinator first, by JAX's runtime terminating it (SIGABRT).
         job.procs["follower"].send_signal(signal.SIGCONT)
-        assert job.procs["follower"].wait(timeout=60) == 1
-        assert "follower 1: " in job.log("follower") and "Check failure" not in job.log("follower")
+        code = job.procs["follower"].wait(timeout=60)
+        log = job.log("follower")
+        assert (code == 1 and "follower 1: " in log) or (code == -signal.SIGABRT and "Terminating process" in log), (
+            code,
+            log[-2000:],
+        )
     finally:
         job.procs["follower"].send_signal(signal.SIGCONT)
         job.close()
