@@ -178,7 +178,10 @@ class Engine:
         else:
             from jaxinfer import sharding
 
-            self.params = jax.device_put(params, sharding.param_shardings(cfg, mesh))
+            # KV heads fewer than the model axis are stored once per device that needs them (see
+            # sharding.kv_head_copies): the engine's cfg then counts the copies.
+            cfg, self.params = sharding.place_params(cfg, params, mesh)
+            self.cfg = cfg
             create = functools.partial(KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size)
             cache_sh = sharding.cache_shardings(jax.eval_shape(create), mesh)
             self.cache = jax.jit(create, out_shardings=cache_sh)()

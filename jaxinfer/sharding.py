@@ -16,10 +16,12 @@ over KV heads only and are replicated over `data`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -140,6 +142,38 @@ def param_shardings(cfg, mesh: Mesh, rules: Mapping = RULES):
         for (path, leaf), spec in zip(paths, specs, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+
+def kv_head_copies(cfg, mesh: Mesh) -> int:
+    """How many times to store each KV head so that every `model` device holds only the heads its own
+    query heads read.
+
+    K KV heads cannot be split over a `model` axis of M > K devices, and plain replication leaves the
+    whole KV cache on every device: it would stop shrinking as the mesh grows. When M is a multiple of
+    K (and N of M), each head is stored M / K times instead; the axis then splits the copies, and
+    device i holds one: the head of its N / M query heads. The cache per device keeps shrinking with
+    M (in all it grows M / K-fold). The answers are unchanged: a copy holds the same numbers.
+    """
+    m = dict(mesh.shape).get("model", 1)
+    k, n = cfg.num_kv_heads, cfg.num_heads
+    return m // k if k < m and m % k == 0 and n % m == 0 else 1
+
+
+def place_params(cfg, params, mesh: Mesh, rules: Mapping = RULES):
+    """(cfg, params) placed on the mesh by the rules, KV heads copied `kv_head_copies` times first
+    (the returned cfg then has that many more KV heads; the K/V weights and biases are repeated so
+    that copy j of the widened axis is head j // copies)."""
+    copies = kv_head_copies(cfg, mesh)
+    if copies == 1:
+        return cfg, jax.device_put(params, param_shardings(cfg, mesh, rules))
+    wide = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
+
+    def widen(path, x):  # wk, wv [D, K, H]; bk, bv [K, H]: the KV-head axis is the second to last
+        name = getattr(path[-1], "key", None)
+        return jnp.repeat(x, copies, axis=x.ndim - 2) if name in ("wk", "wv", "bk", "bv") else x
+
+    shardings = param_shardings(wide, mesh, rules)
+    return wide, jax.jit(lambda p: jax.tree_util.tree_map_with_path(widen, p), out_shardings=shardings)(params)
 
 
 def cache_shardings(cache, mesh: Mesh, rules: Mapping = RULES):

@@ -456,7 +456,7 @@ class Server:
             kv_pages_total=eng.pool.capacity,
             page_size=eng.page_size,
             kv_cache_bytes=eng.cache.nbytes,
-            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            kv_bytes_per_token=eng.cfg.kv_bytes_per_token,  # KV-head copies on a mesh included
             max_num_seqs=eng.max_num_seqs,
             max_num_batched_tokens=eng.max_num_batched_tokens,
             eos_token_ids=list(cfg.eos_token_ids),

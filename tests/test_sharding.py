@@ -76,13 +76,17 @@ def test_every_mesh_gives_the_single_device_tokens(params, single, spec):
     wq = e.params["layer_0"]["attn"]["wq"]
     sizes = dict(mesh.shape)
     assert wq.sharding.spec == (P(None, "model", None) if sizes["model"] > 1 else P(None, None, None))
-    # KV heads split over `model` only when 2 divides evenly; otherwise every device holds both.
+    # 2 KV heads: split over model=2; on model=4 and 8 each head is stored model/2 times, so the axis
+    # still splits them and every device holds exactly one head (the one its query heads read).
     k_spec = e.cache.k[0].sharding.spec
-    assert k_spec == (P("model", None, None, None) if sizes["model"] == 2 else P(None, None, None, None))
+    assert k_spec == (P("model", None, None, None) if sizes["model"] > 1 else P(None, None, None, None))
+    assert e.cfg.num_kv_heads == max(2, sizes["model"])
+    assert e.params["layer_0"]["attn"]["wk"].sharding.shard_shape(e.params["layer_0"]["attn"]["wk"].shape)[1] == (
+        2 if sizes["model"] == 1 else 1
+    )
     mem, one = e.memory_per_device(), single[1]
     if sizes["model"] > 1:
         assert mem["param_bytes_per_device"] < one["param_bytes_per_device"] / (sizes["model"] / 2)
-    if sizes["model"] == 2:
         assert mem["kv_cache_bytes_per_device"] == one["kv_cache_bytes_per_device"] // 2
 
 
@@ -136,6 +140,19 @@ def test_bad_meshes_are_refused_by_name():
     assert parse_mesh("model=8") == {"data": 1, "model": 8}
     with pytest.raises(InvalidRequestError, match="has 9 devices"):
         LLM(mesh="data=3,model=3")
+
+
+def test_kv_head_copies_only_when_the_model_axis_is_a_multiple():
+    from jaxinfer.sharding import kv_head_copies
+
+    def copies(n, k, spec):
+        return kv_head_copies(dataclasses.replace(CFG, num_heads=n, num_kv_heads=k), make_mesh(spec))
+
+    assert copies(8, 2, "model=8") == 4 and copies(8, 2, "model=4") == 2 and copies(8, 1, "model=8") == 8
+    assert copies(8, 2, "model=2") == 1 and copies(8, 8, "model=4") == 1  # splits as they are
+    assert copies(8, 4, "model=6") == 1  # 6 is no multiple of 4: replicated, as the rules table says
+    assert copies(4, 2, "model=8") == 1  # 4 query heads cannot split 8 ways either
+    assert copies(8, 2, "data=8") == 1
 
 
 def test_rules_refuse_two_dims_on_one_mesh_axis_and_replicate_what_does_not_divide():
