@@ -43,22 +43,22 @@ def _workload():
     return prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _run(cfg, params, mesh, num_prompts: int = 6):
-    e = Engine(
-        cfg,
-        params,
-        max_model_len=64,
-        page_size=8,
-        num_kv_pages=40,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        mesh=mesh,
-    )
+def _engine(cfg, params, mesh) -> Engine:
+    capacity = dict(max_model_len=64, page_size=8, num_kv_pages=40, max_num_seqs=8, max_num_batched_tokens=32)
+    return Engine(cfg, params, mesh=mesh, **capacity)
+
+
+def _finish(e: Engine, num_prompts: int = 6) -> list[list[int]]:
     prompts, sp = _workload()
     reqs = [e.add_request(p, sp) for p in prompts[:num_prompts]]
     while e.has_unfinished():
         e.step()
-    return [r.seqs[0].output_ids for r in reqs], e
+    return [r.seqs[0].output_ids for r in reqs]
+
+
+def _run(cfg, params, mesh, num_prompts: int = 6):
+    e = _engine(cfg, params, mesh)
+    return _finish(e, num_prompts), e
 
 
 @pytest.fixture(scope="module")
@@ -105,23 +105,10 @@ def test_kernels_under_shard_map_in_the_model_match(params, single):
 
 
 def test_no_compilation_after_warmup_on_a_mesh(params):
-    e = Engine(
-        CFG,
-        params,
-        max_model_len=64,
-        page_size=8,
-        num_kv_pages=40,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        mesh=make_mesh("data=2,model=4"),
-    )
+    e = _engine(CFG, params, make_mesh("data=2,model=4"))
     e.warmup()
     before = num_compiles()
-    prompts, sp = _workload()
-    for p in prompts:
-        e.add_request(p, sp)
-    while e.has_unfinished():
-        e.step()
+    _finish(e)
     assert num_compiles() == before
 
 
