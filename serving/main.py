@@ -68,6 +68,10 @@ def run(args) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except Exception as e:  # JAX's runtime: the coordinator never answered, or refused this process
+            where = args.coordinator_address or "the detected cluster"
+            print(f"error: cannot join the multi-host job at {where}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         if not distributed.is_leader():
             return _follow(args)
     config = ServerConfig(
