@@ -193,6 +193,7 @@ class Engine:
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
             self._sharded_poison = jax.jit(_poison_pages, out_shardings=cache_sh)
         self.metrics = EngineMetrics(kv_pages_total=self.pool.capacity, kv_cache_bytes=self.cache.nbytes)
+        self._memory_per_device = self._measure_memory_per_device()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -507,6 +508,11 @@ class Engine:
 
     def memory_per_device(self) -> dict:
         """The most parameter and KV-cache bytes any one device holds (they shrink as `model` grows)."""
+        return dict(self._memory_per_device)
+
+    def _measure_memory_per_device(self) -> dict:
+        # Read off the arrays' shards once, at construction: the layout never changes afterwards, and
+        # stats() runs on other threads while a step donates (deletes) the cache it would read.
         from jaxinfer.sharding import bytes_per_device
 
         params, cache = bytes_per_device(self.params), bytes_per_device(self.cache)

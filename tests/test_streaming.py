@@ -130,3 +130,33 @@ def test_stats_and_prometheus_registry(llm):
     text = generate_latest(llm.engine.metrics.registry).decode()
     assert "jaxinfer_time_to_first_token_seconds_count" in text
     assert "jaxinfer_kv_pages_free" in text
+
+
+def test_stats_from_another_thread_while_steps_donate_the_cache(llm):
+    """The server reads stats and metrics on its event loop while the engine thread steps; every step
+    donates (deletes) the previous cache, so stats() must never touch the live cache's buffers."""
+    import threading
+
+    errors, done = [], threading.Event()
+
+    def poll():
+        from prometheus_client import generate_latest
+
+        while not done.is_set():
+            try:
+                llm.stats()
+                generate_latest(llm.engine.metrics.registry)
+            except Exception as e:  # what the server's scrape would have died of
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        outs = llm.generate(["abc", "defg", "hi"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    finally:
+        done.set()
+        t.join()
+    assert not errors, errors[0]
+    assert all(len(o.token_ids) == 24 for o in outs)
+    assert llm.stats()["kv_cache_bytes_per_device"] == llm.stats()["kv_cache_bytes"]  # one device, whole cache
