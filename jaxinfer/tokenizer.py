@@ -272,7 +272,7 @@ class SentencePieceTokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes offset by 3 (0 pad, 1 BOS, 2 EOS): for the embedded untrained default model."""
+    """UTF-8 bytes offset by 3 (0 pad, 1 BOS, 2 EOS): for the embedded tiny random model (`embedded:tiny-random`)."""
 
     OFFSET = 3
 
