@@ -229,8 +229,9 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
     Args:
         ckpt_dir: a directory written by `save`.
         dtype: parameter and compute dtype to restore in (converted from the stored dtype).
-        shardings: optional pytree of `jax.sharding.Sharding` matching the parameter tree (or one
-            Sharding for every array); default: the first device.
+        shardings: optional pytree of `jax.sharding.Sharding` matching the parameter tree, one
+            Sharding for every array, or a function of the ModelConfig returning either; default:
+            the first device.
 
     Raises:
         CheckpointError: naming the missing file, the missing/unexpected/misshapen tensor, or the
@@ -241,6 +242,8 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
     params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
     stored = _stored_tree(params_dir)
     abstract = abstract_params(cfg)
+    if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
+        shardings = shardings(cfg)
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):

@@ -13,7 +13,7 @@ import numpy as np
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Logprob, Request
-from jaxinfer.errors import CheckpointError, InvalidRequestError
+from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import make_mesh
@@ -89,8 +89,7 @@ def _load(model, dtype: str, mesh):
     (orbax) checkpoint directory or a Hugging Face one. On a mesh, parameters are read straight onto
     their shardings (each process reads only what its devices hold), never staged on one device."""
     from jaxinfer import checkpoint
-    from jaxinfer.config import load_hf_config
-    from jaxinfer.loading import load_safetensors_params
+    from jaxinfer.loading import load_hf_checkpoint
     from jaxinfer.sharding import param_shardings
 
     def shardings(cfg):
@@ -100,13 +99,9 @@ def _load(model, dtype: str, mesh):
         return default_model.EMBEDDED[model](dtype=dtype)  # made in memory; the engine places it
     path = default_model.ASSETS if model is None else os.fspath(model)
     if model is None or checkpoint.is_checkpoint(path):  # jaxinfer's orbax format (`jaxinfer convert`)
-        cfg = checkpoint.load_config(path, dtype=dtype)
-        cfg, params = checkpoint.restore(path, dtype=dtype, shardings=shardings(cfg))
+        cfg, params = checkpoint.restore(path, dtype=dtype, shardings=shardings)
     else:
-        if not os.path.isdir(path):
-            raise CheckpointError(f"model directory {path!r} does not exist")
-        cfg = load_hf_config(path, dtype=dtype)
-        params = load_safetensors_params(path, cfg, shardings=shardings(cfg))
+        cfg, params = load_hf_checkpoint(path, dtype=dtype, shardings=shardings)
     tokenizer = load_tokenizer(path, eos_ids=cfg.eos_token_ids)
     if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))

@@ -310,8 +310,14 @@ class _Progress:
 
 
 def load_hf_checkpoint(model_dir: str, *, dtype: str = "float32", shardings=None):
-    """Returns (ModelConfig, params) from a local Hugging Face checkpoint directory."""
+    """Returns (ModelConfig, params) from a local Hugging Face checkpoint directory.
+
+    `shardings`: a pytree of shardings matching the parameters, or a function of the ModelConfig
+    returning one (e.g. `lambda cfg: sharding.param_shardings(cfg, mesh)`); None: one device.
+    """
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"model directory {model_dir!r} does not exist")
     cfg = load_hf_config(model_dir, dtype=dtype)
+    if callable(shardings):
+        shardings = shardings(cfg)
     return cfg, load_safetensors_params(model_dir, cfg, shardings=shardings)
