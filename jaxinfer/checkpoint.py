@@ -34,7 +34,7 @@ from jaxinfer.model import abstract_params
 
 MARKER = "jaxinfer_checkpoint.json"
 FORMAT = "jaxinfer-orbax"
-VERSION = 2  # 2: weights stored [out, in] (HF's Linear layout); 1 stored them [in, out]
+VERSION = 1
 PARAMS_DIR = "params"
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -192,11 +192,6 @@ def load_config(ckpt_dir: str, *, dtype: str | None = None) -> ModelConfig:
         raise CheckpointError(f"{ckpt_dir!r} is not a jaxinfer checkpoint (no {MARKER})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{marker} is corrupt: {e}") from None
-    if isinstance(info, dict) and info.get("format") == FORMAT and info.get("version") == 1:
-        raise CheckpointError(
-            f"{marker}: version 1 checkpoint (weights stored [in, out], before jaxinfer 2026-11-22); this "
-            f"version reads {VERSION} ([out, in], as in HF): write it again with `jaxinfer convert`"
-        )
     if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
         raise CheckpointError(f"{marker}: expected format {FORMAT!r} version {VERSION}, got {info!r}")
     path = os.path.join(ckpt_dir, "config.json")

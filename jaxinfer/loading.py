@@ -108,31 +108,38 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
 
 # (HF names, our path, converter): the converter gets the HF arrays (memory-map views: one, or several
 # to merge) and the target shape, and returns a LAZY view in our layout: anything with `.shape` and
-# numpy indexing. Nothing is read until a shard of it is indexed and made contiguous. Our weights keep
-# HF's Linear layout [out, in], so apart from the merged gate/up every conversion is a reshape.
+# numpy indexing. Nothing is read until a shard of it is indexed and made contiguous.
+def _linear_in_out(x, shape):  # HF Linear weight [out, in] -> [in, *out_split] (transpose + split: a view)
+    return x.T.reshape(shape)
+
+
 def _same(x, shape):
     return x.reshape(shape)
 
 
+def _transpose(x, shape):
+    return x.T
+
+
 class _GateUp:
-    """gate_proj and up_proj (two HF [F, D]) seen as our merged [F, 2, D], without stacking them."""
+    """gate_proj and up_proj (two HF [F, D]) seen as our merged [D, 2, F], without stacking them."""
 
     def __init__(self, gate: np.ndarray, up: np.ndarray, shape: tuple[int, ...]):
-        if gate.shape != up.shape or (gate.shape[0], 2, gate.shape[1]) != tuple(shape):
+        if gate.shape != up.shape or (gate.shape[1], 2, gate.shape[0]) != tuple(shape):
             raise ValueError("gate/up shapes")
-        self.parts, self.shape = (gate, up), tuple(shape)
+        self.parts, self.shape = (gate.T, up.T), tuple(shape)
 
     def __getitem__(self, idx):
         idx = () if idx is Ellipsis else tuple(idx)
-        f, which, d = (idx + (slice(None),) * 3)[:3]
-        return np.stack([p[f, d] for p in self.parts[which]], axis=1)
+        d, which, f = (idx + (slice(None),) * 3)[:3]
+        return np.stack([p[d, f] for p in self.parts[which]], axis=1)
 
 
 def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], object]]:
     yield ("model.embed_tokens.weight",), ("embedding",), _same
     yield ("model.norm.weight",), ("final_norm", "scale"), _same
     if not cfg.tie_word_embeddings:
-        yield ("lm_head.weight",), ("lm_head",), _same
+        yield ("lm_head.weight",), ("lm_head",), _transpose
     for i in range(cfg.num_layers):
         pre, ours = f"model.layers.{i}.", f"layer_{i}"
         yield (pre + "input_layernorm.weight",), (ours, "attn_norm", "scale"), _same
@@ -143,17 +150,18 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ..
         else:
             yield (pre + "post_attention_layernorm.weight",), (ours, "mlp_norm", "scale"), _same
         for hf, me in (("q", "q"), ("k", "k"), ("v", "v")):
-            yield (pre + f"self_attn.{hf}_proj.weight",), (ours, "attn", f"w{me}"), _same
+            yield (pre + f"self_attn.{hf}_proj.weight",), (ours, "attn", f"w{me}"), _linear_in_out
             if cfg.qkv_bias:
                 yield (pre + f"self_attn.{hf}_proj.bias",), (ours, "attn", f"b{me}"), _same
-        yield (pre + "self_attn.o_proj.weight",), (ours, "attn", "wo"), _same  # [D, N*H] -> [D, N, H]
+        # o_proj [D, N*H] -> [N, H, D]
+        yield (pre + "self_attn.o_proj.weight",), (ours, "attn", "wo"), _linear_in_out
         if cfg.o_bias:
             yield (pre + "self_attn.o_proj.bias",), (ours, "attn", "bo"), _same
         if cfg.qk_norm:
             yield (pre + "self_attn.q_norm.weight",), (ours, "attn", "q_norm", "scale"), _same
             yield (pre + "self_attn.k_norm.weight",), (ours, "attn", "k_norm", "scale"), _same
         yield (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), (ours, "mlp", "w_gate_up"), _GateUp
-        yield (pre + "mlp.down_proj.weight",), (ours, "mlp", "w_down"), _same
+        yield (pre + "mlp.down_proj.weight",), (ours, "mlp", "w_down"), _transpose
 
 
 # Tensors checkpoints carry that hold no parameters of ours.

@@ -168,9 +168,9 @@ def place_params(cfg, params, mesh: Mesh, rules: Mapping = RULES):
         return cfg, jax.device_put(params, param_shardings(cfg, mesh, rules))
     wide = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
 
-    def widen(path, x):  # wk, wv [K, H, D]; bk, bv [K, H]: the KV-head axis leads
+    def widen(path, x):  # wk, wv [D, K, H]; bk, bv [K, H]: the KV-head axis is the second to last
         name = getattr(path[-1], "key", None)
-        return jnp.repeat(x, copies, axis=0) if name in ("wk", "wv", "bk", "bv") else x
+        return jnp.repeat(x, copies, axis=x.ndim - 2) if name in ("wk", "wv", "bk", "bv") else x
 
     shardings = param_shardings(wide, mesh, rules)
     return wide, jax.jit(lambda p: jax.tree_util.tree_map_with_path(widen, p), out_shardings=shardings)(params)

@@ -247,9 +247,9 @@ def _causal_attention(cfg: ModelConfig, layer: int, p, x, cos, sin):
     """Dense causal attention over the whole sequence with the paged layer's parameters. x: [B, T, D]."""
     b, t, _ = x.shape
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = jnp.einsum("BTD,NHD->BTNH", x, p["wq"])
-    kx = jnp.einsum("BTD,KHD->BTKH", x, p["wk"])
-    vx = jnp.einsum("BTD,KHD->BTKH", x, p["wv"])
+    q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
+    kx = jnp.einsum("BTD,DKH->BTKH", x, p["wk"])
+    vx = jnp.einsum("BTD,DKH->BTKH", x, p["wv"])
     if cfg.qkv_bias:
         q, kx, vx = q + p["bq"], kx + p["bk"], vx + p["bv"]
     if cfg.qk_norm:
@@ -265,7 +265,7 @@ def _causal_attention(cfg: ModelConfig, layer: int, p, x, cos, sin):
     logits = jnp.where(mask, logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1).astype(vx.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, vx).reshape(b, t, n * h)
-    o = jnp.einsum("BTE,DE->BTD", out, p["wo"].reshape(-1, n * h))
+    o = jnp.einsum("BTE,ED->BTD", out, p["wo"].reshape(n * h, -1))
     return o + p["bo"] if cfg.o_bias else o
 
 
@@ -295,7 +295,7 @@ def train_logits(params, tokens, *, cfg: ModelConfig):
     x = _norm(cfg, params["final_norm"], x)
     if cfg.tie_word_embeddings:
         return jnp.einsum("BTD,VD->BTV", x, params["embedding"], preferred_element_type=jnp.float32)
-    return jnp.einsum("BTD,VD->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def check_against_prefill(cfg: ModelConfig, params, tokens: np.ndarray) -> float:

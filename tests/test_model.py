@@ -52,9 +52,9 @@ def numpy_forward(cfg, params, tokens):
     for i in range(cfg.num_layers):
         lp = params[f"layer_{i}"]
         a = rms(x, lp["attn_norm"]["scale"])
-        q = rope(np.einsum("td,nhd->tnh", a, arr(lp["attn"]["wq"])))
-        k = rope(np.einsum("td,khd->tkh", a, arr(lp["attn"]["wk"])))
-        v = np.einsum("td,khd->tkh", a, arr(lp["attn"]["wv"]))
+        q = rope(np.einsum("td,dnh->tnh", a, arr(lp["attn"]["wq"])))
+        k = rope(np.einsum("td,dkh->tkh", a, arr(lp["attn"]["wk"])))
+        v = np.einsum("td,dkh->tkh", a, arr(lp["attn"]["wv"]))
         g = cfg.q_per_kv
         k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
         s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(h)
@@ -67,12 +67,12 @@ def numpy_forward(cfg, params, tokens):
         pr = np.exp(s - s.max(-1, keepdims=True))
         pr /= pr.sum(-1, keepdims=True)
         o = np.einsum("nqk,knh->qnh", pr, v)
-        x = x + np.einsum("qnh,dnh->qd", o, arr(lp["attn"]["wo"]))
+        x = x + np.einsum("qnh,nhd->qd", o, arr(lp["attn"]["wo"]))
         m = rms(x, lp["mlp_norm"]["scale"])
-        gate = m @ arr(lp["mlp"]["w_gate_up"])[:, 0].T
-        x = x + (gate / (1 + np.exp(-gate)) * (m @ arr(lp["mlp"]["w_gate_up"])[:, 1].T)) @ arr(lp["mlp"]["w_down"]).T
+        gate = m @ arr(lp["mlp"]["w_gate_up"])[:, 0]
+        x = x + (gate / (1 + np.exp(-gate)) * (m @ arr(lp["mlp"]["w_gate_up"])[:, 1])) @ arr(lp["mlp"]["w_down"])
     x = rms(x, params["final_norm"]["scale"])
-    return x @ arr(params["lm_head"]).T
+    return x @ arr(params["lm_head"])
 
 
 def _batch(tokens, q_lens, kv_lens, table):

@@ -75,13 +75,13 @@ def test_every_mesh_gives_the_single_device_tokens(params, single, spec):
     assert out == single[0]
     wq = e.params["layer_0"]["attn"]["wq"]
     sizes = dict(mesh.shape)
-    assert wq.sharding.spec == (P("model", None, None) if sizes["model"] > 1 else P(None, None, None))
+    assert wq.sharding.spec == (P(None, "model", None) if sizes["model"] > 1 else P(None, None, None))
     # 2 KV heads: split over model=2; on model=4 and 8 each head is stored model/2 times, so the axis
     # still splits them and every device holds exactly one head (the one its query heads read).
     k_spec = e.cache.k[0].sharding.spec
     assert k_spec == (P("model", None, None, None) if sizes["model"] > 1 else P(None, None, None, None))
     assert e.cfg.num_kv_heads == max(2, sizes["model"])
-    assert e.params["layer_0"]["attn"]["wk"].sharding.shard_shape(e.params["layer_0"]["attn"]["wk"].shape)[0] == (
+    assert e.params["layer_0"]["attn"]["wk"].sharding.shard_shape(e.params["layer_0"]["attn"]["wk"].shape)[1] == (
         2 if sizes["model"] == 1 else 1
     )
     mem, one = e.memory_per_device(), single[1]
@@ -194,8 +194,8 @@ def test_hf_checkpoint_is_read_straight_onto_the_mesh(tmp_path, monkeypatch):
     ):
         assert got.sharding == sh, path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
-    assert sharded["layer_0"]["mlp"]["w_gate_up"].sharding.spec == P("model", None, None)
-    assert sharded["layer_0"]["attn"]["wq"].sharding.spec == P("model", None, None)
+    assert sharded["layer_0"]["mlp"]["w_gate_up"].sharding.spec == P(None, None, "model")
+    assert sharded["layer_0"]["attn"]["wq"].sharding.spec == P(None, "model", None)
     assert sum(shard != full for full, shard, _ in reads) > 10  # split tensors exist, so the check below bites
     for full, shard, cut in reads:
         assert cut and all(c == shard for c in cut), (full, shard, cut)
