@@ -114,13 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn) for _ in range(repeats))
 
 
 def measure_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict[str, float]:
@@ -450,8 +451,8 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         t1s, tns, mine = [], [], []
         for _ in range(args.repeats):
-            t1s.append(_median_time(lambda: gen(1), 1))
-            tns.append(_median_time(lambda: gen(args.new_tokens), 1))
+            t1s.append(_seconds(lambda: gen(1)))
+            tns.append(_seconds(lambda: gen(args.new_tokens)))
             mine.append(_decode_once(llm, prompts, params))
         t1, tn = statistics.median(t1s), statistics.median(tns)
         step = (tn - t1) / (args.new_tokens - 1)
