@@ -407,8 +407,24 @@ def _decode_once(llm, prompts, params) -> tuple[float, float]:
     return (end - start) / (params.max_tokens - 1), end - t0
 
 
+class _TokenTimestamps:
+    """A transformers stopping criterion that never stops and records when each token was made."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
-    """HF transformers generate on the same weights; decode time = t(N tokens) - t(1 token).
+    """HF transformers generate on the same weights, timed the way ours is: decode step time from the
+    first and last generated token's timestamps (a stopping criterion records one per token), total
+    from the call. A difference of two whole runs (N tokens minus 1) can come out <= 0 on a tiny
+    model and a noisy machine; timestamps inside one run cannot.
 
     Each repeat runs HF and then jaxinfer on the same prompts, alternating, and the ratio is of the
     two medians: on a noisy shared machine a slow minute then hits both sides, not one.
@@ -435,7 +451,9 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
         b = ours["batch"]
         ids = torch.tensor(rng.integers(low, cfg.vocab_size, (b, args.context)))
 
-        def gen(n, ids=ids):
+        def gen(n, ids=ids) -> tuple[float, float]:
+            stamps = _TokenTimestamps()
+            t0 = time.perf_counter()
             with torch.no_grad():
                 model.generate(
                     ids,
@@ -444,18 +462,21 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
                     min_new_tokens=n,
                     do_sample=False,
                     pad_token_id=0,
+                    stopping_criteria=transformers.StoppingCriteriaList([stamps]),
                 )
+            total = time.perf_counter() - t0
+            assert len(stamps.times) == n, (len(stamps.times), n)
+            return (stamps.times[-1] - stamps.times[0]) / (n - 1), total
 
         gen(2)  # warm-up
         prompts = ids.tolist()
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-        t1s, tns, mine = [], [], []
+        theirs, mine = [], []
         for _ in range(args.repeats):
-            t1s.append(_seconds(lambda: gen(1)))
-            tns.append(_seconds(lambda: gen(args.new_tokens)))
+            theirs.append(gen(args.new_tokens))
             mine.append(_decode_once(llm, prompts, params))
-        t1, tn = statistics.median(t1s), statistics.median(tns)
-        step = (tn - t1) / (args.new_tokens - 1)
+        step = statistics.median(t[0] for t in theirs)
+        tn = statistics.median(t[1] for t in theirs)
         our_step = statistics.median(m[0] for m in mine)
         our_total = statistics.median(m[1] for m in mine)
         rows.append(
