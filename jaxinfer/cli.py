@@ -29,8 +29,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "reference", "pallas"],
-        help="paged attention: the Pallas kernel on TPU and pure JAX elsewhere (auto), or forced",
+        choices=["auto", "reference", "xla", "pallas"],
+        help="paged attention: auto = the Pallas kernel on TPU, the tiled pure-JAX 'xla' on CPU, the plain "
+        "pure-JAX 'reference' on GPU; or forced",
     )
     e.add_argument(
         "--mesh",

@@ -400,8 +400,11 @@ class Engine:
             t = bucket(max(c.length for c in plan.prefill), minimum=16)
             calls.append((plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
         if plan.decode:
-            mp = self._decode_mp(max(c.start + 1 for c in plan.decode))
-            calls.append((plan.decode, self._dispatch(plan.decode, 1, mp)))
+            # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
+            # group at its longest row, so rows of similar length should be neighbours.
+            decode = sorted(plan.decode, key=lambda c: -c.start)
+            mp = self._decode_mp(decode[0].start + 1)
+            calls.append((decode, self._dispatch(decode, 1, mp)))
         updates = []
         now = None
         for chunks, out in calls:

@@ -136,8 +136,10 @@ class LLM:
         max_num_seqs: sequences running together at most.
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share the KV pages of common prompt prefixes between requests.
-        attention_backend: "auto" (the Pallas kernel on TPU, pure JAX elsewhere), "reference" (pure
-            JAX), or "pallas" (the kernel; on CPU in interpret mode: slow, for checking).
+        attention_backend: "auto" (the Pallas kernel on TPU, "xla" on CPU, "reference" on GPU),
+            "reference" (plain pure JAX: the oracle), "xla" (pure JAX in cache-sized tiles that stop
+            at each row group's length: the fast one on CPU), or "pallas" (the kernel; on CPU in
+            interpret mode: slow, for checking).
         kv_cache_dtype: "auto" (the model dtype) or "int8" (int8 K/V with one float32 scale per token
             and KV head: (H + 4) / (2H) of bfloat16's bytes, so about twice the tokens fit).
         mesh: shard over devices: "data=2,model=4" (or {"data": 2, "model": 4}) uses the first 8

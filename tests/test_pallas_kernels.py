@@ -1,4 +1,5 @@
-"""The Pallas ragged paged-attention kernel, in TPU interpret mode on CPU, against the reference.
+"""The Pallas ragged paged-attention kernels (in interpret mode on CPU) and the tiled pure-JAX
+attention (the "xla" backend), against the plain pure-JAX reference.
 
 Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row)
 compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one past a
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.attention import reference_paged_attention, resolve_backend
+from jaxinfer.attention import reference_paged_attention, resolve_backend, tiled_paged_attention
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from jaxinfer.kv_cache import QuantizedPages
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -151,6 +152,56 @@ def test_kernel_matches_reference(st, kernel):
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row}")
 
 
+# Jitted once per static configuration and tiling (eagerly, every call would trace its while loop anew).
+_tiled = jax.jit(
+    tiled_paged_attention, static_argnames=("scale", "kind", "soft_cap", "rows_per_tile", "tokens_per_tile")
+)
+
+
+@pytest.mark.parametrize(
+    "st", STATICS, ids=lambda s: f"g{s.group}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}"
+)
+def test_tiled_xla_attention_matches_reference(st):
+    """The "xla" backend: tiles of R rows x T tokens with an online softmax; row groups that do not
+    divide the batch (padded), tiles that do not divide the table (padded with scratch pages), tiles
+    smaller than a page (one page per tile), and the default (one tile covers the table)."""
+    rng = np.random.default_rng(hash(st) % 2**32 + 1)
+    scale = float(st.head_dim**-0.5)
+    kind = SlidingWindow(st.window) if st.window else GlobalAttention()
+    tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
+    tiles = [dict(), dict(rows_per_tile=3, tokens_per_tile=3 * PAGE), dict(rows_per_tile=1, tokens_per_tile=2)]
+    for case in range(CASES_PER_STATIC):
+        q, k, v, table, kv, ql = _batch(rng, st)
+        positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
+        ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
+        tiling = tiles[case % len(tiles)]
+        out = _tiled(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap, **tiling)
+        out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+        for row in range(q.shape[0]):
+            n = int(ql[row])
+            got, want = out[row, :n], ref[row, :n]
+            assert np.isfinite(got).all(), (case, row, tiling, "stale NaN leaked")
+            np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row} {tiling}")
+
+
+def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours():
+    """Bitwise: a row attended alone and inside a batch of longer and shorter rows (so its tile
+    group visits tiles past its own length) gives the same output; continuous batching relies on it."""
+    rng = np.random.default_rng(7)
+    st = Static(group=4, head_dim=64, t=1)
+    q, k, v, table, kv, ql = _batch(rng, st)
+    kv = jnp.asarray([WIDTH * PAGE, 3, PAGE + 1, 0], jnp.int32)
+    ql = jnp.minimum(kv, 1)
+    k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+    positions = (kv - ql)[:, None]
+    args = dict(scale=0.125, kind=GlobalAttention(), rows_per_tile=4, tokens_per_tile=PAGE)
+    together = np.asarray(tiled_paged_attention(q, k, v, table, positions, kv, **args))
+    for row in range(3):
+        sl = slice(row, row + 1)
+        alone = np.asarray(tiled_paged_attention(q[sl], k, v, table[sl], positions[sl], kv[sl], **args))
+        np.testing.assert_array_equal(alone[0], together[row])
+
+
 def test_out_of_range_inputs_are_refused():
     rng = np.random.default_rng(0)
     q, k, v, table, kv, ql = _batch(rng, Static(group=1, head_dim=64, t=2))
@@ -188,14 +239,15 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
 
 def test_backend_resolution():
     assert resolve_backend("auto", "tpu") == "pallas"
-    assert resolve_backend("auto", "cpu") == "reference"
+    assert resolve_backend("auto", "cpu") == "xla"
     assert resolve_backend("auto", "gpu") == "reference"
+    assert resolve_backend("xla", "gpu") == "xla"
     assert resolve_backend("pallas", "cpu") == "pallas"
     assert resolve_backend("pallas", "gpu") == "pallas"
     assert resolve_backend("reference", "tpu") == "reference"
 
 
-def test_model_with_pallas_backend_matches_reference():
+def test_model_with_pallas_and_xla_backends_match_reference():
     """End to end: greedy tokens with the kernel == with the reference, through chunked prefill
     (prompts longer than the 16-token chunks), decode, and a sliding-window layer."""
     from jaxinfer import default_model
@@ -207,7 +259,7 @@ def test_model_with_pallas_backend_matches_reference():
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
-    for backend in ("reference", "pallas"):
+    for backend in ("reference", "xla", "pallas"):
         cfg = dataclasses.replace(base, attention_backend=backend)
         engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
         reqs = [engine.add_request(p, params) for p in prompts]
@@ -215,6 +267,7 @@ def test_model_with_pallas_backend_matches_reference():
             engine.step()
         outs[backend] = [r.seqs[0].output_ids for r in reqs]
     assert outs["pallas"] == outs["reference"]
+    assert outs["xla"] == outs["reference"]
     assert all(len(t) == 6 for t in outs["pallas"])
 
 
