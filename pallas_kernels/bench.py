@@ -8,7 +8,8 @@ so its yardstick is memory bandwidth: for each variant we report the median time
 move (the rows' K/V pages + queries + outputs), the achieved bandwidth, and MBU = achieved / the
 bandwidth of a plain device copy (read + write of a large buffer) timed in the same process.
 
-Variants: `reference` (pure JAX, jitted), `ours` (pallas_kernels.ragged_paged_attention), and
+Variants: `reference` (plain pure JAX, jitted), `xla` (the tiled pure-JAX attention, CPU's default),
+`ours` (pallas_kernels.ragged_paged_attention), and
 `upstream` (jax.experimental.pallas.ops.tpu.paged_attention, decode only) where it applies. Off
 TPU the two kernels can only run in TPU interpret mode: their times are then a simulation's, printed
 for completeness and marked, never a speed.
@@ -45,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
-        "--variants", default="reference,ours,upstream", help="comma-separated subset of reference,ours,upstream"
+        "--variants",
+        default="reference,xla,ours,upstream",
+        help="comma-separated subset of reference,xla,ours,upstream",
     )
 
 
@@ -68,7 +71,7 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
 
 def _variants(args, ctx: int, variants: list[str], rng, on_tpu: bool):
     """(bytes a decode step must move, {variant: a call}) for one context length."""
-    from jaxinfer.attention import reference_paged_attention
+    from jaxinfer.attention import reference_paged_attention, tiled_paged_attention
     from jaxinfer.config import GlobalAttention
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -106,6 +109,13 @@ def _variants(args, ctx: int, variants: list[str], rng, on_tpu: bool):
             )
         )
         calls["reference"] = lambda: ref(q, k, v, table, lens)
+    if "xla" in variants:
+        tiled = jax.jit(
+            lambda q, k, v, t, ln: tiled_paged_attention(
+                q, k, v, t, (ln - 1)[:, None], ln, scale=scale, kind=GlobalAttention()
+            )
+        )
+        calls["xla"] = lambda: tiled(q, k, v, table, lens)
     if "ours" in variants:
         kp, vp, scales = kernel_kv
         calls["ours"] = lambda: ragged_paged_attention(
@@ -135,7 +145,7 @@ def run(args) -> list[dict]:
     if min(args.batch, args.head_dim, args.page_size, args.repeats, *args.contexts) < 1:
         raise SystemExit("error: --batch, --head-dim, --page-size, --repeats and --contexts must be positive")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - {"reference", "ours", "upstream"}
+    unknown = set(variants) - {"reference", "xla", "ours", "upstream"}
     if unknown:
         raise SystemExit(f"error: unknown --variants {sorted(unknown)}")
     n, nk = args.heads
@@ -156,7 +166,7 @@ def run(args) -> list[dict]:
         for name, fn in calls.items():
             seconds = _time(fn, args.repeats)
             bw = moved / seconds
-            simulated = name != "reference" and not on_tpu
+            simulated = name in ("ours", "upstream") and not on_tpu
             row = dict(context=ctx, variant=name, seconds=seconds, bytes=moved, bandwidth=bw, mbu=bw / ceiling)
             row["simulated"] = simulated
             rows.append(row)
