@@ -181,3 +181,35 @@ def test_bad_capacity_and_requests(params):
     with pytest.raises(InvalidRequestError, match="already in use"):
         e.add_request([3, 4], SamplingParams(max_tokens=2), request_id="a")
     assert r.request_id == "a"
+
+
+def test_prompt_chunks_are_cut_to_their_padded_shape():
+    """A prompt chunk its power-of-two bucket would pad by more than 32 tokens is cut to the power of
+    two below; a second prompt joins a step's call only within the first one's bucket and while the
+    call stays >= 3/4 real tokens. (A call costs its padded shape, so this is throughput.)"""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(
+        pool=PagePool(256), page_size=8, max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=512
+    )
+    sp = SamplingParams(max_tokens=4)
+    for i, n in enumerate((200, 120, 30)):
+        tokens = list(range(3, 3 + n))
+        sched.add(Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=tokens, prompt_len=n))
+    steps = []
+    for _ in range(4):
+        plan = sched.schedule()
+        steps.append([(c.seq.seq_id, c.length) for c in plan.prefill + plan.decode])
+        for c in plan.prefill + plan.decode:
+            c.seq.num_computed += c.length
+            if c.samples:
+                c.seq.tokens.append(5)  # as the engine appends the sampled token
+    # 200 tokens: bucket 256 would pad 56 -> 128 now. 120 joins (2 rows x 128, 248/256 real); 30
+    # would make it 4 rows x 128 with 278/512 real: it waits.
+    assert steps[0] == [(0, 128), (1, 120)]
+    # 72 left: bucket 128 would pad 56 -> 64. The 30 would make 2 x 64 with 94/128 real: waits.
+    assert steps[1] == [(0, 64), (1, 1)]
+    # 8 left: bucket 16 pads 8 -> all of it; the 30 joins for 16 tokens (2 x 16, 24/32 real).
+    assert steps[2] == [(0, 8), (2, 16), (1, 1)]
+    assert steps[3] == [(2, 14), (0, 1), (1, 1)]
