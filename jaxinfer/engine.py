@@ -174,7 +174,13 @@ class Engine:
             # The leader samples from its own copy of the replicated logits, on one of its devices.
             self._sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
         if mesh is None:
-            self.cache = KVCache.create(cfg, num_pages=num_kv_pages, page_size=page_size)
+            # Committed to the parameters' device from the start: a step's outputs are committed
+            # when any input is, and a jit's cache is keyed on placement, so an uncommitted first
+            # cache would make the first warm-up shape compile a second time in service.
+            leaf = next(iter(jax.tree.leaves(params)), None)
+            device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
+            create = functools.partial(KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size)
+            self.cache = jax.jit(create, out_shardings=jax.sharding.SingleDeviceSharding(device))()
         else:
             from jaxinfer import sharding
 
@@ -228,6 +234,7 @@ class Engine:
         Multi-host: every process calls it (same shapes, same order); followers with sampler=False.
         """
         before = num_compiles()
+        step_logits = {}  # rows -> logits exactly as a step returns them
         for b, t, mp in self.decode_shapes() + self.prefill_shapes():
             batch = Batch(
                 tokens=np.zeros((b, t), np.int32),
@@ -235,18 +242,15 @@ class Engine:
                 kv_lens=np.zeros(b, np.int32),
                 page_table=np.full((b, mp), SCRATCH_PAGE, np.int32),
             )
-            self._run_step(batch, t)
+            step_logits[b] = self._run_step(batch, t)
         if not sampler:
             return num_compiles() - before
-        rows = sorted({b for b, _, _ in self.decode_shapes() + self.prefill_shapes()})
-        for b in rows:
-            logits = np.zeros((b, self.cfg.vocab_size), np.float32)
-            if self._sample_device is not None:
-                logits = jax.device_put(logits, self._sample_device)
-            elif self.mesh is not None:  # placed as the steps return them, or the sampler compiles again
-                from jaxinfer.sharding import replicated
-
-                logits = jax.device_put(logits, replicated(self.mesh))
+        # The sampler is warmed on the steps' own logits: a jitted function's cache is keyed on its
+        # arguments' placement too, and logits from committed parameters are committed arrays, so
+        # warming on host arrays compiled a second sampler per batch size at the first real request.
+        for b, logits in sorted(step_logits.items()):
+            if self._sample_device is not None:  # multi-host leader: its local copy, as _model_step takes
+                logits = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
             for w in history_widths(self.max_model_len):
                 sample(logits, SamplingBatch.from_rows([], b, w))
         jax.block_until_ready(self.cache)

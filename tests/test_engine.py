@@ -113,7 +113,12 @@ def test_prefix_cache_hit_gives_same_output(params):
     assert got == expected
 
 
-def test_no_compilation_after_warmup(params):
+@pytest.mark.parametrize("placed", [False, True], ids=["host-params", "device-params"])
+def test_no_compilation_after_warmup(params, placed):
+    # Restored checkpoints are committed to a device, which changes the jit cache key of everything
+    # downstream of the parameters (the sampler's logits included): both kinds must be fully warmed.
+    if placed:
+        params = jax.device_put(params, jax.devices()[0])
     e = make_engine(params, num_kv_pages=60, max_num_seqs=8)
     e.warmup()
     before = num_compiles()
