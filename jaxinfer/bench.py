@@ -81,7 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes")
     p.add_argument("--context", type=int, default=128, help="prompt length for the decode runs")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed repeats (serve --vs-offline: measured rounds after a warm-up round)",
+    )
     p.add_argument("--vs-hf", action="store_true", help="also run HF transformers generate on the same weights")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure at the end")
     t = p.add_argument_group("throughput mode")

@@ -6,10 +6,10 @@ output length (greedy, EOS ignored), so the work is the same however the server 
 run is bounded by the request count and by `--duration-limit`; whatever is still open then is
 cancelled and counted.
 
-Without `--server` it starts `jaxinfer serve` itself (loopback, a free port), and with
-`--vs-offline` it then runs the very same requests through an offline engine of the same
-configuration in this process, after the server has exited so the two never share the CPU, and
-prints served / offline output-token throughput: the price of gRPC, streaming and the engine thread.
+Without `--server` it starts `jaxinfer serve` itself (loopback, a free port). With `--vs-offline` it
+also loads an offline engine of the same configuration in this process and runs the very same
+requests through both, one side at a time (the other idle), in rounds (`_compare`), and prints the
+median served / offline output-token throughput: the price of gRPC, streaming and the engine thread.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -131,6 +132,7 @@ def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen
 
 
 def run(args, model_dir: str | None) -> dict:
+    """Drives the server; with `--vs-offline`, in rounds against an offline engine (see `_compare`)."""
     from jaxinfer.client import Client
 
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
@@ -145,23 +147,34 @@ def run(args, model_dir: str | None) -> dict:
         with Client(address) as c:
             c.wait_ready(timeout=args.duration_limit)
             info = c.model_info()
-        prompts, params, arrivals = workload(args, info["vocab_size"])
         rate = "all at once" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
         print(
             f"server {address}: model {info['model_name']}, max_num_seqs {info['max_num_seqs']}; "
             f"{args.num_requests} requests ({rate}), concurrency {args.concurrency}, prompts {lo_p}-{hi_p} "
             f"tokens, outputs {lo_o}-{hi_o} tokens"
         )
-        outcomes, wall = asyncio.run(
-            drive(
-                address,
-                prompts,
-                params,
-                arrivals,
-                concurrency=args.concurrency,
-                duration_limit=args.duration_limit,
+
+        vocab = info["vocab_size"]
+
+        def serve_round(prompts, params, arrivals) -> tuple[list[Outcome], dict]:
+            outcomes, wall = asyncio.run(
+                drive(
+                    address,
+                    prompts,
+                    params,
+                    arrivals,
+                    concurrency=args.concurrency,
+                    duration_limit=args.duration_limit,
+                )
             )
-        )
+            return outcomes, summarize(outcomes, wall)
+
+        if args.vs_offline:
+            llm = _offline_llm(args, model_dir, max_model_len, info["model_name"])
+            report, rows = _compare(args, vocab, serve_round, llm)
+        else:
+            served = serve_round(*workload(args, vocab))[1]
+            report, rows = {"served": served, "errors": served["errors"]}, {"served (gRPC)": served}
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -169,39 +182,77 @@ def run(args, model_dir: str | None) -> dict:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    served = summarize(outcomes, wall)
-    rows = {"served (gRPC)": served}
-    report = {"served": served}
-    if args.vs_offline:
-        offline = _offline(args, model_dir, max_model_len, prompts, params, info["model_name"])
-        rows["offline (engine)"] = offline
-        report["offline"] = offline
-        same = sum(o.tokens == t for o, t in zip(outcomes, offline.pop("token_ids")))
-        report["ratio"] = served["output_tokens_per_s"] / offline["output_tokens_per_s"]
-        report["identical_outputs"] = same
     print(
-        f"\n{'':>17} {'ok':>5} {'out tok':>8} {'wall s':>7} {'out tok/s':>10} "
+        f"\n{'':>22} {'ok':>5} {'out tok':>8} {'wall s':>7} {'out tok/s':>10} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
     )
     for name, r in rows.items():
         print(
-            f"{name:>17} {r['requests_ok']:>5} {r['output_tokens']:>8} {r['wall_s']:>7.2f} "
+            f"{name:>22} {r['requests_ok']:>5} {r['output_tokens']:>8} {r['wall_s']:>7.2f} "
             f"{r['output_tokens_per_s']:>10.1f} {r['ttft_p50_s'] * 1e3:>7.1f}ms {r['ttft_p99_s'] * 1e3:>7.1f}ms "
             f"{r['tpot_p50_s'] * 1e3:>7.2f}ms {r['tpot_p99_s'] * 1e3:>7.2f}ms"
         )
-    print(f"errors by code: {served['errors'] or 'none'}")
+    print(f"errors by code: {report['errors'] or 'none'}")
     if args.vs_offline:
+        ratios = ", ".join(f"{x['ratio']:.3f}" for x in report["rounds"])
         print(
-            f"served / offline output-token throughput: {report['ratio']:.3f} "
-            f"({report['identical_outputs']}/{len(prompts)} outputs identical to offline)"
+            f"served / offline output-token throughput: {report['ratio']:.3f} (median of {len(report['rounds'])} "
+            f"rounds: {ratios}; warm-up round {report['warmup_ratio']:.3f}, not counted); "
+            f"{report['identical_outputs']}/{args.num_requests} outputs identical to offline in every round"
         )
     if args.json:
         print(json.dumps(report))
     return report
 
 
-def _offline(args, model_dir, max_model_len, prompts, params, served_model: str) -> dict:
-    """The same requests, all submitted at once to an offline engine of the same configuration."""
+def _compare(args, vocab: int, serve_round, llm) -> tuple[dict, dict]:
+    """Served vs offline in rounds: one warm-up round, then `args.repeats` measured ones.
+
+    Both sides stay loaded throughout, each idle while the other runs, so every round compares them
+    on the same machine minutes apart rather than once each. The warm-up round is not counted: the
+    first pass through a fresh process runs well below its steady speed (first touches of memory;
+    up to ~1.4x slower measured for the 150M model), which would otherwise land on whichever side
+    ran first. Rounds alternate which side goes first and use a different workload seed (identical for
+    the two sides of a round), so the prefix cache, when on, cannot carry one round into the next.
+    """
+    rounds = []
+    for r in range(1 + max(1, args.repeats)):
+        prompts, params, arrivals = workload(args, vocab, seed=r)
+        if r % 2 == 0:
+            outcomes, served = serve_round(prompts, params, arrivals)
+            offline = _offline_run(llm, prompts, params)
+        else:
+            offline = _offline_run(llm, prompts, params)
+            outcomes, served = serve_round(prompts, params, arrivals)
+        same = sum(o.tokens == t for o, t in zip(outcomes, offline.pop("token_ids")))
+        ratio = served["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        rounds.append({"served": served, "offline": offline, "ratio": ratio, "identical_outputs": same})
+        label = "warm-up round (not counted)" if r == 0 else f"round {r}"
+        print(
+            f"{label}: served {served['output_tokens_per_s']:.1f} tok/s, offline "
+            f"{offline['output_tokens_per_s']:.1f} tok/s, ratio {ratio:.3f}",
+            file=sys.stderr,
+        )
+    warm, measured = rounds[0], rounds[1:]
+    mid = sorted(measured, key=lambda x: x["ratio"])[(len(measured) - 1) // 2]
+    report = {
+        "served": mid["served"],
+        "offline": mid["offline"],
+        "ratio": statistics.median(x["ratio"] for x in measured),
+        "rounds": measured,
+        "warmup_ratio": warm["ratio"],
+        "identical_outputs": min(x["identical_outputs"] for x in rounds),
+        "errors": dict(sum((collections.Counter(x["served"]["errors"]) for x in rounds), collections.Counter())),
+    }
+    rows = {}
+    for i, x in enumerate(measured, 1):
+        rows[f"served (gRPC) #{i}"] = x["served"]
+        rows[f"offline (engine) #{i}"] = x["offline"]
+    return report, rows
+
+
+def _offline_llm(args, model_dir, max_model_len, served_model: str):
+    """An offline engine of the server's configuration, in this process."""
     from jaxinfer import LLM
 
     llm = LLM(
@@ -215,12 +266,19 @@ def _offline(args, model_dir, max_model_len, prompts, params, served_model: str)
     )
     if llm.cfg.name != served_model:
         raise SystemExit(f"error: the server runs {served_model!r}, --vs-offline loaded {llm.cfg.name!r}: pass --model")
+    return llm
+
+
+def _offline_run(llm, prompts, params) -> dict:
+    """The same requests, all submitted at once to the offline engine."""
     engine = llm.engine
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()
     wall = time.perf_counter() - t0
+    for r in reqs:
+        engine.release(r.request_id)
     seqs = [r.seqs[0] for r in reqs]
     ttft = [s.first_token_time - s.arrival_time for s in seqs]
     tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
