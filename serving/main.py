@@ -59,7 +59,12 @@ def run(args) -> int:
         if v is not None and not (lo <= v <= (65535 if "port" in name else 10**6)):
             print(f"error: --{name.replace('_', '-')} out of range: {v}", file=sys.stderr)
             return 2
-    logging.basicConfig(level=args.log_level, format="%(message)s", stream=sys.stderr)
+    # Our own log lines at --log-level; other libraries' (orbax, JAX) only from WARNING up, unless
+    # DEBUG is asked for: their INFO chatter buried the one JSON line per request.
+    logging.basicConfig(
+        level="DEBUG" if args.log_level == "DEBUG" else "WARNING", format="%(message)s", stream=sys.stderr
+    )
+    logging.getLogger("jaxinfer").setLevel(args.log_level)
     if args.distributed or args.coordinator_address or args.num_processes or args.process_id is not None:
         from jaxinfer import distributed
 

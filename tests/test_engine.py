@@ -93,7 +93,6 @@ def test_preemption_under_a_tiny_kv_budget(params, alone):
 def test_freed_pages_full_of_nan_never_leak(params, alone):
     prompts, sps = workload()
     e = make_engine(params, num_kv_pages=40, poison_freed_pages=True)
-    e.warmup()
     got, _ = run(e, prompts, sps)
     assert got == alone
 
