@@ -240,8 +240,8 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     compiled = llm.engine.warmup()
     after_warmup = num_compiles()
     print(
-        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}; warm-up compiled {compiled} step "
-        f"shapes in {time.perf_counter() - t:.0f} s; KV cache {llm.stats()['kv_pages_total']} pages, "
+        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}; warm-up: {compiled} XLA "
+        f"compilations (step shapes and samplers) in {time.perf_counter() - t:.0f} s; KV cache {llm.stats()['kv_pages_total']} pages, "
         f"{llm.stats()['kv_cache_bytes'] / 1e6:.0f} MB"
     )
     print(
