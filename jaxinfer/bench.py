@@ -241,7 +241,8 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     after_warmup = num_compiles()
     print(
         f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}; warm-up: {compiled} XLA "
-        f"compilations (step shapes and samplers) in {time.perf_counter() - t:.0f} s; KV cache {llm.stats()['kv_pages_total']} pages, "
+        f"compilations (step shapes and samplers) in {time.perf_counter() - t:.0f} s; "
+        f"KV cache {llm.stats()['kv_pages_total']} pages, "
         f"{llm.stats()['kv_cache_bytes'] / 1e6:.0f} MB"
     )
     print(
