@@ -129,3 +129,22 @@ def test_tiny_random_model_is_embedded_too():
     assert tiny.cfg.vocab_size == 259 and tiny.cfg.num_layers == 2
     out = tiny.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_the_restored_model_serves_without_compiling_after_warmup():
+    """The shipped checkpoint is restored onto a device (committed arrays), unlike the random
+    parameters the engine tests build: a warm-up must cover that placement too, or every server's
+    first requests compile (they did: one sampler per batch size and the first decode shape)."""
+    from jaxinfer.engine import num_compiles
+
+    llm = LLM(max_model_len=64, num_kv_pages=24, max_num_seqs=4, max_num_batched_tokens=32, warmup=True)
+    before = num_compiles()
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0),
+        SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_tokens=6, temperature=0.7, presence_penalty=0.5, logprobs=2, seed=2),
+    ]
+    outs = llm.generate(PROMPTS[:3], params)
+    assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
+    assert num_compiles() == before
+    assert llm.stats()["num_compiles"] == before
