@@ -169,6 +169,8 @@ def run(args) -> dict:
         raise SystemExit("error: --vs-hf needs a Hugging Face checkpoint: pass --model DIR or --preset NAME")
     if args.new_tokens < 2:
         raise SystemExit("error: --new-tokens must be >= 2 (decode time is measured between tokens)")
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats must be >= 1, got {args.repeats}")
 
     with contextlib.ExitStack() as stack:
         model_dir = args.model

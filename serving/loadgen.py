@@ -216,7 +216,7 @@ def _compare(args, vocab: int, serve_round, llm) -> tuple[dict, dict]:
     the two sides of a round), so the prefix cache, when on, cannot carry one round into the next.
     """
     rounds = []
-    for r in range(1 + max(1, args.repeats)):
+    for r in range(1 + args.repeats):
         prompts, params, arrivals = workload(args, vocab, seed=r)
         if r % 2 == 0:
             outcomes, served = serve_round(prompts, params, arrivals)

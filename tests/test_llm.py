@@ -243,3 +243,11 @@ def test_bench_throughput_runs_and_reports(capsys):
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
     assert report["continuous"]["requests"] == report["one_at_a_time"]["requests"] == 8
     assert report["ratio"] > 0 and report["continuous"]["ttft_p99_s"] >= report["continuous"]["ttft_p50_s"]
+
+
+@pytest.mark.parametrize("mode", [[], ["throughput"], ["serve", "--vs-offline"]])
+def test_bench_refuses_zero_repeats(mode):
+    from jaxinfer import bench
+
+    with pytest.raises(SystemExit, match=r"--repeats must be >= 1, got 0"):
+        bench.run(_bench_args(mode + ["--repeats", "0"]))
