@@ -37,7 +37,25 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
 
-RopeScaling = LinearRopeScaling | Llama3RopeScaling
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnRopeScaling:
+    """YaRN (Peng et al., 2023, arXiv:2309.00071): NTK-by-parts interpolation plus a temperature.
+
+    Pairs that turn fewer than `beta_slow` times over the original context are interpolated (their
+    frequency divided by `factor`), pairs that turn more than `beta_fast` times are kept, and a linear
+    ramp over the pair index blends the two in between. cos and sin are multiplied by
+    `attention_factor`, which scales every attention logit by its square.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True  # round the ramp's ends outwards to whole pairs
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +247,49 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             )
         except KeyError as e:
             raise UnsupportedModelError(f"rope_scaling of type 'llama3' is missing field {e.args[0]!r}") from None
-    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return theta, _yarn(params, hf)
+    raise UnsupportedModelError(
+        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)"
+    )
+
+
+def _yarn(params: dict[str, Any], hf: dict[str, Any]) -> YarnRopeScaling:
+    """YaRN settings as transformers reads them: a missing `factor` is max / original context, and a
+    missing `attention_factor` is 0.1 ln(factor) + 1 (or, with DeepSeek's `mscale` and
+    `mscale_all_dim`, the ratio of two such terms)."""
+    if "original_max_position_embeddings" not in params:
+        raise UnsupportedModelError("rope_scaling of type 'yarn' is missing field 'original_max_position_embeddings'")
+    original = params["original_max_position_embeddings"]
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise UnsupportedModelError(
+            f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}"
+        )
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", original) / original
+    factor = float(factor)
+    if not factor > 0:
+        raise UnsupportedModelError(f"rope_scaling.factor must be positive, got {factor!r}")
+
+    def temperature(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = temperature(factor, mscale) / temperature(factor, mscale_all_dim)
+        else:
+            attention_factor = temperature(factor)
+    return YarnRopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )
 
 
 def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[AttentionKind, ...]:
@@ -488,4 +548,26 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False):
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif isinstance(s, YarnRopeScaling):
+        # The (fractional) pair index whose wavelength fits `turns` times into the original context.
+        def pair_at(turns: float) -> float:
+            wavelength = s.original_max_position_embeddings / turns
+            return h * math.log(wavelength / (2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        lo, hi = pair_at(s.beta_fast), pair_at(s.beta_slow)
+        if s.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, h - 1)
+        if hi == lo:
+            hi += 0.001
+        ramp = np.clip((np.arange(h // 2, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)  # 0 keep, 1 interpolate
+        inv = inv * (1.0 - ramp) + (inv / s.factor) * ramp
     return inv
+
+
+def rope_attention_factor(cfg: ModelConfig, *, local: bool = False) -> float:
+    """What cos and sin are multiplied by (YaRN's temperature; 1 for every other kind of RoPE)."""
+    if local and cfg.local_rope_theta is not None:
+        return 1.0
+    s = cfg.rope_scaling
+    return s.attention_factor if isinstance(s, YarnRopeScaling) else 1.0

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import attention
-from jaxinfer.config import ModelConfig, rope_inv_freq
+from jaxinfer.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxinfer.kv_cache import Batch, KVCache
 
 _normal = nn.initializers.normal(stddev=0.02)
@@ -59,7 +59,11 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False) 
     inv_freq = jnp.asarray(rope_inv_freq(cfg, local=local), jnp.float32)  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    scale = rope_attention_factor(cfg, local=local)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -52,6 +52,31 @@ FAMILIES = {
         "LlamaForCausalLM",
         dict(attention_bias=True, rope_scaling=dict(rope_type="linear", factor=4.0)),
     ),
+    # YaRN (Qwen2.5 / Qwen3 long-context configs): the ramp between kept and interpolated pairs falls
+    # inside the 8 pairs of these heads, and the test sequence outruns the "original" context.
+    "qwen2-yarn": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    ),
+    # DeepSeek-style YaRN temperature (mscale / mscale_all_dim), custom betas, no truncation.
+    "llama-yarn-mscale": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500.0,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=8.0,
+                original_max_position_embeddings=32,
+                mscale=1.0,
+                mscale_all_dim=0.5,
+                beta_fast=16.0,
+                beta_slow=2.0,
+                truncate=False,
+            ),
+        ),
+    ),
 }
 
 

@@ -19,6 +19,7 @@ from jaxinfer.config import (
     Llama3RopeScaling,
     ModelConfig,
     SlidingWindow,
+    YarnRopeScaling,
 )
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loading import load_hf_checkpoint
@@ -54,6 +55,12 @@ SMALL = ModelConfig(
             qk_norm=True,
         ),
         dataclasses.replace(SMALL, rope_scaling=LinearRopeScaling(factor=4.0), bos_token_id=None, rms_norm_eps=1e-5),
+        dataclasses.replace(
+            SMALL,
+            rope_scaling=YarnRopeScaling(
+                factor=4.0, original_max_position_embeddings=64, attention_factor=1.14, truncate=False
+            ),
+        ),
     ],
 )
 def test_config_round_trips_through_json(cfg):

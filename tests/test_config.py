@@ -1,11 +1,21 @@
 """Hugging Face config conversion: each family, RoPE scaling against transformers, refusals by name."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from hf_models import FAMILIES, TINY
 
-from jaxinfer.config import GlobalAttention, Llama3RopeScaling, SlidingWindow, from_hf_config, rope_inv_freq
+from jaxinfer.config import (
+    GlobalAttention,
+    Llama3RopeScaling,
+    SlidingWindow,
+    YarnRopeScaling,
+    from_hf_config,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from jaxinfer.errors import UnsupportedModelError
 
 
@@ -55,14 +65,28 @@ def test_old_style_llama3_config_keys():
     )
 
 
-@pytest.mark.parametrize("family", ["llama2", "llama3.1"])
+@pytest.mark.parametrize("family", ["llama2", "llama3.1", "qwen2-yarn", "llama-yarn-mscale"])
 def test_rope_frequencies_match_transformers(family):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     hf = _hf_config(family, head_dim=64)
-    ours = rope_inv_freq(from_hf_config(hf.to_dict()))
-    theirs = LlamaRotaryEmbedding(hf).inv_freq.to(torch.float64).numpy()
-    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    cfg = from_hf_config(hf.to_dict())
+    rotary = LlamaRotaryEmbedding(hf)
+    np.testing.assert_allclose(rope_inv_freq(cfg), rotary.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
+    assert rope_attention_factor(cfg) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+
+
+def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
+    """As transformers does: a YaRN config without `factor` scales max / original context."""
+    hf = _hf_config("qwen2-yarn").to_dict()
+    hf.pop("rope_parameters", None)
+    hf.update(
+        max_position_embeddings=32768,
+        rope_scaling=dict(type="yarn", original_max_position_embeddings=4096, mscale=0.5, mscale_all_dim=1.0),
+    )
+    s = from_hf_config(hf).rope_scaling
+    assert isinstance(s, YarnRopeScaling) and s.factor == 8.0
+    assert s.attention_factor == pytest.approx((0.05 * math.log(8) + 1) / (0.1 * math.log(8) + 1))
 
 
 @pytest.mark.parametrize(
@@ -71,7 +95,8 @@ def test_rope_frequencies_match_transformers(family):
         (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
         (dict(architectures=None, model_type="falcon"), "falcon"),
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "yarn"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), "'dynamic'"),
+        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "original_max_position_embeddings"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(num_key_value_heads=3), "multiple"),
     ],
