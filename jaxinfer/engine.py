@@ -100,6 +100,22 @@ class SeqUpdate:
     finish_reason: str | None
 
 
+def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens) -> None:
+    """Raises InvalidRequestError naming the first capacity setting out of range (None: not given)."""
+    for name, value, lo in (
+        ("page_size", page_size, 1),
+        ("max_num_seqs", max_num_seqs, 1),
+        ("num_kv_pages", num_kv_pages, 2),
+        ("max_num_batched_tokens", max_num_batched_tokens, 16),
+    ):
+        if value is None and name == "num_kv_pages":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if page_size & (page_size - 1):
+        raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
+
+
 class Engine:
     """Owns the parameters, the KV cache and the scheduler; `step()` advances every request.
 
@@ -137,16 +153,12 @@ class Engine:
         mesh=None,
         channel=None,
     ):
-        for name, value, lo in (
-            ("page_size", page_size, 1),
-            ("max_num_seqs", max_num_seqs, 1),
-            ("num_kv_pages", num_kv_pages, 2),
-            ("max_num_batched_tokens", max_num_batched_tokens, 16),
-        ):
-            if not isinstance(value, int) or value < lo:
-                raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {value!r}")
-        if page_size & (page_size - 1):
-            raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
+        check_capacity(
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            num_kv_pages=num_kv_pages,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer

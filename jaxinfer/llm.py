@@ -12,12 +12,12 @@ import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine import Engine, Logprob, Request
+from jaxinfer.engine import Engine, Logprob, Request, check_capacity
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import make_mesh
-from jaxinfer.tokenizer import load_tokenizer, render_chat_template, validate_messages
+from jaxinfer.tokenizer import load_tokenizer, render_chat_template, require_unicode, validate_messages
 
 
 @dataclasses.dataclass
@@ -65,6 +65,10 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None
     index: int = 0  # which sample, when n > 1
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
 
 
 def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
@@ -173,7 +177,14 @@ class LLM:
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        device_mesh = None if mesh is None else make_mesh(mesh)  # validated before anything loads
+        # Validated before anything loads.
+        check_capacity(
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            num_kv_pages=num_kv_pages,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        device_mesh = None if mesh is None else make_mesh(mesh)
         cfg, params, tokenizer = _load(model, dtype, device_mesh)
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
         if max_model_len is None:
@@ -214,6 +225,7 @@ class LLM:
             raise InvalidRequestError(f"prompts[{index}] must be a string, got {type(text).__name__}")
         if not text:
             raise InvalidRequestError(f"prompts[{index}] is empty")
+        require_unicode(text, f"prompts[{index}]")
         if self.tokenizer is None:
             raise InvalidRequestError("this model directory has no tokenizer: pass prompt_token_ids instead")
         return self.tokenizer.encode(text)
@@ -229,11 +241,17 @@ class LLM:
             ids = [self._encode(p, i) for i, p in enumerate(texts)]
             field = "prompts"
         else:
+            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence | np.ndarray):
+                raise InvalidRequestError("prompt_token_ids must be a list of token-id lists (or one list of ids)")
+            if len(prompt_token_ids) and all(_is_int(t) for t in prompt_token_ids):
+                prompt_token_ids = [prompt_token_ids]  # one prompt, as a flat list of ids
             texts = [None] * len(prompt_token_ids)
             ids = []
             for i, p in enumerate(prompt_token_ids):
-                if isinstance(p, (str, bytes)) or not all(
-                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p
+                if (
+                    isinstance(p, (str, bytes))
+                    or not isinstance(p, Sequence | np.ndarray)
+                    or not all(_is_int(t) for t in p)
                 ):
                     raise InvalidRequestError(f"prompt_token_ids[{i}] must be a list of integers")
                 ids.append([int(t) for t in p])

@@ -316,7 +316,8 @@ def load_hf_checkpoint(model_dir: str, *, dtype: str = "float32", shardings=None
     returning one (e.g. `lambda cfg: sharding.param_shardings(cfg, mesh)`); None: one device.
     """
     if not os.path.isdir(model_dir):
-        raise CheckpointError(f"model directory {model_dir!r} does not exist")
+        what = "is a file, not a directory" if os.path.exists(model_dir) else "does not exist"
+        raise CheckpointError(f"model directory {model_dir!r} {what}")
     cfg = load_hf_config(model_dir, dtype=dtype)
     if callable(shardings):
         shardings = shardings(cfg)

@@ -49,6 +49,19 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def require_unicode(text: str, field: str) -> None:
+    """Raises InvalidRequestError when `text` has no UTF-8 form: a lone surrogate, which is what
+    Python makes of invalid bytes decoded with `surrogateescape` (command-line arguments, file names).
+    The tokenizers would otherwise fail deep in native code with an unhelpful message."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{field} is not valid Unicode: lone surrogate {text[e.start]!r} at character {e.start} "
+            "(invalid UTF-8 input?)"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizerSettings:
     """What tokenizer_config.json, special_tokens_map.json and the chat template files say.
@@ -343,6 +356,8 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
             raise InvalidRequestError(
                 f"{where}.content must be a string or a list of parts, got {type(content).__name__}"
             )
+        if isinstance(content, str):
+            require_unicode(content, f"{where}.content")
         out.append(message)
     return out
 

@@ -8,6 +8,7 @@ import pytest
 
 from jaxinfer import LLM, InvalidRequestError, SamplingParams, default_model
 from jaxinfer.cli import main
+from jaxinfer.tokenizer import validate_messages
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,11 @@ def test_generation_stops_at_max_model_len(llm):
         (lambda m: m.generate(["a", "b"], [GREEDY] * 3), "3 sampling_params for 2 prompts"),
         (lambda m: m.generate(), "exactly one of"),
         (lambda m: m.generate([3]), r"prompts\[0\] must be a string"),
+        # What Python makes of invalid UTF-8 bytes (argv, file names): the tokenizer failed natively.
+        (lambda m: m.generate(["ok", "a\udcffb"]), r"prompts\[1\] is not valid Unicode: lone surrogate '\\udcff' at"),
+        (lambda m: validate_messages([{"role": "user", "content": "\ud800"}]), r"messages\[0\]\.content is not valid"),
+        (lambda m: m.generate(prompt_token_ids=[[1, 2], 3]), r"prompt_token_ids\[1\] must be a list of integers"),
+        (lambda m: m.generate(prompt_token_ids=7), "prompt_token_ids must be a list"),
     ],
 )
 def test_bad_requests_are_refused_clearly(llm, call, match):
@@ -99,9 +105,19 @@ def test_bad_request_loses_nothing(llm):
     assert len(llm.generate(prompt_token_ids=[[1, 2]], sampling_params=GREEDY)[0].token_ids) == 8
 
 
+def test_a_flat_list_of_ids_is_one_prompt(llm):
+    flat = llm.generate(prompt_token_ids=[1, 5, 6], sampling_params=GREEDY)
+    nested = llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=GREEDY)
+    assert len(flat) == 1 and flat[0].token_ids == nested[0].token_ids and flat[0].prompt_token_ids == [1, 5, 6]
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(InvalidRequestError, match="dtype"):
         LLM(dtype="float16")
+    with pytest.raises(InvalidRequestError, match="page_size must be an integer >= 1, got 0"):
+        LLM(page_size=0)  # was a ZeroDivisionError while sizing the default page count
+    with pytest.raises(InvalidRequestError, match="max_num_seqs must be an integer >= 1, got True"):
+        LLM(max_num_seqs=True)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         LLM(max_model_len=10**6)
 
@@ -123,6 +139,8 @@ def test_cli_json(capsys):
         (["generate", "--temperature", "-1", "x"], "temperature"),
         (["generate", "--top-p", "0", "x"], "top_p"),
         (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
+        (["generate", "--model", __file__, "x"], "is a file, not a directory"),
+        (["generate", "x\udcff"], "is not valid Unicode"),  # argv bytes that are not UTF-8
     ],
 )
 def test_cli_errors_are_one_line_no_traceback(argv, message):
