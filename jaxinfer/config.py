@@ -249,8 +249,16 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             raise UnsupportedModelError(f"rope_scaling of type 'llama3' is missing field {e.args[0]!r}") from None
     if kind == "yarn":
         return theta, _yarn(params, hf)
+    if kind == "dynamic":
+        # Dynamic NTK (transformers' rule) rescales the base only for sequences longer than
+        # max_position_embeddings; below that it is plain RoPE. jaxinfer never runs a sequence past
+        # max_position_embeddings (max_model_len is capped there), so plain RoPE is exact here.
+        factor = params.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1:
+            raise UnsupportedModelError(f"rope_scaling.factor of type 'dynamic' must be a number >= 1, got {factor!r}")
+        return theta, None
     raise UnsupportedModelError(
-        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)"
+        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn, dynamic)"
     )
 
 

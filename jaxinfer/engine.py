@@ -159,6 +159,12 @@ class Engine:
             num_kv_pages=num_kv_pages,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position_embeddings:
+            # Past max_position_embeddings the model was never trained (and dynamic-NTK RoPE would
+            # rescale, which this engine does not do).
+            raise InvalidRequestError(
+                f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_model_len!r}"
+            )
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer

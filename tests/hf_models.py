@@ -59,6 +59,8 @@ FAMILIES = {
         "Qwen2ForCausalLM",
         dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
     ),
+    # Dynamic NTK: transformers rescales only past max_position_embeddings, which jaxinfer never runs.
+    "llama-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(rope_type="dynamic", factor=4.0))),
     # DeepSeek-style YaRN temperature (mscale / mscale_all_dim), custom betas, no truncation.
     "llama-yarn-mscale": (
         "LlamaConfig",

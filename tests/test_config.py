@@ -65,7 +65,7 @@ def test_old_style_llama3_config_keys():
     )
 
 
-@pytest.mark.parametrize("family", ["llama2", "llama3.1", "qwen2-yarn", "llama-yarn-mscale"])
+@pytest.mark.parametrize("family", ["llama2", "llama3.1", "qwen2-yarn", "llama-yarn-mscale", "llama-dynamic"])
 def test_rope_frequencies_match_transformers(family):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -95,7 +95,8 @@ def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
         (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
         (dict(architectures=None, model_type="falcon"), "falcon"),
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), "'dynamic'"),
+        (dict(rope_parameters=dict(rope_type="longrope", factor=2.0, rope_theta=1e4)), "'longrope'"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor=0.5, rope_theta=1e4)), "must be a number >= 1"),
         (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "original_max_position_embeddings"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(num_key_value_heads=3), "multiple"),

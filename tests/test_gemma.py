@@ -214,7 +214,7 @@ def test_num_params_counts_the_real_tree(family):
             dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
             "sliding_attention",
         ),
-        ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0}}), "dynamic"),
+        ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "longrope", "factor": 2.0}}), "longrope"),
         ("gemma3_text", dict(architectures=["Gemma3ForConditionalGeneration"]), "Gemma3ForConditionalGeneration"),
         ("gemma3_text", dict(architectures=None, model_type="gemma3"), "gemma3"),
         ("gemma2", dict(mlp_bias=True), "mlp_bias"),
