@@ -218,6 +218,29 @@ def _latencies(seqs) -> dict:
     }
 
 
+def _phase_totals(engine) -> dict:
+    """Running totals of the engine's jitted calls by phase: seconds, calls, tokens computed."""
+    s = engine.stats()
+    return {
+        ph: (s["step_seconds"][ph]["sum"], s["step_seconds"][ph]["count"], s["step_tokens"][ph])
+        for ph in ("prefill", "decode")
+    }
+
+
+def _phases(before: dict, after: dict, wall: float) -> dict:
+    """Where a run's wall time went: prompt calls, decode calls, and the rest (host work)."""
+    (p_s, p_n, p_tok), (d_s, d_n, d_tok) = (tuple(a - b for a, b in zip(after[ph], before[ph])) for ph in before)
+    return {
+        "prefill_s": p_s,
+        "prefill_calls": p_n,
+        "prefill_tokens": p_tok,
+        "decode_s": d_s,
+        "decode_calls": d_n,
+        "decode_rows": d_tok,
+        "other_s": wall - p_s - d_s,
+    }
+
+
 def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     """Offline throughput: N mixed requests through one continuous batch vs one at a time."""
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
@@ -254,14 +277,16 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
 
     k = min(args.baseline_requests or args.num_requests, args.num_requests)
     base_wall, base_seqs = 0.0, []
+    t0 = _phase_totals(llm.engine)
     for p, sp in zip(prompts[:k], params[:k]):
         wall, seqs = _drive(llm.engine, [p], [sp])
         base_wall += wall
         base_seqs += seqs
     base_tokens = sum(len(s.output_ids) for s in base_seqs)
-
+    t1 = _phase_totals(llm.engine)
     cb_wall, cb_seqs = _drive(llm.engine, prompts, params)
     cb_tokens = sum(len(s.output_ids) for s in cb_seqs)
+    t2 = _phase_totals(llm.engine)
     stats = llm.stats()
     rows = {
         "one_at_a_time": {
@@ -270,6 +295,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             "output_tokens_per_s": base_tokens / base_wall,
             "requests_per_s": k / base_wall,
             **_latencies(base_seqs),
+            **_phases(t0, t1, base_wall),
         },
         "continuous": {
             "requests": args.num_requests,
@@ -277,6 +303,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             "output_tokens_per_s": cb_tokens / cb_wall,
             "requests_per_s": args.num_requests / cb_wall,
             **_latencies(cb_seqs),
+            **_phases(t1, t2, cb_wall),
         },
     }
     ratio = rows["continuous"]["output_tokens_per_s"] / rows["one_at_a_time"]["output_tokens_per_s"]
@@ -289,6 +316,18 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             f"{name:>14} {r['requests']:>9} {r['wall_s']:>8.1f} {r['output_tokens_per_s']:>10.1f} "
             f"{r['requests_per_s']:>7.2f} {r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>7.0f}ms "
             f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms"
+        )
+    print(
+        f"\nwhere the time went (a jitted call counts until its tokens are on the host; other = host work)"
+        f"\n{'mode':>14} {'prompt s':>9} {'prompt tok/s':>13} {'decode s':>9} {'steps':>6} {'rows/step':>10} "
+        f"{'ms/step':>8} {'other s':>8}"
+    )
+    for name, r in rows.items():
+        steps = max(r["decode_calls"], 1)
+        print(
+            f"{name:>14} {r['prefill_s']:>9.2f} {r['prefill_tokens'] / max(r['prefill_s'], 1e-9):>13.0f} "
+            f"{r['decode_s']:>9.2f} {r['decode_calls']:>6} {r['decode_rows'] / steps:>10.1f} "
+            f"{r['decode_s'] / steps * 1e3:>8.1f} {r['other_s']:>8.2f}"
         )
     note = "" if k == args.num_requests else f" (baseline measured on the first {k} requests)"
     print(f"continuous batching / one at a time: {ratio:.2f}x output-token throughput{note}")

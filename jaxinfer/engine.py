@@ -418,22 +418,29 @@ class Engine:
                 )
             return []
         calls = []
+        started = time.perf_counter()
         if plan.prefill:
             t = bucket(max(c.length for c in plan.prefill), minimum=16)
-            calls.append((plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
+            calls.append(("prefill", plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
         if plan.decode:
             # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
             # group at its longest row, so rows of similar length should be neighbours.
             decode = sorted(plan.decode, key=lambda c: -c.start)
             mp = self._decode_mp(decode[0].start + 1)
-            calls.append((decode, self._dispatch(decode, 1, mp)))
+            calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
         updates = []
         now = None
-        for chunks, out in calls:
+        m = self.metrics
+        for phase, chunks, out in calls:
             tokens = np.asarray(out.tokens)
             want_lp = any(c.seq.logprobs is not None for c in chunks)
             lp = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if want_lp else None
             now = time.perf_counter()
+            # The calls run one after the other on the device, so each one's time runs from the
+            # previous one's results (or the step's start) to its own.
+            m.step_time[phase].observe(now - started)
+            m.step_tokens[phase].inc(sum(c.length for c in chunks))
+            started = now
             for i, chunk in enumerate(chunks):
                 seq = chunk.seq
                 seq.num_computed += chunk.length
@@ -472,6 +479,9 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             m.ttft.observe(now - seq.arrival_time)
+            scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else seq.arrival_time
+            m.queue_time.observe(scheduled - seq.arrival_time)
+            m.prefill_time.observe(now - scheduled)
         else:
             m.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
@@ -561,4 +571,9 @@ class Engine:
             "ttft_seconds": m.ttft.as_dict(),
             "itl_seconds": m.itl.as_dict(),
             "request_latency_seconds": m.e2e.as_dict(),
+            # TTFT = queue time + prefill time, per request.
+            "queue_time_seconds": m.queue_time.as_dict(),
+            "prefill_time_seconds": m.prefill_time.as_dict(),
+            "step_seconds": {phase: h.as_dict() for phase, h in m.step_time.items()},
+            "step_tokens": {phase: int(c._value.get()) for phase, c in m.step_tokens.items()},
         }

@@ -7,6 +7,7 @@ never collide; the server exposes the registry of the engine it serves.
 from __future__ import annotations
 
 import bisect
+import collections
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -32,36 +33,47 @@ _BUCKETS = (
 )
 
 
-class LatencyHistogram:
-    """A histogram kept in Python (for `stats()` and percentiles) and mirrored to Prometheus."""
+PHASES = ("prefill", "decode")
 
-    def __init__(self, prom: Histogram):
-        self._prom = prom
+
+class LatencyHistogram:
+    """A histogram kept in Python (for `stats()` and percentiles) and mirrored to Prometheus.
+
+    Counts and sums cover every observation; the percentiles cover the most recent `window` of them,
+    so a long-running server's p50/p99 keep describing its present, not its first minutes.
+    """
+
+    def __init__(self, prom, *, window: int = 100_000):
+        self._prom = prom  # a prometheus Histogram (or one label's child)
         self.counts = [0] * len(_BUCKETS)
         self.count = 0
         self.sum = 0.0
-        self._samples: list[float] = []  # kept sorted, bounded, for percentiles
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
 
     def observe(self, seconds: float) -> None:
         self._prom.observe(seconds)
         self.counts[bisect.bisect_left(_BUCKETS, seconds)] += 1
         self.count += 1
         self.sum += seconds
-        if len(self._samples) < 100_000:
-            bisect.insort(self._samples, seconds)
+        self._recent.append(seconds)
+
+    def percentiles(self, *qs: float) -> list[float | None]:
+        ordered = sorted(self._recent)  # a copy: stats() may run on another thread than observe()
+        if not ordered:
+            return [None] * len(qs)
+        return [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in qs]
 
     def percentile(self, q: float) -> float | None:
-        if not self._samples:
-            return None
-        return self._samples[min(len(self._samples) - 1, int(q / 100 * len(self._samples)))]
+        return self.percentiles(q)[0]
 
     def as_dict(self) -> dict:
+        p50, p99 = self.percentiles(50, 99)
         return {
             "count": self.count,
             "sum": self.sum,
             "buckets": {str(b): c for b, c in zip(_BUCKETS, self.counts)},
-            "p50": self.percentile(50),
-            "p99": self.percentile(99),
+            "p50": p50,
+            "p99": p99,
         }
 
 
@@ -98,6 +110,36 @@ class EngineMetrics:
         self.e2e = LatencyHistogram(
             Histogram("jaxinfer_request_latency_seconds", "Arrival to last token", buckets=_BUCKETS, registry=r)
         )
+        # Where time to first token goes: waiting for a slot (queue), then computing the prompt.
+        self.queue_time = LatencyHistogram(
+            Histogram(
+                "jaxinfer_request_queue_time_seconds",
+                "Arrival to first scheduled (waiting for pages or a running slot)",
+                buckets=_BUCKETS,
+                registry=r,
+            )
+        )
+        self.prefill_time = LatencyHistogram(
+            Histogram(
+                "jaxinfer_request_prefill_time_seconds",
+                "First scheduled to first token (the prompt's chunks, interleaved with other work)",
+                buckets=_BUCKETS,
+                registry=r,
+            )
+        )
+        # The two workloads, per jitted call: prompt chunks (compute-bound) and decode (memory-bound).
+        step = Histogram(
+            "jaxinfer_step_seconds",
+            "Wall time of one jitted call, until its tokens are on the host, by phase",
+            ["phase"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.step_time = {phase: LatencyHistogram(step.labels(phase)) for phase in PHASES}
+        tokens = Counter(
+            "jaxinfer_step_tokens", "Tokens computed (prompt tokens, decode rows), by phase", ["phase"], registry=r
+        )
+        self.step_tokens = {phase: tokens.labels(phase) for phase in PHASES}
         self._preemptions_seen = 0
         self._hits_seen = 0
 

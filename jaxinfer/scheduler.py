@@ -58,6 +58,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its full pages
     finish_reason: str | None = None
+    first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)
     first_token_time: float | None = None
     last_token_time: float | None = None
     detok: object = None  # IncrementalDetokenizer, owned by the engine
@@ -208,6 +209,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             (prefill if n > 1 else decode).append(Chunk(seq, seq.num_computed, n))
             budget -= n

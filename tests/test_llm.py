@@ -261,6 +261,15 @@ def test_bench_throughput_runs_and_reports(capsys):
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
     assert report["continuous"]["requests"] == report["one_at_a_time"]["requests"] == 8
     assert report["ratio"] > 0 and report["continuous"]["ttft_p99_s"] >= report["continuous"]["ttft_p50_s"]
+    # Where the time went: both modes computed the same prompt tokens and decode rows (no prefix cache).
+    assert "where the time went" in out
+    base, cb = report["one_at_a_time"], report["continuous"]
+    assert base["prefill_tokens"] == cb["prefill_tokens"] > 8 * 8
+    out_tokens = round(cb["output_tokens_per_s"] * cb["wall_s"])
+    assert base["decode_rows"] == cb["decode_rows"] == out_tokens - 8  # each first token comes from a prompt call
+    assert cb["decode_calls"] < base["decode_calls"]  # batched
+    for r in (base, cb):
+        assert 0 < r["prefill_s"] + r["decode_s"] < r["wall_s"] and r["other_s"] > 0
 
 
 @pytest.mark.parametrize("mode", [[], ["throughput"], ["serve", "--vs-offline"]])

@@ -132,6 +132,44 @@ def test_stats_and_prometheus_registry(llm):
     assert "jaxinfer_kv_pages_free" in text
 
 
+def test_phase_metrics_split_ttft_and_count_every_computed_token():
+    """Queue + prefill time add up to TTFT per request; step tokens count prompt tokens and decode rows."""
+    from prometheus_client import generate_latest
+
+    from jaxinfer import default_model
+
+    llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=64, max_num_seqs=2, enable_prefix_caching=False)
+    prompts = [[1] + list(range(5, 5 + n)) for n in (3, 20, 9, 40, 6)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
+    assert all(len(o.token_ids) == 5 for o in outs)
+    s = llm.stats()
+    ttft, queue, prefill = s["ttft_seconds"], s["queue_time_seconds"], s["prefill_time_seconds"]
+    assert ttft["count"] == queue["count"] == prefill["count"] == 5
+    assert queue["sum"] + prefill["sum"] == pytest.approx(ttft["sum"], rel=1e-9)
+    # Two slots for five requests: the last three waited behind the first two.
+    assert queue["p99"] > 0 and prefill["p50"] > 0
+    assert s["step_tokens"] == {"prefill": sum(map(len, prompts)), "decode": 5 * (5 - 1)}
+    steps = s["step_seconds"]
+    assert steps["prefill"]["count"] >= 3 and steps["decode"]["count"] >= 4
+    assert steps["prefill"]["sum"] > 0 and steps["decode"]["sum"] > 0
+    text = generate_latest(llm.engine.metrics.registry).decode()
+    assert 'jaxinfer_step_seconds_count{phase="decode"}' in text
+    assert f'jaxinfer_step_tokens_total{{phase="decode"}} {5 * 4}.0' in text
+    assert "jaxinfer_request_queue_time_seconds_sum" in text
+
+
+def test_latency_percentiles_follow_the_recent_window():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from jaxinfer.metrics import LatencyHistogram
+
+    h = LatencyHistogram(Histogram("t", "t", registry=CollectorRegistry()), window=10)
+    for x in range(1, 21):
+        h.observe(float(x))
+    assert h.count == 20 and h.sum == 210.0  # every observation counted
+    assert h.percentiles(0, 50, 99) == [11.0, 16.0, 20.0]  # percentiles of the last 10 only
+
+
 def test_stats_from_another_thread_while_steps_donate_the_cache(llm):
     """The server reads stats and metrics on its event loop while the engine thread steps; every step
     donates (deletes) the previous cache, so stats() must never touch the live cache's buffers."""
