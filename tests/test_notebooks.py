@@ -134,6 +134,7 @@ def test_anatomy_of_inference(kernel_spec_manager):
         "prefix-cache hit tokens",
     ):
         assert sentence in text, sentence
+    assert text.count("engine.stats(): prompt calls") == 2  # the engine's own phase split, per budget
 
 
 def test_serving(kernel_spec_manager):
