@@ -116,6 +116,22 @@ def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tok
         raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
 
 
+def check_max_model_len(cfg, max_model_len) -> None:
+    """Raises InvalidRequestError unless 2 <= max_model_len <= cfg.max_position_embeddings.
+
+    Past max_position_embeddings the model was never trained, and dynamic-NTK RoPE (loaded as plain
+    RoPE, see `config._rope`) would start rescaling, which this engine does not do.
+    """
+    if (
+        not isinstance(max_model_len, int)
+        or isinstance(max_model_len, bool)
+        or not (2 <= max_model_len <= cfg.max_position_embeddings)
+    ):
+        raise InvalidRequestError(
+            f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_model_len!r}"
+        )
+
+
 class Engine:
     """Owns the parameters, the KV cache and the scheduler; `step()` advances every request.
 
@@ -159,12 +175,7 @@ class Engine:
             num_kv_pages=num_kv_pages,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position_embeddings:
-            # Past max_position_embeddings the model was never trained (and dynamic-NTK RoPE would
-            # rescale, which this engine does not do).
-            raise InvalidRequestError(
-                f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_model_len!r}"
-            )
+        check_max_model_len(cfg, max_model_len)
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer

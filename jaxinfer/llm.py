@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine import Engine, Logprob, Request, check_capacity
+from jaxinfer.engine import Engine, Logprob, Request, check_capacity, check_max_model_len
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
@@ -189,10 +189,7 @@ class LLM:
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
-        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position_embeddings:
-            raise InvalidRequestError(
-                f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_model_len}"
-            )
+        check_max_model_len(cfg, max_model_len)  # before it sizes the default page count
         if num_kv_pages is None:
             num_kv_pages = _default_num_pages(
                 cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
