@@ -144,7 +144,8 @@ class Engine:
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share cached prompt pages between requests.
-        poison_freed_pages: fill freed pages with NaN (tests: proves stale data never leaks).
+        poison_reused_pages: fill every page with NaN as it is handed to a sequence, whether it was
+            freed by another or evicted from the prefix cache (tests: proves stale data never leaks).
         mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxinfer.sharding); parameters
             and the KV cache are placed by the rules table, step batches split rows over `data`,
             and the steps trace under the mesh (the Pallas kernels then run under shard_map).
@@ -165,7 +166,7 @@ class Engine:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
-        poison_freed_pages: bool = False,
+        poison_reused_pages: bool = False,
         mesh=None,
         channel=None,
     ):
@@ -185,7 +186,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = pages_needed(max_model_len, page_size)
         self.max_prefill_tokens = min(_pow2_floor(max_num_batched_tokens), bucket(max_model_len, minimum=16))
-        self.poison_freed_pages = poison_freed_pages
+        self.poison_reused_pages = poison_reused_pages
         self.pool = PagePool(num_kv_pages, enable_prefix_cache=enable_prefix_caching)
         self.scheduler = Scheduler(
             pool=self.pool,
@@ -233,6 +234,7 @@ class Engine:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
+        self._after_step()  # the gauges read true (all pages free) before the first step
 
     # -- shapes -----------------------------------------------------------------------------
 
@@ -283,7 +285,7 @@ class Engine:
             for w in history_widths(self.max_model_len):
                 sample(logits, SamplingBatch.from_rows([], b, w))
         jax.block_until_ready(self.cache)
-        if self.poison_freed_pages and self.channel is None:
+        if self.poison_reused_pages and self.channel is None:
             self._poison(np.zeros(1, np.int32))
         return num_compiles() - before
 
@@ -419,7 +421,7 @@ class Engine:
     def step(self) -> list[SeqUpdate]:
         """Runs one scheduled step. Returns an update for every sequence that advanced or ended."""
         plan = self.scheduler.schedule()
-        self._take_freed_pages()
+        self._take_new_pages()
         if plan.empty:
             self._after_step()
             if self.has_unfinished():  # a scheduler bug; fail loudly rather than spin forever
@@ -527,18 +529,15 @@ class Engine:
         seq.detok.flush()
         return seq.detok.pop_delta(final=True)
 
-    def _take_freed_pages(self) -> None:
-        """Pages freed since the last step; with poison_freed_pages, fills them with NaN now.
-
-        Runs after scheduling and before the step's dispatch: a page freed and handed to another
-        sequence within the same schedule() is poisoned before its new owner writes into it.
-        """
+    def _take_new_pages(self) -> None:
+        """Pages handed to sequences by this step's schedule(); with poison_reused_pages, fills them
+        with NaN now, after scheduling and before the step's dispatch: before their new owner writes."""
         s = self.scheduler
-        if s.freed_pages and self.poison_freed_pages:
-            pages = np.asarray(s.freed_pages, np.int32)
+        if s.new_pages and self.poison_reused_pages:
+            pages = np.asarray(sorted(set(s.new_pages)), np.int32)
             pad = bucket(len(pages)) - len(pages)
             self._poison(np.pad(pages, (0, pad), constant_values=SCRATCH_PAGE))
-        s.freed_pages = []
+        s.new_pages = []
 
     def _after_step(self) -> None:
         s = self.scheduler

@@ -169,6 +169,7 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}  # prefix hash -> page
         self._hash_of: dict[int, bytes] = {}  # page -> prefix hash
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self.num_evictions = 0  # cached pages handed out again for new contents
 
     @property
     def capacity(self) -> int:
@@ -195,6 +196,7 @@ class PagePool:
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._page_of[self._hash_of.pop(page)]
+                self.num_evictions += 1
             self._refs[page] = 1
             pages.append(page)
         return pages

@@ -111,7 +111,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
-        self.freed_pages: list[int] = []  # pages freed since the engine last looked (for poisoning)
+        self.new_pages: list[int] = []  # pages handed to a sequence since the engine last looked (poisoning)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,7 +119,7 @@ class Scheduler:
     # -- pages ------------------------------------------------------------------------------
 
     def _release(self, seq: Sequence) -> None:
-        self.freed_pages += self.pool.release(seq.pages)
+        self.pool.release(seq.pages)
         seq.pages = []
         seq.page_keys = []
 
@@ -129,9 +129,11 @@ class Scheduler:
         if need <= 0:
             return True
         try:
-            seq.pages += self.pool.allocate(need)
+            pages = self.pool.allocate(need)
         except OutOfPagesError:
             return False
+        seq.pages += pages
+        self.new_pages += pages
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -200,9 +202,10 @@ class Scheduler:
                 self._reuse_prefix(seq)
             remaining = len(seq.tokens) - seq.num_computed
             n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)
-            if n == 0:
-                break
-            if not self._grow(seq, seq.num_computed + n):
+            if n == 0 or not self._grow(seq, seq.num_computed + n):
+                # Not admitted this step: a waiting sequence holds no pages, or preemption could not
+                # reclaim them (it only sees running ones) and the engine could wedge. The prefix
+                # pages go back to the cache and are looked up again next time.
                 self.prefix_cache_hit_tokens -= seq.num_computed
                 self._release(seq)
                 seq.num_computed = 0

@@ -90,11 +90,36 @@ def test_preemption_under_a_tiny_kv_budget(params, alone):
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
-def test_freed_pages_full_of_nan_never_leak(params, alone):
+def test_reused_pages_full_of_nan_never_leak(params, alone):
     prompts, sps = workload()
-    e = make_engine(params, num_kv_pages=40, poison_freed_pages=True)
+    e = make_engine(params, num_kv_pages=40, poison_reused_pages=True)
     got, _ = run(e, prompts, sps)
     assert got == alone
+    assert e.pool.num_evictions > 0  # pages evicted from the prefix cache were poisoned and reused too
+
+
+def test_gauges_are_true_before_the_first_step(params):
+    e = make_engine(params, num_kv_pages=29)
+    assert e.metrics.registry.get_sample_value("jaxinfer_kv_pages_free") == 28
+    assert e.metrics.registry.get_sample_value("jaxinfer_kv_pages_used") == 0
+
+
+def test_a_waiting_request_holds_no_prefix_pages(params):
+    """A waiting request whose prefix is cached but whose chunk does not fit this step must not keep
+    the cached pages while it waits: preemption only reclaims running sequences' pages, so the
+    running one preempted itself and every later step raised "scheduler made no progress"."""
+    rng = np.random.default_rng(0)
+    x, long_prompt = rng.integers(3, 128, 40).tolist(), rng.integers(3, 128, 200).tolist()
+    e = make_engine(params, num_kv_pages=29, max_num_batched_tokens=48)  # 28 usable pages
+    run(e, [x], [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)])  # caches x's 5 pages
+    sps = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 2
+    got, _ = run(e, [long_prompt, x + [5, 6, 7]], sps)  # 26 pages for the first, valid on its own
+    alone = [
+        run(make_engine(params, enable_prefix_caching=False), [p], [sp])[0][0]
+        for p, sp in zip([long_prompt, x + [5, 6, 7]], sps)
+    ]
+    assert got == alone
+    assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
 
 
 def test_prefix_cache_hit_gives_same_output(params):

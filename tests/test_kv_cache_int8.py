@@ -152,7 +152,7 @@ def test_engine_on_an_int8_cache_batch_invariant_preempting_and_poisoned(params)
     kw = dict(max_model_len=128, page_size=8, max_num_seqs=8, max_num_batched_tokens=32)
     alone = [_run(Engine(CFG, params, num_kv_pages=32, **kw), [p], [sp])[0] for p, sp in zip(prompts, sps)]
     assert len({tuple(o) for o in alone}) > 8
-    e = Engine(CFG, params, num_kv_pages=14, poison_freed_pages=True, **kw)
+    e = Engine(CFG, params, num_kv_pages=14, poison_reused_pages=True, **kw)
     assert _run(e, prompts, sps) == alone
     assert e.stats()["num_preemptions"] > 0
     assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
