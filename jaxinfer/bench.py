@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -422,6 +423,8 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         report["decode"].append(row)
         print(f"{b:>6} {step * 1e3:>9.2f} {b / step:>9.1f} {achieved / 1e9:>8.1f} {achieved / ceiling:>6.0%}")
 
+    report["sampler"] = _sampler_times(cfg.vocab_size, args.batch_sizes, SamplingParams)
+
     again = measure_read_bandwidth()
     if max(again.values()) > ceiling:
         bw = {k: max(v, again[k]) for k, v in bw.items()}
@@ -439,6 +442,36 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     if args.json:
         print(json.dumps(report))
     return report
+
+
+SAMPLER_SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.8),
+    "top-k 50": dict(temperature=0.8, top_k=50),
+    "top-p 0.95": dict(temperature=0.8, top_p=0.95),
+}
+
+
+def _sampler_times(vocab: int, batch_sizes: list[int], SamplingParams) -> list[dict]:
+    """Time of the sampler alone on [batch, vocab] logits, per setting: part of every decode step
+    (the decode table above is greedy, which skips everything but an argmax)."""
+    from jaxinfer.sampling import SamplingBatch, sample
+
+    print("\nsampler: one call on [batch, vocab] logits (inside every decode step), ms")
+    print(f"{'batch':>6} " + " ".join(f"{name:>12}" for name in SAMPLER_SETTINGS))
+    rows = []
+    for b in batch_sizes:
+        logits = jnp.asarray(np.random.default_rng(b).standard_normal((b, vocab), np.float32) * 3)
+        row = {"batch": b}
+        for name, kw in SAMPLER_SETTINGS.items():
+            p = SamplingParams(seed=1, **kw)
+            sb = SamplingBatch.from_rows([(p, 1, i, [], 0) for i in range(b)], b)
+            sample(logits, sb).tokens.block_until_ready()  # compile
+            call = functools.partial(sample, logits, sb)
+            row[name] = min(_seconds(lambda call=call: call().tokens.block_until_ready()) for _ in range(5))
+        rows.append(row)
+        print(f"{b:>6} " + " ".join(f"{row[name] * 1e3:>12.2f}" for name in SAMPLER_SETTINGS))
+    return rows
 
 
 def _decode_once(llm, prompts, params) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,11 @@ def _is_number(x) -> bool:
 
 MAX_LOGPROBS = 20  # top-n logprobs per generated token, at most
 MAX_N = 64  # samples per prompt, at most
+# Stop conditions are checked on the host for every generated token, on the thread all requests
+# share: bounded, so one request cannot slow every other one down.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,8 +52,9 @@ class SamplingParams:
         repetition_penalty: > 1 discourages tokens seen in the prompt or output (positive logits are
             divided by it, negative ones multiplied), in (0, 2]; 1 is off.
         seed: makes sampling reproducible for this request, independent of its batch mates.
-        stop: strings that end generation when they appear in the text (not included in the text).
-        stop_token_ids: extra token ids that end generation (not included in the output).
+        stop: strings that end generation when they appear in the text (not included in the text);
+            at most 64, of at most 1024 characters each.
+        stop_token_ids: extra token ids that end generation (not included in the output); at most 256.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: also return the log-probabilities of the top-n tokens (0..20) at each step, and of
             the chosen token; None for none. Log-probabilities are those of the model's raw
@@ -72,7 +79,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, value, limit):
-            raise InvalidRequestError(f"SamplingParams.{field} {limit}, got {value!r}")
+            raise InvalidRequestError(f"SamplingParams.{field} {limit}, got {reprlib.repr(value)}")
 
         def number_in(field, lo, hi, *, lo_open=False):
             v = getattr(self, field)
@@ -100,9 +107,17 @@ class SamplingParams:
             bad("stop", self.stop, "must be a string or a list of strings")
         if any(x == "" for x in stop):
             bad("stop", self.stop, "must not contain an empty string")
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stop):
+            bad(
+                "stop",
+                self.stop,
+                f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters",
+            )
         object.__setattr__(self, "stop", tuple(stop))
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", self.stop_token_ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", self.ignore_eos, "must be a bool")
@@ -213,21 +228,86 @@ def apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return logits - sb.presence[:, None] * (out_counts > 0)
 
 
-def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
-    """One row: temperature, then top-k, top-p (on the top-k renormalised), min-p; then draw."""
-    v = logits.shape[-1]
-    x = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-x)  # descending
-    sx = x[order]
-    rank = jnp.arange(v)
-    keep = (top_k <= 0) | (rank < top_k)
-    probs = jax.nn.softmax(jnp.where(keep, sx, -jnp.inf))
-    exclusive_cum = jnp.cumsum(probs) - probs
-    keep &= exclusive_cum < top_p  # rank 0 always survives: its exclusive sum is 0 < top_p
-    keep &= probs >= min_p * probs[0]
-    key = jax.random.fold_in(jax.random.key(seed), step)
-    choice = jax.random.categorical(key, jnp.where(keep, sx, -jnp.inf))
-    return order[choice].astype(jnp.int32)
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys whose unsigned order is the float32 order of x (-inf lowest; -0.0 just below +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, reaches) -> jax.Array:
+    """Per row, the largest uint32 m with reaches(keys >= m) true, built bit by bit from the top.
+
+    `reaches([B, V] bool) -> [B] bool` must be monotone: true for the whole row (m = 0) and, once
+    false, false for every larger m. Thirty-two O(V) passes; no sort.
+    """
+
+    def bit(i, m):
+        candidate = m | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(reaches(keys >= candidate[:, None]), candidate, m)
+
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:1], jnp.uint32))
+
+
+def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """[B, V] bool: the tokens each row may draw after top-k, then top-p on the top-k renormalised
+    distribution, then min-p; x is [B, V] temperature-scaled logits.
+
+    The same sets as sorting each row and cutting at ranks (top-k: rank < k; top-p: the exclusive
+    cumulative probability < p; the most likely token always survives), found as per-row thresholds
+    on the value instead: a stage's threshold is the largest value whose "at least this value" set
+    still holds k tokens (top-k) or p of the mass (top-p). Where logits tie exactly at a cut, all the
+    tied tokens stay, where a sort would keep an arbitrary subset of them. Why: XLA's CPU sort of a
+    32k vocabulary costs ~10 ms per row, more than the decode step it follows; these are 32 linear
+    passes per stage, and a stage no row uses is skipped.
+    """
+    b, v = x.shape
+    keys = _order_keys(x)
+    keep = jnp.ones((b, v), jnp.bool_)
+
+    def top_k_cut():
+        k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v))
+        return keys >= _largest_threshold(keys, lambda at_least: at_least.sum(-1) >= k)[:, None]
+
+    keep = jax.lax.cond(jnp.any((top_k > 0) & (top_k < v)), top_k_cut, lambda: keep)
+    probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
+
+    def top_p_cut():
+        mass = lambda at_least: jnp.where(at_least, probs, 0.0).sum(-1) >= top_p  # noqa: E731
+        cut = keys >= _largest_threshold(keys, mass)[:, None]
+        return keep & (cut | (top_p >= 1.0)[:, None])  # p = 1 keeps all, whatever the rounding of the sums
+
+    keep = jax.lax.cond(jnp.any(top_p < 1.0), top_p_cut, lambda: keep)
+    return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
+
+
+def _last_true(mask: jax.Array) -> jax.Array:
+    """Index of the last true entry along the last axis (0 when none is)."""
+    return mask.shape[-1] - 1 - jnp.argmax(mask[..., ::-1], axis=-1)
+
+
+def _draw(x: jax.Array, keep: jax.Array, seed: jax.Array, step: jax.Array, *, block: int = 256) -> jax.Array:
+    """[B] token ids: row b drawn from softmax(x[b]) restricted to keep[b], by inverting its
+    cumulative distribution at one uniform number from fold_in(key(seed_b), step_b).
+
+    In two levels: the block of `block` tokens where the cumulative mass passes the target, then the
+    token inside it. A cumulative sum over the whole vocabulary would cost more than everything else
+    here on CPU (XLA's scan over 32k entries), and its float32 running total would blur the
+    smallest probabilities; the two short ones have neither problem.
+    """
+    b, v = x.shape
+    w = jnp.where(keep, jnp.exp(x - x.max(axis=-1, keepdims=True)), 0.0)
+    blocks = jnp.pad(w, ((0, 0), (0, -v % block))).reshape(b, -1, block)  # [B, NB, block]
+    block_cdf = jnp.cumsum(blocks.sum(-1), axis=-1)  # [B, NB]
+    u = jax.vmap(lambda s, n: jax.random.uniform(jax.random.fold_in(jax.random.key(s), n)))(seed, step)
+    target = u * block_cdf[:, -1]
+    # The first block whose cumulative mass passes the target (a block without mass never does);
+    # u * total can round up to the total, hence the clamp to the last block with mass.
+    blk = jnp.minimum((block_cdf <= target[:, None]).sum(-1), _last_true(blocks.sum(-1) > 0))
+    before = jnp.where(blk > 0, jnp.take_along_axis(block_cdf, jnp.maximum(blk - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]  # [B, block]
+    idx = (jnp.cumsum(inner, axis=-1) <= (target - before)[:, None]).sum(-1)
+    idx = jnp.minimum(idx, _last_true(inner > 0))  # the two levels' sums may round differently
+    return (blk * block + idx).astype(jnp.int32)
 
 
 @jax.jit
@@ -239,7 +319,7 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
         params: SamplingBatch with [B] fields.
 
     Returns:
-        SampleOutput. Each optional stage (penalties, the sort-based stochastic path, log-probability
+        SampleOutput. Each optional stage (penalties, the stochastic path, log-probability
         top-n) sits behind a `lax.cond` on whether any row needs it, so an all-greedy batch pays for
         an argmax only.
     """
@@ -251,10 +331,9 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     def stochastic():
-        drawn = jax.vmap(_sample_row)(
-            processed, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step
-        )
-        return jnp.where(params.temperature == 0, greedy, drawn)
+        x = processed / jnp.maximum(params.temperature, 1e-6)[:, None]
+        keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
+        return jnp.where(params.temperature == 0, greedy, _draw(x, keep, params.seed, params.step))
 
     tokens = jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
     k = min(MAX_LOGPROBS, logits.shape[-1])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
+from jaxinfer.sampling import SamplingBatch, SamplingParams, keep_mask, sample
 
 V = 40
 LOGITS = np.random.RandomState(0).randn(V).astype(np.float32) * 2
@@ -21,7 +21,8 @@ def allowed_set(logits, temperature, top_k, top_p, min_p):
     p = np.exp(x[order] - x[order].max()) * keep
     p /= p.sum()
     cum = np.cumsum(p) - p
-    keep &= cum < top_p
+    if top_p < 1:  # p = 1 cuts nothing (a rounded running sum can reach 1 before the last token)
+        keep &= cum < top_p
     keep &= p >= min_p * p[0]
     return set(order[keep].tolist()), dict(zip(order.tolist(), p / p[keep].sum() * keep))
 
@@ -68,6 +69,48 @@ def test_mixed_rows_and_seed_independent_of_batch_mates():
     assert mixed[0] == int(np.argmax(LOGITS))
     # A different step gives an independent draw (over many steps, not always the same token).
     assert len({int(draw([p], [s])[0]) for s in range(20)}) > 1
+
+
+def test_keep_mask_is_the_sorting_definition_on_a_large_vocabulary():
+    """The sort-free thresholds keep exactly the tokens a sort-and-cut keeps (NumPy, float64), per
+    row, for a 32k vocabulary and every mix of the three filters, rows differing within one batch."""
+    rng = np.random.RandomState(1)
+    v = 32000
+    combos = [(k, p, m) for k in (0, 1, 7, 50, 1000, v, v + 5) for p in (1.0, 0.95, 0.5, 0.01) for m in (0.0, 0.05)]
+    # Peaked and flat rows: the top-p cut lands at a handful of tokens in one, thousands in the other.
+    x = rng.randn(len(combos), v).astype(np.float32) * rng.choice([0.5, 4.0], size=(len(combos), 1)).astype(np.float32)
+    top_k, top_p, min_p = (np.array(c, dt) for c, dt in zip(zip(*combos), (np.int32, np.float32, np.float32)))
+    got = np.asarray(keep_mask(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p)))
+    for i, (k, p, m) in enumerate(combos):
+        ref, _ = allowed_set(x[i], 1.0, k, p, m)
+        kept = set(np.flatnonzero(got[i]).tolist())
+        assert kept == ref, (k, p, m, len(kept), len(ref))
+
+
+def test_keep_mask_keeps_every_token_tied_at_the_cut():
+    x = jnp.asarray([[3.0, 2.0, 2.0, 1.0, -1.0], [1.0, 1.0, 1.0, 1.0, 0.0]])
+    got = keep_mask(x, jnp.asarray([2, 1]), jnp.asarray([1.0, 1.0]), jnp.asarray([0.0, 0.0]))
+    assert np.asarray(got).tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+
+
+def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
+    """The two-level inverse-CDF draw over a vocabulary of many 256-token blocks: likely tokens in
+    different blocks (first, last, neighbours across a block edge) come out as often as they should."""
+    v = 1000
+    logits = np.full(v, -6.0, np.float32)
+    hot = {3: 1.0, 255: 0.5, 256: 0.8, 700: 0.2, 999: 1.2}
+    for t, val in hot.items():
+        logits[t] = val
+    n = 4000
+    p = SamplingParams(temperature=1.0, seed=11)
+    got = draw([p] * n, list(range(n)), logits=logits)
+    probs = np.exp(logits.astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    for tok in list(hot) + [0, 998]:
+        freq = np.mean(got == tok)
+        assert abs(freq - probs[tok]) < 4 * np.sqrt(probs[tok] * (1 - probs[tok]) / n) + 1e-3, tok
+    cold = np.mean(~np.isin(got, list(hot)))
+    assert abs(cold - probs[[t for t in range(v) if t not in hot]].sum()) < 0.02
 
 
 @pytest.mark.parametrize(
@@ -149,6 +192,9 @@ def test_logprobs_are_raw_log_softmax():
         (dict(presence_penalty=3.0), "presence_penalty"),
         (dict(frequency_penalty=-2.5), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(stop=["a"] * 65), "stop must hold at most 64"),
+        (dict(stop=["x" * 1025]), "stop must hold at most 64 strings of at most 1024 characters"),
+        (dict(stop_token_ids=[1] * 257), "stop_token_ids must hold at most 256"),
     ],
 )
 def test_bad_engine_sampling_values_name_the_field(kw, field):
