@@ -108,13 +108,18 @@ def _model_info(msg: pb.ModelInfo) -> dict:
     }
 
 
+# gRPC refuses messages over 4 MiB by default; a valid answer can be larger (n = 64 samples with 20
+# logprobs each is ~5 MB), and would otherwise fail only after all its compute was spent.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+
+
 class Client:
     """A blocking client. `target` is "host:port"; `timeout` (seconds) is each call's deadline."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -197,7 +202,7 @@ class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

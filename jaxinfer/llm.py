@@ -17,7 +17,7 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import make_mesh
-from jaxinfer.tokenizer import load_tokenizer, render_chat_template, require_unicode, validate_messages
+from jaxinfer.tokenizer import encode_prompt, load_tokenizer, render_chat_template, require_unicode, validate_messages
 
 
 @dataclasses.dataclass
@@ -225,7 +225,7 @@ class LLM:
         require_unicode(text, f"prompts[{index}]")
         if self.tokenizer is None:
             raise InvalidRequestError("this model directory has no tokenizer: pass prompt_token_ids instead")
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=f"prompts[{index}]")
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids):
         """Normalises and validates inputs; returns (texts, ids, params). Raises before any work starts."""
@@ -284,12 +284,20 @@ class LLM:
         before any work starts, so a bad one loses nothing.
         """
         texts, ids, params = self._prompts(prompts, sampling_params, prompt_token_ids)
-        requests = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
-        texts_so_far = {s.seq_id: [] for r in requests for s in r.seqs}
-        while not all(r.finished for r in requests):
-            for u in self.engine.step():
-                if u.seq.seq_id in texts_so_far:
-                    texts_so_far[u.seq.seq_id].append(u.text)
+        requests = []
+        try:
+            for p, sp in zip(ids, params):
+                requests.append(self.engine.add_request(p, sp))
+            texts_so_far = {s.seq_id: [] for r in requests for s in r.seqs}
+            while not all(r.finished for r in requests):
+                for u in self.engine.step():
+                    if u.seq.seq_id in texts_so_far:
+                        texts_so_far[u.seq.seq_id].append(u.text)
+        except BaseException:  # Ctrl-C or an error mid-way: leave nothing running for the next call
+            for r in requests:
+                self.engine.abort(r.request_id)
+                self.engine.release(r.request_id)
+            raise
         outs = []
         for r, t in zip(requests, texts):
             outs.append(self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}))
@@ -335,7 +343,8 @@ class LLM:
                 special_tokens=tok.special_tokens,
             )
             texts.append(text)
-            ids.append(tok.encode(text, add_special_tokens=False))
+            max_tokens = self.engine.max_model_len - 1
+            ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
         outs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
         for out, text in zip(outs, texts):
             out.prompt = text

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -47,6 +48,31 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    @property
+    def max_token_bytes(self) -> int:
+        """UTF-8 length of the longest token string: no token stands for more bytes of text."""
+        ...
+
+
+def encode_prompt(
+    tok: Tokenizer, text: str, *, max_tokens: int, field: str, add_special_tokens: bool = True
+) -> list[int]:
+    """`tok.encode(text, add_special_tokens=...)` for a prompt that may have at most `max_tokens` tokens.
+
+    A text that cannot fit under any tokenization (more UTF-8 bytes than max_tokens times the
+    longest token's) is refused before the tokenizer runs: encoding megabytes only to refuse the
+    result afterwards costs seconds, and on a server holds up every other request meanwhile.
+    """
+    limit = max_tokens * tok.max_token_bytes
+    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:  # chars <= bytes
+        size = len(text.encode("utf-8", "surrogatepass"))
+        raise InvalidRequestError(
+            f"{field}: {size} bytes of text cannot fit in {max_tokens} tokens (the prompt limit, "
+            f"max_model_len - 1; this tokenizer's longest token is {tok.max_token_bytes} "
+            f"byte{'' if tok.max_token_bytes == 1 else 's'})"
+        )
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def require_unicode(text: str, field: str) -> None:
@@ -192,6 +218,10 @@ class HFTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        return max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
@@ -283,6 +313,11 @@ class SentencePieceTokenizer:
         text = self._sp.decode([int(i) for i in ids])
         return text[1:] if self._prefix_space and text.startswith(" ") else text
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+        return max((len(p.encode("utf-8")) for p in (*pieces, *self._specials)), default=1)
+
 
 class ByteTokenizer:
     """UTF-8 bytes offset by 3 (0 pad, 1 BOS, 2 EOS): for the embedded tiny random model (`embedded:tiny-random`)."""
@@ -295,6 +330,7 @@ class ByteTokenizer:
         self.eos_ids = (2,)
         self.special_tokens = {}
         self.chat_template = None
+        self.max_token_bytes = 1
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]

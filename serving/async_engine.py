@@ -124,6 +124,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # owned by the event loop
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._peer_failed = False  # set on the engine thread when a collective failed
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._sent_logprobs: dict[int, int] = {}  # seq_id -> logprobs already delivered (engine thread)
 
@@ -203,12 +204,16 @@ class AsyncEngine:
             await asyncio.sleep(0.02)
         return True
 
-    def shutdown(self) -> None:
-        """Aborts whatever is left and stops the engine thread."""
+    async def shutdown(self) -> None:
+        """Aborts whatever is left (each stream ends with finish reason 'abort') and stops the engine
+        thread; the event loop keeps running meanwhile, delivering those last messages."""
         for stream in list(self._streams.values()):
             self.abort(stream)
         self._stop.set()
         self._commands.put(("wake",))
+        await asyncio.get_running_loop().run_in_executor(None, self._join)
+
+    def _join(self) -> None:
         # A broken multi-host job may have left the thread blocked in a collective that never returns.
         self._thread.join(timeout=30 if self.broken is None else 1)
         if self.broken is None and not self._thread.is_alive():
@@ -266,6 +271,7 @@ class AsyncEngine:
                 from jaxinfer.distributed import PeerFailureError
 
                 if isinstance(e, PeerFailureError):  # not a bug: the job is gone; nothing more can run
+                    self._peer_failed = True
                     log.error("%s", e)
                     self._loop.call_soon_threadsafe(self._break, e)
                 else:
@@ -273,6 +279,28 @@ class AsyncEngine:
                 batch += self._fail_all(e)
             if batch:
                 self._loop.call_soon_threadsafe(self._deliver, batch)
+        self._finish_on_stop()
+
+    def _finish_on_stop(self) -> None:
+        """After the loop: applies what is still queued (shutdown()'s aborts arrive while a step
+        runs) and aborts anything left, so every stream gets its end (finish reason 'abort') instead
+        of waiting until the gRPC server cancels it."""
+        if self.broken is not None or self._peer_failed:
+            return  # the job is gone: _fail_all has already ended every stream
+        batch: list[tuple[str, object]] = []
+        try:
+            while True:
+                try:
+                    self._apply(self._commands.get_nowait(), batch)
+                except queue.Empty:
+                    break
+            for rid in list(self.engine.requests):
+                self._collect(self.engine.abort(rid), batch)
+        except Exception as e:
+            log.exception("aborting the requests left at shutdown failed")
+            batch += self._fail_all(e)
+        if batch:
+            self._loop.call_soon_threadsafe(self._deliver, batch)
 
     def _apply(self, cmd: tuple, batch: list) -> None:
         engine = self.engine

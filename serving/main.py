@@ -116,25 +116,29 @@ def run(args) -> int:
         await server.wait_stopped()
         if server.engine is not None and server.engine.broken is not None:
             print(f"jaxinfer serve: stopped; the multi-host job was broken ({server.engine.broken})", flush=True)
-            return _exit_broken()
+            return _exit_now(1)
+        if server.still_loading:  # stopped before the model was ready: nothing was accepted
+            print("jaxinfer serve: stopped while loading the model", flush=True)
+            return _exit_now(0)
         print("jaxinfer serve: stopped", flush=True)
         return 0
 
     return asyncio.run(main())
 
 
-def _exit_broken() -> int:
-    """Exit 1 at once, skipping interpreter teardown and `jax.distributed`'s shutdown barrier.
+def _exit_now(code: int) -> int:
+    """Exit at once, skipping interpreter teardown and `jax.distributed`'s shutdown barrier.
 
-    Both would wait on the dead or hung peer: the barrier until the heartbeat timeout, the teardown
-    forever on an engine thread blocked inside a collective (and then abort). Nothing is left to
-    flush but the standard streams."""
+    For a thread that cannot be stopped: an engine thread blocked in a collective on a dead or hung
+    peer (the barrier would wait until the heartbeat timeout, the teardown forever and then abort),
+    or a model still loading inside JAX when the server was told to stop (the teardown aborts the
+    process under it). Nothing is left to flush but the standard streams."""
     import os
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
 
 
 def _follow(args) -> int:
@@ -153,6 +157,6 @@ def _follow(args) -> int:
         code = run_follower(llm.engine, StepChannel())
     except PeerFailureError as e:
         log.error("jaxinfer serve: follower %d: %s", jax.process_index(), e)
-        return _exit_broken()  # JAX's own shutdown would wait on (then abort over) the dead leader
+        return _exit_now(1)  # JAX's own shutdown would wait on (then abort over) the dead leader
     log.info("jaxinfer serve: follower %d: the leader stopped; exiting", jax.process_index())
     return code

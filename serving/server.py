@@ -31,11 +31,13 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import format_mesh
+from jaxinfer.tokenizer import encode_prompt
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from serving import wire
 from serving.async_engine import AsyncEngine, Delta, DrainingError, EngineFailedError, QueueFullError, RequestStream
 
 log = logging.getLogger("jaxinfer.serving")
+_DEADLINE_SLACK_S = 0.1
 
 SERVICE = "jaxinfer.v1.InferenceService"
 JETSTREAM_SERVICE = "jetstream_proto.Orchestrator"
@@ -87,6 +89,7 @@ class Server:
         self._metrics_http = None
         self._stopped = asyncio.Event()
         self._load_task: asyncio.Task | None = None
+        self._load_thread: threading.Thread | None = None
         self._rpc_ids = itertools.count(1)
         self.registry = CollectorRegistry()
         self._requests = Counter(
@@ -151,9 +154,12 @@ class Server:
             except BaseException as e:  # reported by the health check and the log
                 loop.call_soon_threadsafe(done.set_exception, e)
 
-        threading.Thread(target=load, name="jaxinfer-load", daemon=True).start()
+        self._load_thread = threading.Thread(target=load, name="jaxinfer-load", daemon=True)
+        self._load_thread.start()
         try:
             self.llm = await done
+        except asyncio.CancelledError:
+            return  # stop() during loading
         except BaseException as e:
             self.load_error = e
             log.error("loading the model failed: %s", e)
@@ -188,6 +194,8 @@ class Server:
             await self._stopped.wait()
             return True
         timeout = self.config.drain_timeout if drain_timeout is None else drain_timeout
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()  # the load thread itself cannot be interrupted: see still_loading
         self.state = "draining"
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -197,7 +205,7 @@ class Server:
             drained = await self.engine.wait_idle(timeout)
             if not drained:
                 log.warning("drain time (%.1f s) is up: aborting %d requests", timeout, self.engine.num_in_flight)
-            self.engine.shutdown()
+            await self.engine.shutdown()
             await self.engine.wait_idle(5.0)
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
@@ -210,6 +218,13 @@ class Server:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    @property
+    def still_loading(self) -> bool:
+        """True when the model is still loading or warming up on its thread (stopped meanwhile).
+        That thread is inside JAX and cannot be interrupted; a process must not run its normal
+        interpreter teardown under it (it aborts): `jaxinfer serve` exits at once instead."""
+        return self._load_thread is not None and self._load_thread.is_alive()
 
     # -- shared request path ------------------------------------------------------------------
 
@@ -227,7 +242,10 @@ class Server:
         tok = self.llm.tokenizer
         if tok is None:
             raise _invalid(f"{field}: this model has no tokenizer; send token ids instead")
-        return tok.encode(text)
+        try:
+            return encode_prompt(tok, text, max_tokens=self.llm.engine.max_model_len - 1, field=field)
+        except InvalidRequestError as e:
+            raise _invalid(str(e)) from None
 
     def _admit(self, prompt_ids, params: SamplingParams, field: str, info: dict, *, interval: int = 1) -> RequestStream:
         try:
@@ -279,11 +297,13 @@ class Server:
                 info["error"] = str(e)
                 return e.code
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                # The client gives up at its own deadline, which the server's (arrival + timeout)
+                # trails by the transport's latency: a cancel that close to it is the deadline.
                 remaining = ctx.time_remaining()
                 return (
                     grpc.StatusCode.DEADLINE_EXCEEDED
-                    if remaining is not None and remaining <= 0
-                    else (grpc.StatusCode.CANCELLED)
+                    if remaining is not None and remaining <= _DEADLINE_SLACK_S
+                    else grpc.StatusCode.CANCELLED
                 )
             info["error"] = f"{type(e).__name__}: {e}"
             return grpc.StatusCode.INTERNAL
@@ -501,6 +521,8 @@ class Server:
             ids = self._tokenize(request.text_content.text, "text_content.text")
         else:
             ids = list(request.token_content.token_ids)
+        if request.num_samples < 0:
+            raise _invalid(f"num_samples must be >= 0 (0 means 1), got {request.num_samples}")
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=max(1, request.num_samples))
         except InvalidRequestError as e:

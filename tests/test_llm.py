@@ -105,6 +105,35 @@ def test_bad_request_loses_nothing(llm):
     assert len(llm.generate(prompt_token_ids=[[1, 2]], sampling_params=GREEDY)[0].token_ids) == 8
 
 
+def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
+    """Ctrl-C (or any error) mid-generate aborts that call's requests: nothing keeps running, holding
+    pages, or joins the next call's batch."""
+    prompts = [[1, 40 + i] * 5 for i in range(6)]
+    expected = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    real_step, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == expected
+
+
+def test_a_huge_text_prompt_is_refused_before_tokenizing(llm):
+    # The size bound's message (after tokenizing, the engine would count tokens: "prompt has ...").
+    with pytest.raises(InvalidRequestError, match=r"prompts\[1\]: 4000000 bytes of text cannot fit in 63 tokens"):
+        llm.generate(["fine", "x" * 4_000_000], GREEDY)
+    assert llm.tokenizer.max_token_bytes == 1  # the byte tokenizer: one token per byte
+
+
 def test_a_flat_list_of_ids_is_one_prompt(llm):
     flat = llm.generate(prompt_token_ids=[1, 5, 6], sampling_params=GREEDY)
     nested = llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=GREEDY)
@@ -186,6 +215,8 @@ def test_bench_runs_and_reports(capsys):
     assert all(r["step_s"] > 0 and 0 < r["mbu"] for r in report["decode"])
     assert all(r["hf_tokens_per_s"] > 0 for r in report["hf"])
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
+    assert "sampler" in out and [r["batch"] for r in report["sampler"]] == [1, 2]
+    assert all(r[name] > 0 for r in report["sampler"] for name in bench.SAMPLER_SETTINGS)
 
 
 def test_cli_stream_n_and_capacity_flags(capsys):

@@ -258,7 +258,12 @@ BAD = [
     (dict(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
     (dict(token_ids=pb.TokenIds(ids=[5, 100000])), "token id 100000 is outside the vocabulary"),
     (dict(token_ids=pb.TokenIds(ids=[-1])), "token id -1 is outside the vocabulary"),
-    (dict(text="x" * 400), "limit is max_model_len - 1 = 127"),
+    (dict(token_ids=pb.TokenIds(ids=[5] * 400)), "limit is max_model_len - 1 = 127"),
+    (dict(text="x" * 400), "400 bytes of text cannot fit in 127 tokens"),
+    # Refused before tokenizing (megabytes of text held up the event loop for seconds).
+    (dict(text="x" * 3_000_000), "3000000 bytes of text cannot fit in 127 tokens"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(stop=["a"] * 65)), "SamplingParams.stop must hold at most 64"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(stop_token_ids=[7] * 257)), "at most 256 ids"),
     (dict(text="hi", sampling_params=pb.SamplingParams(temperature=-1)), "SamplingParams.temperature"),
     (dict(text="hi", sampling_params=pb.SamplingParams(top_p=0)), "SamplingParams.top_p must be in (0, 1]"),
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=0)), "SamplingParams.max_tokens"),
@@ -395,6 +400,10 @@ def test_jetstream_decode(server, llm):
             js.DecodeRequest(max_tokens=4, text_content=js.DecodeRequest.TextContent(text="x"), num_samples=99),
             "num_samples",
         ),
+        (
+            js.DecodeRequest(max_tokens=4, text_content=js.DecodeRequest.TextContent(text="x"), num_samples=-5),
+            "num_samples must be >= 0",
+        ),
     ):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Decode(bad, timeout=10))
@@ -459,6 +468,21 @@ def test_serve_cli_metrics_and_sigterm_drain():
         assert [r["code"] for r in reqs] == (["UNAVAILABLE"] if early == "NOT_SERVING" else []) + ["OK", "OK"]
         assert reqs[-1]["completion_tokens"] == 40
         assert all(r["id"] for r in reqs)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_while_loading_exits_cleanly():
+    """Stopped before the model is ready: exit 0 at once (the load thread, inside JAX, used to make
+    the interpreter's teardown abort the process)."""
+    proc = _serve("--max-model-len", "64", "--max-num-seqs", "2", "--num-kv-pages", "16")
+    try:
+        assert "loading the model" in proc.stdout.readline()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "stopped while loading the model" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -540,6 +564,27 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
             assert stopping.result(30) is True  # drained in time
     finally:
         gate.set()
+        s.loop.call_soon_threadsafe(s.loop.stop)
+
+
+def test_drain_timeout_ends_what_is_left_with_abort():
+    """Requests still running when the drain time is up end with finish reason 'abort' (a message
+    the client can read), at once: not cut off by the transport seconds later."""
+    llm = LLM(**ENGINE)
+    s = ServerThread(llm)
+    step = llm.engine.step
+    llm.engine.step = lambda: (time.sleep(0.05), step())[1]  # 100 tokens take ~5 s
+    try:
+        with Client(s.address) as c:
+            stream = c.stream("left over", _long(100))
+            got = [next(stream)]
+            t0 = time.monotonic()
+            assert s.run(s.server.stop(drain_timeout=0.3)) is False  # not drained in time
+            got += list(stream)
+            assert time.monotonic() - t0 < 3
+            assert got[-1].finish_reason == "abort" and 0 < sum(len(d.token_ids) for d in got) < 100
+        assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    finally:
         s.loop.call_soon_threadsafe(s.loop.stop)
 
 

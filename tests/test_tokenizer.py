@@ -157,6 +157,16 @@ def _assert_same_ids(path, strings=STRINGS):
     return ours, theirs
 
 
+def _assert_size_bound_holds(tok):
+    """No text is more UTF-8 bytes than its token count times `max_token_bytes`: the bound on which
+    `encode_prompt` refuses over-long texts without tokenizing them must never refuse one that fits."""
+    rng = random.Random(0)
+    alphabet = "ab cd\n\té😀日本<s>" + "".join(map(chr, range(0x20, 0x7F)))
+    texts = STRINGS + ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 300))) for _ in range(50)]
+    for text in texts:
+        assert len(text.encode("utf-8")) <= len(tok.encode(text, add_special_tokens=False)) * tok.max_token_bytes, text
+
+
 # ----------------------------------------------------------------------------------------------
 # tokenizer.json
 
@@ -189,6 +199,7 @@ def test_tokenizer_json_ids_match_transformers(tmp_path, saved, config, bos, eos
     assert (ours.encode("hello")[-1] == 2) == eos
     for text in STRINGS[:12]:
         assert ours.decode(ours.encode(text)) == text
+    _assert_size_bound_holds(ours)
 
 
 def test_special_tokens_map_supplies_token_strings(tmp_path):
@@ -232,6 +243,7 @@ def test_sentencepiece_ids_match_transformers(tmp_path, dummy_prefix, normalizat
     assert ours.eos_ids == (2,)
     for text in ["hello world", "naïve 😀 café", "new\nline"]:
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"], skip_special_tokens=True)
+    _assert_size_bound_holds(ours)
 
 
 # ----------------------------------------------------------------------------------------------
