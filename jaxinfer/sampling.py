@@ -323,19 +323,23 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
         top-n) sits behind a `lax.cond` on whether any row needs it, so an all-greedy batch pays for
         an argmax only.
     """
-    processed = jax.lax.cond(
+
+    def pick(processed):  # [B] tokens from the (penalised) logits
+        greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+
+        def stochastic():
+            x = processed / jnp.maximum(params.temperature, 1e-6)[:, None]
+            keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
+            return jnp.where(params.temperature == 0, greedy, _draw(x, keep, params.seed, params.step))
+
+        return jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
+
+    # Both branches end in [B] tokens: a branch returning the [B, V] logits themselves would copy them.
+    tokens = jax.lax.cond(
         jnp.any((params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)),
-        lambda: apply_penalties(logits, params),
-        lambda: logits,
+        lambda: pick(apply_penalties(logits, params)),
+        lambda: pick(logits),
     )
-    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-
-    def stochastic():
-        x = processed / jnp.maximum(params.temperature, 1e-6)[:, None]
-        keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
-        return jnp.where(params.temperature == 0, greedy, _draw(x, keep, params.seed, params.step))
-
-    tokens = jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
     k = min(MAX_LOGPROBS, logits.shape[-1])
 
     def logprobs():
