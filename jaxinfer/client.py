@@ -143,7 +143,7 @@ class Client:
     ) -> RequestOutput:
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
         try:
-            resp = self._stub.Generate(req, timeout=timeout or self.timeout)
+            resp = self._stub.Generate(req, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
         return _output(prompt, sampling_params is not None and sampling_params.logprobs is not None, resp)
@@ -158,7 +158,7 @@ class Client:
         timeout: float | None = None,
     ) -> Iterator[StreamDelta]:
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
-        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout)
+        call = self._stub.GenerateStream(req, timeout=self.timeout if timeout is None else timeout)
         try:
             for msg in call:
                 yield _delta(msg)
@@ -180,11 +180,12 @@ class Client:
             raise _server_error(e) from None
 
     def health(self, service: str = "") -> str:
-        """The standard health check's answer: "SERVING", "NOT_SERVING", or "UNREACHABLE"."""
+        """The standard health check's answer: "SERVING", "NOT_SERVING", "NOT_FOUND" (a service the
+        server does not know), or "UNREACHABLE"."""
         try:
             resp = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        except grpc.RpcError:
-            return "UNREACHABLE"
+        except grpc.RpcError as e:
+            return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
@@ -226,7 +227,7 @@ class AsyncClient:
     ) -> RequestOutput:
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
         try:
-            resp = await self._stub.Generate(req, timeout=timeout or self.timeout)
+            resp = await self._stub.Generate(req, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
         return _output(prompt, sampling_params is not None and sampling_params.logprobs is not None, resp)
@@ -241,7 +242,7 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AsyncIterator[StreamDelta]:
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
-        call = self._stub.GenerateStream(req, timeout=timeout or self.timeout)
+        call = self._stub.GenerateStream(req, timeout=self.timeout if timeout is None else timeout)
         try:
             async for msg in call:
                 yield _delta(msg)
@@ -266,8 +267,8 @@ class AsyncClient:
     async def health(self, service: str = "") -> str:
         try:
             resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        except grpc.RpcError:
-            return "UNREACHABLE"
+        except grpc.RpcError as e:
+            return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     async def wait_ready(self, timeout: float = 600.0) -> None:

@@ -104,8 +104,9 @@ def run(args) -> int:
         metrics = f", metrics on {args.host}:{server.metrics_port}" if server.metrics_port else ""
         print(f"jaxinfer serve: listening on {args.host}:{port}{metrics}; loading the model", flush=True)
         loop = asyncio.get_running_loop()
+        stopping = set()  # the event loop holds tasks weakly: keep the drain alive until it is done
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
+            loop.add_signal_handler(sig, lambda: stopping.add(loop.create_task(server.stop())))
         await server.ready.wait()
         if server.state == "failed":
             print(f"error: {server.load_error}", file=sys.stderr)

@@ -113,6 +113,8 @@ def test_health_reflection_and_model_info(server):
     with pytest.raises(grpc.RpcError) as e:
         stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with Client(server.address) as c:
+        assert c.health() == "SERVING" and c.health("no.such.Service") == "NOT_FOUND"
 
     # A reflection client (the one grpcurl-like tools build on) sees every service and its methods.
     db = ProtoReflectionDescriptorDatabase(channel)
