@@ -518,10 +518,13 @@ class Engine:
         return SeqUpdate(seq, [token], text, None)
 
     def _finish(self, seq: Sequence, new_tokens: list[int], reason: str) -> SeqUpdate:
+        text = self._final_text(seq)
+        if reason == "length" and seq.detok is not None and seq.detok.stopped:
+            reason = "stop"  # the final flush completed a stop string (its last character was half-made)
         self.scheduler.finish(seq, reason)
         self.metrics.finished.labels(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
-        return SeqUpdate(seq, new_tokens, self._final_text(seq), reason)
+        return SeqUpdate(seq, new_tokens, text, reason)
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.detok is None:

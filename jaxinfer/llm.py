@@ -210,6 +210,10 @@ class LLM:
             mesh=device_mesh,
             channel=_leader_channel(),
         )
+        # Updates of the requests this LLM started, by request id. Whichever call steps the engine
+        # (a generate(), or any of several open streams) files every request's updates here, so
+        # interleaved streams, or a generate() while a stream is open, lose nothing.
+        self._updates: dict[str, list] = {}
         if warmup:
             self.engine.warmup()
 
@@ -287,22 +291,19 @@ class LLM:
         requests = []
         try:
             for p, sp in zip(ids, params):
-                requests.append(self.engine.add_request(p, sp))
-            texts_so_far = {s.seq_id: [] for r in requests for s in r.seqs}
+                requests.append(self._start(p, sp))
             while not all(r.finished for r in requests):
-                for u in self.engine.step():
-                    if u.seq.seq_id in texts_so_far:
-                        texts_so_far[u.seq.seq_id].append(u.text)
-        except BaseException:  # Ctrl-C or an error mid-way: leave nothing running for the next call
+                self._step()
+            texts_so_far = {s.seq_id: [] for r in requests for s in r.seqs}
             for r in requests:
-                self.engine.abort(r.request_id)
-                self.engine.release(r.request_id)
-            raise
-        outs = []
-        for r, t in zip(requests, texts):
-            outs.append(self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}))
-            self.engine.release(r.request_id)
-        return outs
+                for u in self._updates[r.request_id]:
+                    texts_so_far[u.seq.seq_id].append(u.text)
+            return [
+                self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}) for r, t in zip(requests, texts)
+            ]
+        finally:  # also on Ctrl-C or an error mid-way: leave nothing running for the next call
+            for r in requests:
+                self._end(r)
 
     def chat(
         self,
@@ -368,18 +369,39 @@ class LLM:
             sampling_params,
             None if prompt_token_ids is None else [prompt_token_ids],
         )
-        req = self.engine.add_request(ids[0], params[0])
+        req = self._start(ids[0], params[0])
+        mine = self._updates[req.request_id]
         try:
-            while not req.finished:
-                for u in self.engine.step():
-                    if u.seq.request_id == req.request_id and (u.token_ids or u.text or u.finish_reason):
+            while True:
+                while mine:
+                    u = mine.pop(0)
+                    if u.token_ids or u.text or u.finish_reason:
                         yield StreamDelta(
                             token_ids=u.token_ids, text=u.text, finish_reason=u.finish_reason, index=u.seq.index
                         )
+                if req.finished:
+                    return
+                self._step()
         finally:
-            if not req.finished:
-                self.engine.abort(req.request_id)
-            self.engine.release(req.request_id)
+            self._end(req)
+
+    def _start(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        req = self.engine.add_request(prompt_ids, params)
+        self._updates[req.request_id] = []
+        return req
+
+    def _step(self) -> None:
+        """One engine step; each update is filed under its request, whichever call asked for the step."""
+        for u in self.engine.step():
+            if (mine := self._updates.get(u.seq.request_id)) is not None:
+                mine.append(u)
+
+    def _end(self, req: Request) -> None:
+        """Aborts the request if it is still running and forgets it and its updates."""
+        if not req.finished:
+            self.engine.abort(req.request_id)
+        self.engine.release(req.request_id)
+        self._updates.pop(req.request_id, None)
 
     def stats(self) -> dict:
         """Engine gauges, counters and latency histograms (see `Engine.stats`)."""

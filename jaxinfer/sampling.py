@@ -114,7 +114,8 @@ class SamplingParams:
                 f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters",
             )
         object.__setattr__(self, "stop", tuple(stop))
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", self.stop_token_ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")

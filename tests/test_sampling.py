@@ -126,6 +126,7 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
         (dict(min_p=1.5), "min_p"),
         (dict(seed=-1), "seed"),
         (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
     ],
 )
 def test_bad_values_name_the_field(kw, field):

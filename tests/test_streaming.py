@@ -73,6 +73,35 @@ def test_stream_matches_generate(llm):
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
 
 
+def test_interleaved_streams_and_a_generate_meanwhile_lose_nothing(llm):
+    """Every engine step advances every open request: whichever call steps it must hand the others
+    their updates (they were dropped: streams missed tokens and their finish_reason)."""
+    sps = {
+        "In the beginning": SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        "And God said": SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    }
+    ref = {p: llm.generate([p], sp)[0] for p, sp in sps.items()}
+    streams = {p: llm.stream(p, sp) for p, sp in sps.items()}
+    got = {p: [] for p in sps}
+    while streams:  # consumed alternately, in one thread
+        for p in list(streams):
+            if (d := next(streams[p], None)) is None:
+                del streams[p]
+            else:
+                got[p].append(d)
+    opened = llm.stream("In the beginning", sps["In the beginning"])
+    first = next(opened)
+    other = llm.generate(["And God said"], sps["And God said"])[0]  # runs the open stream's request too
+    got["meanwhile"] = [first, *opened]
+    for p, deltas in got.items():
+        want = ref["In the beginning" if p == "meanwhile" else p]
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids, p
+        assert "".join(d.text for d in deltas) == want.text, p
+        assert deltas[-1].finish_reason == "length", p
+    assert other.token_ids == ref["And God said"].token_ids
+    assert not llm.engine.requests and not llm._updates
+
+
 def test_stop_strings_end_generation_through_the_api(llm):
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     free = llm.generate(["The"], sp)[0]
