@@ -72,6 +72,17 @@ class SlidingWindow:
 
 AttentionKind = GlobalAttention | SlidingWindow
 
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_positive(field: str, value, limit: str = "must be a positive number") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UnsupportedModelError(f"config field {field!r} {limit}, got {value!r}")
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -87,7 +98,7 @@ class ModelConfig:
     """
 
     name: str = "model"
-    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gemma | gemma2 | gemma3
+    family: str = "llama"  # one of FAMILIES
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F
@@ -152,10 +163,52 @@ class ModelConfig:
             raise UnsupportedModelError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise UnsupportedModelError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
+        if self.family not in FAMILIES:
+            raise UnsupportedModelError(f"config field 'family' must be one of {FAMILIES}, got {self.family!r}")
+        if self.head_dim % 2:
+            raise UnsupportedModelError(
+                f"config field 'head_dim' must be even (RoPE rotates pairs), got {self.head_dim}"
+            )
+        for field in ("rms_norm_eps", "rope_theta"):
+            _check_positive(field, getattr(self, field))
         for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
-            value = getattr(self, field)
-            if value is not None and not value > 0:
-                raise UnsupportedModelError(f"config field {field!r} must be positive or unset, got {value!r}")
+            if getattr(self, field) is not None:
+                _check_positive(field, getattr(self, field), "must be a positive number or unset")
+        for field in (
+            "tie_word_embeddings",
+            "qkv_bias",
+            "o_bias",
+            "qk_norm",
+            "embed_scale",
+            "norm_unit_offset",
+            "post_norms",
+        ):
+            if not isinstance(getattr(self, field), bool):
+                raise UnsupportedModelError(
+                    f"config field {field!r} must be true or false, got {getattr(self, field)!r}"
+                )
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, (LinearRopeScaling, Llama3RopeScaling, YarnRopeScaling)):
+                raise UnsupportedModelError(
+                    f"config field 'rope_scaling' is not a known scaling: {self.rope_scaling!r}"
+                )
+            for f in dataclasses.fields(self.rope_scaling):
+                value = getattr(self.rope_scaling, f.name)
+                if f.name != "truncate":
+                    _check_positive(f"rope_scaling.{f.name}", value)
+        for i, kind in enumerate(self.layer_attention):
+            window = getattr(kind, "window", None)
+            if not (isinstance(kind, GlobalAttention) or (_is_int(window) and window > 0)):
+                raise UnsupportedModelError(
+                    f"layer_attention[{i}] must be global or a sliding window of a positive integer size, got {kind!r}"
+                )
+        ids = (self.bos_token_id,) if self.bos_token_id is not None else ()
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in (*ids, *self.eos_token_ids)
+        ):
+            raise UnsupportedModelError(
+                f"bos/eos token ids must be non-negative integers, got {self.bos_token_id!r} / {self.eos_token_ids!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
@@ -426,13 +479,60 @@ def _text_decoder_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelC
     return from_hf_config(text, dtype=dtype, name=name)
 
 
+_REQUIRED = object()
+
+
+def _int_field(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
+    """hf[key] as an int (a null or missing value takes `default`); a clear error otherwise."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise UnsupportedModelError(f"config.json is missing required field {key!r}")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise UnsupportedModelError(f"config.json field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float_field(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedModelError(f"config.json field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool_field(hf: dict[str, Any], key: str, default: bool) -> bool:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # "false" would be truthy
+        raise UnsupportedModelError(f"config.json field {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "model") -> ModelConfig:
     """Converts a Hugging Face `config.json` dict into a `ModelConfig`.
 
     Raises:
-        UnsupportedModelError: naming the architecture or option that is not supported.
+        UnsupportedModelError: naming the architecture or option that is not supported, or the field
+            whose value has the wrong type or range.
     """
+    try:
+        return _from_hf_config(hf, dtype=dtype, name=name)
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:
+        # The fields read above check their own types; this catches the rest (a string where a
+        # nested object belongs, ...) so a malformed file is a one-line error, never a traceback.
+        raise UnsupportedModelError(f"config.json has a malformed value: {type(e).__name__}: {e}") from None
+
+
+def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig:
     archs = hf.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     model_type = hf.get("model_type")
     if "text_config" in hf:
         return _text_decoder_config(hf, dtype=dtype, name=name)
@@ -453,27 +553,26 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
         family = "gemma3" if model_type == "gemma3_text" else model_type
 
     activation = _activation(hf, family)
-    if hf.get("mlp_bias", False):
+    if _bool_field(hf, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=true is not supported")
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    if _float_field(hf, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
 
-    try:
-        hidden = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        num_layers = int(hf["num_hidden_layers"])
-        vocab = int(hf["vocab_size"])
-        inter = int(hf["intermediate_size"])
-    except KeyError as e:
-        raise UnsupportedModelError(f"config.json is missing required field {e.args[0]!r}") from None
-    num_kv = int(hf.get("num_key_value_heads") or num_heads)
-    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    hidden = _int_field(hf, "hidden_size")
+    num_heads = _int_field(hf, "num_attention_heads")
+    num_layers = _int_field(hf, "num_hidden_layers")
+    vocab = _int_field(hf, "vocab_size")
+    inter = _int_field(hf, "intermediate_size")
+    if num_heads <= 0:
+        raise UnsupportedModelError(f"config.json field 'num_attention_heads' must be positive, got {num_heads}")
+    num_kv = _int_field(hf, "num_key_value_heads", num_heads)
+    head_dim = _int_field(hf, "head_dim", hidden // num_heads)
     theta, scaling = _rope(hf)
 
     eos = hf.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias = _bool_field(hf, "attention_bias", False)
     qkv_bias = family == "qwen2" or attention_bias
     fields = dict(
         name=name,
@@ -485,11 +584,11 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_float_field(hf, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in _GEMMA)),
+        max_position_embeddings=_int_field(hf, "max_position_embeddings", 2048),
+        tie_word_embeddings=_bool_field(hf, "tie_word_embeddings", family in _GEMMA),
         qkv_bias=qkv_bias,
         o_bias=attention_bias,
         qk_norm=family == "qwen3",
@@ -508,9 +607,9 @@ def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
     if not os.path.isfile(path):
         raise CheckpointError(f"model directory {model_dir!r} has no config.json")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             hf = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(hf, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object")
@@ -525,7 +624,7 @@ def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
             extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
             cfg = dataclasses.replace(cfg, eos_token_ids=merged)
-        except (json.JSONDecodeError, TypeError, ValueError):
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError, AttributeError, UnsupportedModelError):
             pass  # generation_config is advisory; a broken one must not block loading
     return cfg
 

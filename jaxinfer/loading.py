@@ -12,6 +12,7 @@ gives us bfloat16 through ml_dtypes and precise errors for truncated files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -45,6 +46,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: not a file")
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
@@ -57,28 +60,52 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
         self.header = header
         self._data_start = 8 + n
         self._data_len = size - 8 - n
+        self._check_entries()
         self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+
+    def _check_entries(self) -> None:
+        """Every tensor's entry is well formed, lies inside the data section, matches its shape and
+        dtype, and overlaps no other tensor: a bad entry must not read the header or a neighbour as
+        weights."""
+        spans = []
+        for name, info in self.header.items():
+            bad = f"{self.path}: tensor {name!r} has a corrupt header entry"
+            if not isinstance(info, dict):
+                raise CheckpointError(f"{bad} ({info!r})")
+            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if dtype not in _ST_DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+                raise CheckpointError(f"{bad} (shape {shape!r})")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+                raise CheckpointError(f"{bad} (data_offsets {offsets!r})")
+            begin, end = offsets
+            expected = math.prod(shape) * np.dtype(_ST_DTYPES[dtype]).itemsize
+            if not 0 <= begin <= end <= self._data_len or end - begin != expected:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} is truncated or corrupt "
+                    f"(needs bytes {begin}..{end} for {expected} bytes, data section has {self._data_len})"
+                )
+            spans.append((begin, end, name))
+        spans.sort()
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < end:
+                raise CheckpointError(f"{self.path}: tensors {a!r} and {b!r} overlap")
 
     def keys(self) -> list[str]:
         return list(self.header)
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        info = self.header[name]  # checked at open
+        dtype = _ST_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         shape = tuple(info["shape"])
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if end > self._data_len or end - begin != expected:
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} is truncated or corrupt "
-                f"(needs bytes {begin}..{end}, data section has {self._data_len})"
-            )
         raw = self._mmap[self._data_start + begin : self._data_start + end]
         return raw.view(dtype).reshape(shape)
 
@@ -88,11 +115,15 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to file names)")
         for fname in set(weight_map.values()):
+            if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
+                raise CheckpointError(f"{index}: file name {fname!r} points outside the model directory")
             if not os.path.isfile(os.path.join(model_dir, fname)):
                 raise CheckpointError(f"{index} points at missing file {fname!r}")
         return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}

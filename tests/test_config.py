@@ -89,6 +89,19 @@ def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
     assert s.attention_factor == pytest.approx((0.05 * math.log(8) + 1) / (0.1 * math.log(8) + 1))
 
 
+def test_a_mistral_window_must_be_positive():
+    hf = _hf_config("mistral-swa").to_dict()
+    hf["sliding_window"] = -4
+    with pytest.raises(UnsupportedModelError, match=r"layer_attention\[0\] must be global or a sliding window"):
+        from_hf_config(hf)
+
+
+def test_architectures_as_a_bare_string_is_read_as_a_list():
+    hf = _hf_config("llama2").to_dict()
+    hf["architectures"] = "LlamaForCausalLM"
+    assert from_hf_config(hf).family == "llama"
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -100,6 +113,21 @@ def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
         (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "original_max_position_embeddings"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(num_key_value_heads=3), "multiple"),
+        # Values that loaded and then gave garbage (all-zero tokens) or ignored a weight:
+        (dict(rope_theta=0, rope_parameters=None), "'rope_theta' must be a positive number, got 0"),
+        (dict(rope_parameters=dict(rope_type="default", rope_theta=-5.0)), "'rope_theta' must be a positive"),
+        (dict(rms_norm_eps=-1.0), "'rms_norm_eps' must be a positive number"),
+        (dict(rope_parameters=dict(rope_type="linear", factor=0.0, rope_theta=1e4)), "'rope_scaling.factor'"),
+        (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false, got 'false'"),
+        (dict(attention_bias="no"), "'attention_bias' must be true or false"),
+        # Wrong types or ranges: a one-line error naming the field, not a traceback.
+        (dict(hidden_size="abc"), "'hidden_size' must be an integer, got 'abc'"),
+        (dict(hidden_size=None), "missing required field 'hidden_size'"),
+        (dict(num_attention_heads=0, head_dim=None), "'num_attention_heads' must be positive"),
+        (dict(head_dim=15), "'head_dim' must be even"),
+        (dict(eos_token_id="abc"), "eos token ids must be non-negative integers"),
+        (dict(rope_parameters="default"), "malformed value"),
+        (dict(rope_scaling="linear", rope_parameters=None), "malformed value"),
     ],
 )
 def test_unsupported_is_refused_by_name(change, message):

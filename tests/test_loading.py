@@ -77,6 +77,82 @@ def test_truncated_file_is_named(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+def _edit_header(path, edit):
+    """Rewrites a safetensors file's JSON header in place (data untouched), as a broken writer would."""
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    new = json.dumps(edit(header)).encode()
+    new += b" " * (n - len(new)) if len(new) < n else b""
+    f.write_bytes(len(new).to_bytes(8, "little") + new + data[8 + n :])
+
+
+def _first(header):
+    return next(k for k in header if k != "__metadata__")
+
+
+def _set(key, value):
+    def edit(h):
+        h[_first(h)][key] = value
+        return h
+
+    return edit
+
+
+def _negative_start(h):
+    begin, end = h[_first(h)]["data_offsets"]
+    h[_first(h)]["data_offsets"] = [-16, end - begin - 16]  # the right length, starting in the header
+    return h
+
+
+def _overlap(h):
+    names = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+    a, b = h[names[0]], h[names[1]]
+    size = b["data_offsets"][1] - b["data_offsets"][0]
+    if a["data_offsets"][1] - a["data_offsets"][0] >= size:  # point b into a's bytes (same size)
+        b["data_offsets"] = [a["data_offsets"][0], a["data_offsets"][0] + size]
+        return h
+    a["data_offsets"] = [b["data_offsets"][0], b["data_offsets"][0] + a["data_offsets"][1] - a["data_offsets"][0]]
+    return h
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: [1, 2, 3], "not a JSON object"),
+        (lambda h: {**h, _first(h): "x"}, "corrupt header entry"),
+        (_set("dtype", None), "unsupported dtype None"),
+        (_set("dtype", "F8_E4M3"), "unsupported dtype 'F8_E4M3'"),
+        (_set("data_offsets", None), "data_offsets None"),
+        (_set("shape", [-4, -16]), "shape"),
+        # Silently read the header (a negative start) or a neighbour's bytes (overlap) as weights:
+        (_negative_start, "truncated or corrupt"),
+        (_overlap, "overlap"),
+    ],
+)
+def test_corrupt_safetensors_headers_are_named(ckpt, tmp_path, edit, message):
+    d = _copy(ckpt, tmp_path)
+    _edit_header(d, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_checkpoint(str(d))
+
+
+@pytest.mark.parametrize(
+    "weight_map, message",
+    [
+        (["a"], "weight_map must map"),
+        ({"x": None}, "weight_map must map"),
+        ({"x": "../elsewhere.safetensors"}, "outside"),
+    ],
+)
+def test_malformed_index_is_named(ckpt, tmp_path, weight_map, message):
+    d = _copy(ckpt, tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_checkpoint(str(d))
+
+
 def test_index_pointing_at_missing_file(tmp_path):
     save_hf_model(make_hf_model("llama2"), tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
