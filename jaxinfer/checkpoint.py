@@ -107,7 +107,7 @@ def config_from_dict(d: dict, *, source: str = "config") -> ModelConfig:
     values = {k: _decode(v, f"{source}: {k}") for k, v in d.items()}
     try:
         return ModelConfig(**values)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
     except JaxinferError as e:
         raise CheckpointError(f"{source}: {e}") from None
@@ -186,17 +186,17 @@ def load_config(ckpt_dir: str, *, dtype: str | None = None) -> ModelConfig:
         raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist")
     marker = os.path.join(ckpt_dir, MARKER)
     try:
-        with open(marker) as f:
+        with open(marker, encoding="utf-8") as f:
             info = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt_dir!r} is not a jaxinfer checkpoint (no {MARKER})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{marker} is corrupt: {e}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
         raise CheckpointError(f"{marker}: expected format {FORMAT!r} version {VERSION}, got {info!r}")
     path = os.path.join(ckpt_dir, "config.json")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt_dir!r} has no config.json") from None

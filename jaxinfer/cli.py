@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -244,6 +245,8 @@ def _bench_load(argv: list[str]) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     try:
         result = checkpoint.bench_load(args.hf_dir, dtype=args.dtype, repeats=args.repeats, orbax_dir=args.orbax_dir)
     except JaxinferError as e:
@@ -302,6 +305,24 @@ def main(argv: list[str] | None = None) -> int:
     from jaxinfer.errors import JaxinferError
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except JaxinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:  # a file or directory the command could not read or write: named by the OS
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug: still one line, the traceback on request
+        if os.environ.get("JAXINFER_TRACEBACK"):
+            raise
+        print(f"error: unexpected {type(e).__name__}: {e} (JAXINFER_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     if argv[:2] == ["bench", "kernels"]:  # its own flags: see pallas_kernels/bench.py
         from pallas_kernels import bench as kernel_bench
 
@@ -311,25 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "mesh"]:  # bytes per device per mesh: see jaxinfer.bench.mesh_memory
         return _bench_mesh(argv[2:])
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "serve":
-            from serving import main as serve_main
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "serve":
+        from serving import main as serve_main
 
-            return serve_main.run(args)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "bench":
-            from jaxinfer import bench
+        return serve_main.run(args)
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "bench":
+        from jaxinfer import bench
 
-            bench.run(args)
-            return 0
-    except JaxinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        bench.run(args)
+        return 0
     return 1
 
 

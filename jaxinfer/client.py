@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer.engine import Logprob
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.llm import CompletionOutput, RequestOutput, StreamDelta
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.v1 import jaxinfer_pb2 as pb
@@ -113,11 +113,22 @@ def _model_info(msg: pb.ModelInfo) -> dict:
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
 
 
+def _check_target(target: str) -> str:
+    """A gRPC target ("host:port", or a scheme such as unix:PATH) whose port, if any, is one gRPC can
+    reach: it silently wraps 70000 to 4464."""
+    if not isinstance(target, str) or not target:
+        raise InvalidRequestError(f"server address must be a non-empty string like host:port, got {target!r}")
+    port = target.rpartition(":")[2]
+    if port.isdigit() and not 0 < int(port) < 65536:
+        raise InvalidRequestError(f"server address {target!r}: the port must be in [1, 65535]")
+    return target
+
+
 class Client:
     """A blocking client. `target` is "host:port"; `timeout` (seconds) is each call's deadline."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
-        self.target = target
+        self.target = _check_target(target)
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
@@ -201,7 +212,7 @@ class AsyncClient:
     """The asyncio twin of `Client` (create and use it inside a running event loop)."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
-        self.target = target
+        self.target = _check_target(target)
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)

@@ -71,21 +71,33 @@ def _is_int(t) -> bool:
     return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
 
 
-def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
-    """Enough pages for every slot at full length, capped at a quarter of free memory."""
-    want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
-    bytes_per_page = cfg.kv_bytes_per_token * page_size
-    free = None
+def _free_device_bytes() -> int:
+    """Free memory of the first device (the host's available RAM where the backend cannot say)."""
     try:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     except Exception:  # memory_stats is unimplemented on some backends
-        free = None
-    if free is None:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    budget = int(free * 0.25) // bytes_per_page
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
+    """Enough pages for every slot at full length, capped at a quarter of free memory."""
+    want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
+    budget = int(_free_device_bytes() * 0.25) // (cfg.kv_bytes_per_token * page_size)
     return max(2, min(want, budget))
+
+
+def _check_cache_fits(cfg, *, num_kv_pages: int, page_size: int) -> None:
+    """A KV cache larger than the device's free memory is refused here, by name, not by the
+    allocator (an out-of-memory error deep in JAX, or the process killed)."""
+    need, free = num_kv_pages * page_size * cfg.kv_bytes_per_token, _free_device_bytes()
+    if need > free:
+        raise InvalidRequestError(
+            f"num_kv_pages x page_size = {num_kv_pages} x {page_size} tokens: the KV cache would take "
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {jax.devices()[0]}"
+        )
 
 
 def _load(model, dtype: str, mesh):
@@ -194,6 +206,8 @@ class LLM:
             num_kv_pages = _default_num_pages(
                 cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
             )
+        if device_mesh is None:  # on a mesh the cache is split over devices: each checks its own share
+            _check_cache_fits(cfg, num_kv_pages=num_kv_pages, page_size=page_size)
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer

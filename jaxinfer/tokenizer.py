@@ -128,13 +128,19 @@ def _chat_template(model_dir: str, config: dict) -> str | None:
     (a string, or a list of named templates: "default" is used), else chat_template.json's."""
     path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{path} is not valid UTF-8: {e}") from None
     template = config.get("chat_template")
     if template is None:
         path = os.path.join(model_dir, "chat_template.json")
         if os.path.isfile(path):
-            template = (_read_json(path) or {}).get("chat_template")
+            data = _read_json(path)
+            if not isinstance(data, dict):
+                raise CheckpointError(f"{path} must hold a JSON object with a chat_template")
+            template = data.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -170,10 +176,15 @@ def read_settings(model_dir: str) -> TokenizerSettings:
             values = source.get(key)
             if isinstance(values, dict):
                 values = list(values.values())
+            if values is not None and not isinstance(values, list):
+                raise CheckpointError(f"{model_dir}: {key} in the tokenizer settings must be a list, got {values!r}")
             for v in values or ():
                 if (t := _token_text(v)) is not None:
                     extra.append(t)
-    for entry in (config.get("added_tokens_decoder") or {}).values():
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise CheckpointError(f"{model_dir}: tokenizer_config.json's added_tokens_decoder must be an object")
+    for entry in decoder.values():
         if isinstance(entry, dict) and entry.get("special") and (t := _token_text(entry)) is not None:
             extra.append(t)
 

@@ -78,6 +78,16 @@ def test_config_from_dict_refuses_unknown_fields_and_types():
         checkpoint.config_from_dict({**d, "rope_scaling": {"type": "YarnScaling", "factor": 2.0}})
     with pytest.raises(CheckpointError, match=r"num_attention_heads \(3\)"):
         checkpoint.config_from_dict({**d, "num_heads": 3})
+    # Edited values that loaded, then generated garbage or failed mid-generation:
+    for edit, message in [
+        ({"rope_theta": 0.0}, "'rope_theta' must be a positive number"),
+        ({"rms_norm_eps": "abc"}, "'rms_norm_eps' must be a positive number"),
+        ({"eos_token_ids": "abc"}, "eos token ids"),
+        ({"family": "bogus"}, "'family' must be one of"),
+        ({"layer_attention": ["x", "y"]}, "layer_attention"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.config_from_dict({**d, **edit})
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,10 @@ def test_cli_json(capsys):
         (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
         (["generate", "--model", __file__, "x"], "is a file, not a directory"),
         (["generate", "x\udcff"], "is not valid Unicode"),  # argv bytes that are not UTF-8
+        # A cache no machine holds: named, not an allocator failure (or the process killed).
+        (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "the KV cache would take"),
+        (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
+        (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
     ],
 )
 def test_cli_errors_are_one_line_no_traceback(argv, message):

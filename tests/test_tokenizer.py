@@ -8,7 +8,7 @@ import transformers
 from hf_models import make_hf_model, save_hf_model
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
 
 STRINGS = [
@@ -212,6 +212,20 @@ def test_special_tokens_map_supplies_token_strings(tmp_path):
     ours, theirs = _assert_same_ids(tmp_path, STRINGS[:4])
     assert ours.encode("hello")[0] == 1 and ours.encode("hello")[-1] == 2
     assert ours.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+def test_malformed_tokenizer_settings_are_named(tmp_path):
+    _bpe_dir(tmp_path)
+    _edit_config(tmp_path, additional_special_tokens=5)
+    with pytest.raises(CheckpointError, match="additional_special_tokens in the tokenizer settings must be a list"):
+        load_tokenizer(str(tmp_path))
+    _edit_config(tmp_path, additional_special_tokens=None)
+    (tmp_path / "chat_template.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match="chat_template.json must hold a JSON object"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff")
+    with pytest.raises(CheckpointError, match="chat_template.jinja is not valid UTF-8"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_generation_config_eos_ids_win(tmp_path):
