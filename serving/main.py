@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 
@@ -58,6 +59,12 @@ def run(args) -> int:
         v = getattr(args, name)
         if v is not None and not (lo <= v <= (65535 if "port" in name else 10**6)):
             print(f"error: --{name.replace('_', '-')} out of range: {v}", file=sys.stderr)
+            return 2
+    for name, limit, ok in (("drain_timeout", ">= 0", lambda v: v >= 0), ("peer_timeout", "> 0", lambda v: v > 0)):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and ok(v)):  # nan would never time out; <= 0 would spin
+            flag = "--" + name.replace("_", "-")
+            print(f"error: {flag} must be a finite number of seconds {limit}, got {v}", file=sys.stderr)
             return 2
     # Our own log lines at --log-level; other libraries' (orbax, JAX) only from WARNING up, unless
     # DEBUG is asked for: their INFO chatter buried the one JSON line per request.

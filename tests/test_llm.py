@@ -174,6 +174,7 @@ def test_cli_json(capsys):
         (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "the KV cache would take"),
         (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
+        (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
     ],
 )
 def test_cli_errors_are_one_line_no_traceback(argv, message):
