@@ -9,13 +9,12 @@ import sys
 
 
 def _prompt_ids(s: str) -> list[int]:
+    if not s.strip():
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
     try:
-        ids = [int(x) for x in s.split(",") if x.strip()]
+        return [int(x) for x in s.split(",")]  # "1,,2" is a typo, not [1, 2]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
-    return ids
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

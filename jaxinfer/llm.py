@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -181,6 +181,14 @@ class LLM:
         mesh: str | dict | None = None,
         warmup: bool = False,
     ):
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise InvalidRequestError(f"model must be a directory path or an embedded model's name, got {model!r}")
+        if mesh is not None and not isinstance(mesh, (str, Mapping)):
+            raise InvalidRequestError(f"mesh must be a string like 'data=2,model=4' or a mapping, got {mesh!r}")
+        if not isinstance(enable_prefix_caching, bool) or not isinstance(warmup, bool):
+            raise InvalidRequestError(
+                f"enable_prefix_caching and warmup must be True or False, got {enable_prefix_caching!r}, {warmup!r}"
+            )
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if attention_backend not in ATTENTION_BACKENDS:

@@ -149,6 +149,12 @@ def test_bad_constructor_arguments():
         LLM(max_num_seqs=True)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         LLM(max_model_len=10**6)
+    with pytest.raises(InvalidRequestError, match="model must be a directory path"):
+        LLM(5)
+    with pytest.raises(InvalidRequestError, match="mesh must be a string"):
+        LLM(mesh=2)
+    with pytest.raises(InvalidRequestError, match="enable_prefix_caching and warmup must be True or False"):
+        LLM(enable_prefix_caching="no")  # a non-empty string was truthy
 
 
 def test_cli_json(capsys):
@@ -174,6 +180,7 @@ def test_cli_json(capsys):
         (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "the KV cache would take"),
         (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
+        (["generate", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
     ],
 )
