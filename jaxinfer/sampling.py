@@ -116,10 +116,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            bad("stop_token_ids", self.stop_token_ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            bad("stop_token_ids", ids, "must be a list of non-negative integers")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", self.ignore_eos, "must be a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
