@@ -496,6 +496,8 @@ class _TokenTimestamps:
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
+        if input_ids.is_cuda:  # the token is made when the GPU is done with it, not when queued
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -516,11 +518,13 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    # HF on the device ours runs on: a GPU run compares against HF on the same GPU, never its CPU.
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     cfg = llm.cfg
     rows = []
     print(
-        f"\nvs HF transformers {transformers.__version__} (torch {torch.__version__}, "
+        f"\nvs HF transformers {transformers.__version__} (torch {torch.__version__}, {device}, "
         f"{torch.get_num_threads()} threads), same weights, greedy"
     )
     print(
@@ -529,7 +533,7 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
     )
     for ours in report["decode"]:
         b = ours["batch"]
-        ids = torch.tensor(rng.integers(low, cfg.vocab_size, (b, args.context)))
+        ids = torch.tensor(rng.integers(low, cfg.vocab_size, (b, args.context))).to(device)
 
         def gen(n, ids=ids) -> tuple[float, float]:
             stamps = _TokenTimestamps()

@@ -9,15 +9,20 @@ move (the rows' K/V pages + queries + outputs), the achieved bandwidth, and MBU 
 bandwidth of a plain device copy (read + write of a large buffer) timed in the same process.
 
 Variants: `reference` (plain pure JAX, jitted), `xla` (the tiled pure-JAX attention, CPU's default),
-`ours` (pallas_kernels.ragged_paged_attention), and
-`upstream` (jax.experimental.pallas.ops.tpu.paged_attention, decode only) where it applies. Off
-TPU the two kernels can only run in TPU interpret mode: their times are then a simulation's, printed
-for completeness and marked, never a speed.
+`ours` (on TPU and CPU pallas_kernels.ragged_paged_attention, on GPU
+pallas_kernels.ragged_paged_attention_gpu), and `upstream` (jax.experimental.pallas.ops.tpu or
+.gpu paged_attention, decode only). On CPU the kernels can only run in TPU interpret mode: their
+times are then a simulation's, printed for completeness and marked, never a speed.
+
+Timing: each variant is jitted (the kernels' eager input checks run once, outside the clock), and
+when one call is short, several are queued back to back per sample so launch gaps do not count.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -34,6 +39,21 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+_BLOCK_FIELDS = ("pages_per_step", "rows_per_block", "kv_splits", "num_warps", "num_stages")
+
+
+def _blocks(s: str) -> dict[str, int]:
+    out = {}
+    for item in filter(None, (x.strip() for x in s.split(","))):
+        name, _, value = item.partition("=")
+        if name not in _BLOCK_FIELDS or not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=POSITIVE_INT pairs with NAME in {', '.join(_BLOCK_FIELDS)}; got {item!r}"
+            )
+        out[name] = int(value)
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="decode rows")
     p.add_argument("--contexts", type=_ints, default=[1024, 4096], help="tokens of context per row")
@@ -45,107 +65,170 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-dtype", default="auto", choices=["auto", "int8"], help="cache pools in --dtype, or int8 + scales"
     )
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--layers", type=int, default=1, help="attention layers per timed call (one jit); time is per layer")
+    p.add_argument(
+        "--gpu-blocks",
+        dest="kernel_blocks",
+        type=_blocks,
+        default={},
+        help="GPU kernel block overrides, e.g. pages_per_step=4,kv_splits=8,num_warps=4,num_stages=2",
+    )
     p.add_argument(
         "--variants",
-        default="reference,xla,ours,upstream",
-        help="comma-separated subset of reference,xla,ours,upstream",
+        default="copy,reference,xla,ours,upstream",
+        help="comma-separated subset of copy,reference,xla,ours,upstream (copy: a plain copy of the same bytes)",
     )
 
 
 def _time(fn, repeats: int) -> float:
+    """Median seconds per call. A call under ~5 ms is queued several times per sample (up to 50)
+    and the sample divided: an accelerator then runs them back to back, without the host's
+    dispatch gap between them."""
     jax.block_until_ready(fn())  # compile + warm
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    inner = max(1, min(50, int(5e-3 / max(time.perf_counter() - t, 1e-9))))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
+        jax.block_until_ready([fn() for _ in range(inner)])
+        times.append((time.perf_counter() - t) / inner)
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
+def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 10) -> float:
     """Bytes/s of a device copy (each byte read once and written once, counted twice)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0 + 0.0)
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
     return 2 * x.nbytes / _time(lambda: copy(x), repeats)
 
 
-def _variants(args, ctx: int, variants: list[str], rng, on_tpu: bool):
-    """(bytes a decode step must move, {variant: a call}) for one context length."""
-    from jaxinfer.attention import reference_paged_attention, tiled_paged_attention
-    from jaxinfer.config import GlobalAttention
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
+def _pools(args, ctx: int, rng) -> dict:
+    """One layer's K/V pools, in the form each variant takes (all holding the same numbers)."""
     n, nk = args.heads
     h, s, b = args.head_dim, args.page_size, args.batch
     dtype = jnp.dtype(args.dtype)
-    pages_per_row = -(-ctx // s)
-    num_pages = b * pages_per_row + 1
+    num_pages = b * -(-ctx // s) + 1
     k = jnp.asarray(rng.standard_normal((nk, num_pages, s, h)), dtype)
     v = jnp.asarray(rng.standard_normal((nk, num_pages, s, h)), dtype)
-    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
-    table = jnp.asarray(1 + rng.permutation(b * pages_per_row).reshape(b, pages_per_row), jnp.int32)
-    lens = jnp.full((b,), ctx, jnp.int32)
-    ones = jnp.ones((b,), jnp.int32)
-    scale = float(h**-0.5)
-    per_token_head = h * dtype.itemsize
-    # Each variant gets the pools in its own form: `k`/`v` for the reference, `kernel_kv` for
-    # ours, `upstream_kv` for the upstream kernel; all hold the same numbers.
-    kernel_kv, upstream_kv = (k, v, {}), (k, v)
+    forms = dict(reference=(k, v), kernel=(k, v, {}), upstream=(k, v))
     if args.kv_dtype == "int8":
         from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
         from jaxinfer.kv_cache import QuantizedPages, quantize_int8
 
         k, v = (QuantizedPages(*quantize_int8(x)) for x in (k, v))
-        kernel_kv = (k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales))
-        upstream_kv = tuple(QuantizedTensor(x.values, x.scales[..., None] * MAX_INT8) for x in (k, v))
-        per_token_head = h + 4
+        forms["reference"] = (k, v)
+        forms["kernel"] = (k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales))
+        forms["upstream"] = tuple(QuantizedTensor(x.values, x.scales[..., None] * MAX_INT8) for x in (k, v))
+    return forms
+
+
+def _variants(args, ctx: int, variants: list[str], rng, platform: str):
+    """(bytes one layer's decode attention must move, {variant: a call running all layers}).
+
+    With --layers L the call runs L attention layers, each over its own pools, in one jitted
+    function, each layer's output feeding the next layer's query (as in a model, so nothing can be
+    skipped or reordered); the reported time is per layer. That is how a decode step runs them: one
+    dispatch for the step, not one per attention call.
+    """
+    from jaxinfer.attention import reference_paged_attention, tiled_paged_attention
+    from jaxinfer.config import GlobalAttention
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+
+    on_tpu, on_gpu = platform == "tpu", platform == "gpu"
+    n, nk = args.heads
+    h, s, b = args.head_dim, args.page_size, args.batch
+    dtype = jnp.dtype(args.dtype)
+    pages_per_row = -(-ctx // s)
+    layers = [_pools(args, ctx, rng) for _ in range(args.layers)]
+    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+    table = jnp.asarray(1 + rng.permutation(b * pages_per_row).reshape(b, pages_per_row), jnp.int32)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    ones = jnp.ones((b,), jnp.int32)
+    scale = float(h**-0.5)
+    per_token_head = (h + 4) if args.kv_dtype == "int8" else h * dtype.itemsize
     moved = 2 * b * ctx * nk * per_token_head + 2 * q.nbytes
-    calls = {}
+    attn = {}  # variant -> (form of the pools it takes, fn(q, *pools) -> [B, 1, N, H])
     if "reference" in variants:
-        ref = jax.jit(
-            lambda q, k, v, t, ln: reference_paged_attention(
-                q, k, v, t, (ln - 1)[:, None], ln, scale=scale, kind=GlobalAttention()
-            )
+        attn["reference"] = (
+            "reference",
+            lambda q, k, v: reference_paged_attention(
+                q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=GlobalAttention()
+            ),
         )
-        calls["reference"] = lambda: ref(q, k, v, table, lens)
     if "xla" in variants:
-        tiled = jax.jit(
-            lambda q, k, v, t, ln: tiled_paged_attention(
-                q, k, v, t, (ln - 1)[:, None], ln, scale=scale, kind=GlobalAttention()
-            )
+        attn["xla"] = (
+            "reference",
+            lambda q, k, v: tiled_paged_attention(
+                q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=GlobalAttention()
+            ),
         )
-        calls["xla"] = lambda: tiled(q, k, v, table, lens)
     if "ours" in variants:
-        kp, vp, scales = kernel_kv
-        calls["ours"] = lambda: ragged_paged_attention(
-            q, kp, vp, table, lens, ones, scale=scale, interpret=not on_tpu, **scales
-        )
-    if "upstream" in variants:
+        kernel = ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
+        static = dict(scale=scale, interpret=not (on_tpu or on_gpu))
+        static.update({k: v for k, v in (args.kernel_blocks or {}).items() if on_gpu})
+        kp, vp, sc = layers[0]["kernel"]
+        kernel(q, kp, vp, table, lens, ones, **static, **sc)  # the eager input checks, once
+        attn["ours"] = "kernel", lambda q, kp, vp, sc: kernel(q, kp, vp, table, lens, ones, **static, **sc)
+    if "upstream" in variants and on_gpu:
+        import warnings
+
+        with warnings.catch_warnings():  # upstream marks its GPU paged attention deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as upstream_gpu
+
+        # Its defaults (16 KV splits, 8 pages per block), cut to what this table divides into.
+        splits = max(d for d in (1, 2, 4, 8, 16) if pages_per_row % d == 0)
+        block = max(d for d in (1, 2, 4, 8) if (pages_per_row // splits) % d == 0)
+        attn["upstream"] = "kernel", lambda q, kp, vp, sc: upstream_gpu(
+            q[:, 0] * scale, kp, vp, table, lens, sc.get("k_scales"), sc.get("v_scales"),
+            k_splits=splits, pages_per_compute_block=block,
+        )  # fmt: skip
+    elif "upstream" in variants:
         from jax.experimental.pallas import tpu as pltpu
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as upstream
 
         block = max(d for d in (1, 2, 4, 8, 16) if pages_per_row % d == 0)
 
-        def up():
-            if on_tpu:
-                return upstream(q[:, 0] * scale, *upstream_kv, lens, table, pages_per_compute_block=block)
-            with pltpu.force_tpu_interpret_mode():
-                return upstream(q[:, 0] * scale, *upstream_kv, lens, table, pages_per_compute_block=block)
+        def up(q, k, v):
+            with contextlib.ExitStack() as stack:
+                if not on_tpu:
+                    stack.enter_context(pltpu.force_tpu_interpret_mode())
+                return upstream(q[:, 0] * scale, k, v, lens, table, pages_per_compute_block=block)
 
-        calls["upstream"] = up
+        attn["upstream"] = "upstream", up
+
+    calls = {}
+    if "copy" in variants:  # a plain copy moving the same bytes per layer, with the same per-call costs
+        bufs = [jax.random.normal(jax.random.key(i), (moved // 8,), jnp.float32) for i in range(args.layers)]
+        copy = jax.jit(lambda bufs: [a + 1.0 for a in bufs])
+        calls["copy"] = lambda: copy(bufs)
+    for name, (form, fn) in attn.items():
+        pools = [layer[form] for layer in layers]
+
+        def chain(q, pools, fn=fn):
+            for pool in pools:
+                q = fn(q, *pool).reshape(q.shape).astype(q.dtype)
+            return q
+
+        # CPU: the kernels run in TPU interpret mode, where nothing else may be dispatched: no jit.
+        interpreted = platform == "cpu" and name in ("ours", "upstream")
+        run_chain = chain if interpreted else jax.jit(chain)
+        calls[name] = functools.partial(run_chain, q, pools)
     return moved, calls
 
 
 def run(args) -> list[dict]:
     platform = jax.default_backend()
-    on_tpu = platform == "tpu"
+    simulated_kernels = platform == "cpu"
     if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
         raise SystemExit("error: --heads takes N,K with N a multiple of K")
-    if min(args.batch, args.head_dim, args.page_size, args.repeats, *args.contexts) < 1:
-        raise SystemExit("error: --batch, --head-dim, --page-size, --repeats and --contexts must be positive")
+    if min(args.batch, args.head_dim, args.page_size, args.repeats, args.layers, *args.contexts) < 1:
+        raise SystemExit("error: --batch, --head-dim, --page-size, --repeats, --layers and --contexts must be positive")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - {"reference", "xla", "ours", "upstream"}
+    unknown = set(variants) - {"copy", "reference", "xla", "ours", "upstream"}
     if unknown:
         raise SystemExit(f"error: unknown --variants {sorted(unknown)}")
     n, nk = args.heads
@@ -155,18 +238,19 @@ def run(args) -> list[dict]:
         f"{platform} ({jax.devices()[0].device_kind}): copy bandwidth {ceiling / 1e9:.1f} GB/s; decode, batch {b}, "
         f"{n} query / {nk} KV heads, head_dim {h}, page {s}, {args.dtype}"
         + (", int8 KV cache (+ float32 scales)" if args.kv_dtype == "int8" else "")
+        + (f"; {args.layers} layers per call, time per layer" if args.layers > 1 else "")
     )
-    if not on_tpu:
-        print("  (not a TPU: 'ours' and 'upstream' run in TPU interpret mode - simulated, not a speed)")
+    if simulated_kernels:
+        print("  (CPU: 'ours' and 'upstream' run in TPU interpret mode - simulated, not a speed)")
     print(f"{'context':>8} {'variant':>10} {'time':>10} {'MB moved':>9} {'GB/s':>7} {'MBU':>6}")
     rows = []
     rng = np.random.default_rng(0)
     for ctx in args.contexts:
-        moved, calls = _variants(args, ctx, variants, rng, on_tpu)
+        moved, calls = _variants(args, ctx, variants, rng, platform)
         for name, fn in calls.items():
-            seconds = _time(fn, args.repeats)
+            seconds = _time(fn, args.repeats) / args.layers
             bw = moved / seconds
-            simulated = name in ("ours", "upstream") and not on_tpu
+            simulated = name in ("ours", "upstream") and simulated_kernels
             row = dict(context=ctx, variant=name, seconds=seconds, bytes=moved, bandwidth=bw, mbu=bw / ceiling)
             row["simulated"] = simulated
             rows.append(row)

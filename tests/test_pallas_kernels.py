@@ -118,14 +118,20 @@ def _kernel_args(k, v) -> tuple:
 
 
 KERNELS = {"tpu": ragged_paged_attention, "gpu": ragged_paged_attention_gpu}
+GPU_BLOCKS = [
+    {},
+    dict(pages_per_step=1, kv_splits=3),
+    dict(pages_per_step=8, kv_splits=1, rows_per_block=16),
+    dict(pages_per_step=2, kv_splits=8, rows_per_block=32),
+]
+
+
+def _static_id(s: Static) -> str:
+    return f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}"
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize(
-    "st",
-    STATICS,
-    ids=lambda s: f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}",
-)
+@pytest.mark.parametrize("st", STATICS, ids=_static_id)
 def test_kernel_matches_reference(st, kernel):
     rng = np.random.default_rng(hash(st) % 2**32)
     scale = float(st.head_dim**-0.5)
@@ -135,9 +141,12 @@ def test_kernel_matches_reference(st, kernel):
         q, k, v, table, kv, ql = _batch(rng, st)
         mode = "tpu" if kernel == "tpu" else True  # the TPU kernel under the strict TPU simulation
         kp, vp, scales = _kernel_args(k, v)
-        # Block sizes: the table's choice, one page per block, and a block that straddles the table's end.
-        block = {"tpu": "pages_per_block", "gpu": "pages_per_step"}[kernel]
-        scales[block] = (None, 1, 3)[case % 3]
+        # Block sizes: the table's choice, one page per block, and a block that straddles the table's
+        # end; for the GPU kernel also KV splits (more than a row has pages, too) and row blocks.
+        if kernel == "tpu":
+            scales["pages_per_block"] = (None, 1, 3)[case % 3]
+        else:
+            scales.update(GPU_BLOCKS[case % len(GPU_BLOCKS)])
         out = KERNELS[kernel](
             q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, interpret=mode, **scales
         )
@@ -230,6 +239,19 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
     assert pages_per_block_for(16, 3) == 3  # never more pages than a row's table holds
     assert blocks_for(page_size=16, head_dim=128, rows=16).pages_per_step == 4
     assert blocks_for(page_size=16, head_dim=256, rows=64).num_warps == 8
+    assert blocks_for(page_size=16, head_dim=128, rows=16, int8=True).pages_per_step == 8  # same bytes per step
+    # Decode at batch 8 x 8 KV heads splits the pages 8 ways (~512 programs); batch 64 needs no split,
+    # and a prefill chunk of 64 tokens x 4 heads is 4 row blocks of 64 rows.
+    assert blocks_for(page_size=16, head_dim=128, rows=16, programs=64, table_pages=256).kv_splits == 8
+    assert blocks_for(page_size=16, head_dim=128, rows=16, programs=512, table_pages=256).kv_splits == 1
+    prefill = blocks_for(page_size=16, head_dim=128, rows=256, programs=8, table_pages=256)
+    assert (prefill.rows_per_block, prefill.kv_splits) == (64, 16)
+    assert blocks_for(page_size=16, head_dim=128, rows=16, programs=1, table_pages=4).kv_splits == 1  # 1 step
+    # Shapes the compiled GPU kernel cannot tile: "auto" keeps the reference for them on a GPU.
+    from pallas_kernels.ragged_paged_attention_gpu import supports
+
+    assert supports(page_size=16, head_dim=128) and supports(page_size=8, head_dim=64)
+    assert not supports(page_size=16, head_dim=80) and not supports(page_size=12, head_dim=128)
     q, k, v, table, kv, ql = _batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
     with pytest.raises(ValueError, match="pages_per_block must be a positive int"):
         ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_block=0)
@@ -240,7 +262,7 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
 def test_backend_resolution():
     assert resolve_backend("auto", "tpu") == "pallas"
     assert resolve_backend("auto", "cpu") == "xla"
-    assert resolve_backend("auto", "gpu") == "reference"
+    assert resolve_backend("auto", "gpu") == "pallas"
     assert resolve_backend("xla", "gpu") == "xla"
     assert resolve_backend("pallas", "cpu") == "pallas"
     assert resolve_backend("pallas", "gpu") == "pallas"
@@ -376,3 +398,111 @@ def test_tiled_xla_attention_never_copies_the_page_pool(rows, width):
     compiled = decode_step.lower(init_params(cfg, 0), cache, batch, cfg=cfg).compile()
     pool_bytes = cache.k[0].nbytes
     assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes / 4
+
+
+def _gpus() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+needs_gpu = pytest.mark.skipif(not _gpus(), reason="no GPU present: the compiled GPU kernel needs one")
+# On a GPU: the block settings the table picks and ones it does not (the compiled kernel needs >= 16 keys
+# per step, so PAGE = 8 takes at least 2 pages per step), all compiled by Triton, none interpreted.
+GPU_COMPILED_BLOCKS = [
+    {},
+    dict(pages_per_step=2, kv_splits=3),
+    dict(pages_per_step=8, kv_splits=1, rows_per_block=16, num_warps=4),
+    dict(pages_per_step=2, kv_splits=8, rows_per_block=32, num_stages=3),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("st", STATICS, ids=_static_id)
+def test_gpu_kernel_compiled_matches_reference(st):
+    """The same random ragged batches as the interpret-mode test, through the Triton-compiled kernel;
+    float32 compares at full precision (the reference too: no tf32)."""
+    rng = np.random.default_rng(hash(st) % 2**32 + 2)
+    scale = float(st.head_dim**-0.5)
+    kind = SlidingWindow(st.window) if st.window else GlobalAttention()
+    tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
+    with jax.default_matmul_precision("highest"):
+        for case in range(CASES_PER_STATIC):
+            q, k, v, table, kv, ql = _batch(rng, st)
+            kp, vp, scales = _kernel_args(k, v)
+            scales.update(GPU_COMPILED_BLOCKS[case % len(GPU_COMPILED_BLOCKS)])
+            out = ragged_paged_attention_gpu(
+                q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, **scales
+            )
+            positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
+            ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
+            out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+            for row in range(q.shape[0]):
+                n = int(ql[row])
+                assert np.isfinite(out[row, :n]).all(), (case, row, "stale NaN leaked")
+                np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=tol, rtol=tol, err_msg=f"{case} {row}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("int8,window", [(False, None), (True, None), (False, 700)])
+def test_gpu_kernel_long_mixed_batch_matches_reference(int8, window):
+    """Production-like shapes on the GPU: 16-token pages, 32 query / 8 KV heads, head_dim 128, bfloat16;
+    decode rows with 1-4k tokens of context beside 64- and 200-token prefill chunks with a prefix."""
+    rng = np.random.default_rng(11)
+    b, t, n, nk, h, s, width = 8, 256, 32, 8, 128, 16, 256
+    kv = np.array([4096, 1, 2049, 1000, 3000, 64, 512 + 200, 17])
+    ql = np.array([1, 1, 1, 1, 1, 64, 200, 17])
+    pool = b * width + 1
+    k = jnp.asarray(rng.standard_normal((nk, pool, s, h)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((nk, pool, s, h)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.bfloat16)
+    table = jnp.asarray(1 + rng.permutation(b * width).reshape(b, width), jnp.int32)
+    kv, ql = jnp.asarray(kv, jnp.int32), jnp.asarray(ql, jnp.int32)
+    if int8:
+        from jaxinfer.kv_cache import quantize_int8
+
+        k, v = (QuantizedPages(*quantize_int8(x)) for x in (k, v))
+    kind = SlidingWindow(window) if window else GlobalAttention()
+    kp, vp, scales = _kernel_args(k, v)
+    out = ragged_paged_attention_gpu(q, kp, vp, table, kv, ql, scale=h**-0.5, window=window, **scales)
+    positions = (kv - ql)[:, None] + jnp.arange(t)[None, :]
+    ref = reference_paged_attention(q, k, v, table, positions, kv, scale=h**-0.5, kind=kind)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    for row in range(b):
+        m = int(ql[row])
+        np.testing.assert_allclose(out[row, :m], ref[row, :m], atol=2e-2, rtol=2e-2, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("group,soft_cap,int8", [(4, None, False), (2, 20.0, False), (1, None, True)])
+def test_gpu_kernel_agrees_with_upstream_gpu_paged_attention(group, soft_cap, int8):
+    """A second opinion for the GPU kernel: jax.experimental.pallas.ops.gpu.paged_attention (decode
+    only), in interpret mode on CPU and compiled on a GPU. It takes pre-scaled queries and no empty
+    rows, and multiplies the same per-token scales into int8 logits and weights as ours does."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as upstream
+
+    rng = np.random.default_rng(group + 10)
+    on_gpu = jax.default_backend() == "gpu"
+    st = Static(group=group, head_dim=64, t=1, soft_cap=soft_cap, int8=int8, kv_heads=2)
+    for _ in range(3):
+        q, k, v, table, kv, ql = _batch(rng, st)
+        kv = jnp.maximum(kv, 1)
+        if int8:
+            k, v = (QuantizedPages(values=x.values, scales=jnp.nan_to_num(x.scales)) for x in (k, v))
+        else:
+            k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+        kp, vp, scales = _kernel_args(k, v)
+        blocks = {} if on_gpu else dict(pages_per_step=2)
+        ours = ragged_paged_attention_gpu(
+            q, kp, vp, table, kv, jnp.ones_like(kv), scale=0.125, soft_cap=soft_cap, interpret=not on_gpu, **scales,
+            **blocks,
+        )[:, 0]  # fmt: skip
+        theirs = upstream(
+            q[:, 0] * 0.125, kp, vp, table, kv, scales.get("k_scales"), scales.get("v_scales"),
+            k_splits=2, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap, interpret=not on_gpu,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-3, rtol=2e-3)
