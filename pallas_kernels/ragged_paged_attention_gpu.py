@@ -24,7 +24,8 @@ would replace with TMA copies into shared memory and wgmma; the wrapper, grid an
 That variant is not written.
 
 Run compiled on an H100 (2026-11-23, jax 0.11.2): the tests in tests/test_pallas_kernels.py that
-need a GPU pass, and decode reaches 87-90% of copy bandwidth at 16k x 8 and 4k x 32 (WORKSPACE.md).
+need a GPU pass, and decode reaches 87-90% of copy bandwidth at 16k x 8 and 4k x 32 there; on an
+H200, untuned, 75-77% (WORKSPACE.md).
 JAX 0.11 marks the Triton backend of Pallas deprecated (a DeprecationWarning at each compile); the
 kernel runs unchanged until it is removed.
 """
