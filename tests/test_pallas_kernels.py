@@ -353,9 +353,13 @@ def test_kernel_bench_smoke(capsys):
     assert {r["bytes"] for r in rows} == {2 * 2 * 32 * (128 + 4) + 2 * (2 * 2 * 128 * 2)}
 
 
-@pytest.mark.parametrize("model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True)])
-def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8):
-    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output."""
+@pytest.mark.parametrize(
+    "model_axis,kv_heads,int8,kernel",
+    [(2, 2, False, "tpu"), (4, 4, True, "tpu"), (4, 2, False, "tpu"), (8, 2, True, "tpu"), (4, 4, True, "gpu")],
+)
+def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8, kernel):
+    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output. The GPU
+    kernel too (its block table then sees the per-device batch and heads)."""
     import jax
     from jax.sharding import Mesh
 
@@ -366,10 +370,9 @@ def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8):
     st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8)
     q, k, v, table, kv, ql = _batch(rng, st)
     k, v, scales = _kernel_args(k, v)
-    single = ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
-    sharded = kv_head_sharded(ragged_paged_attention, mesh)(
-        q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales
-    )
+    fn = KERNELS[kernel]
+    single = fn(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
+    sharded = kv_head_sharded(fn, mesh)(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
     for row in range(q.shape[0]):
         n = int(ql[row])
         np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
