@@ -124,6 +124,15 @@ def _pools(args, ctx: int, rng) -> dict:
     return forms
 
 
+def decode_bytes(args, ctx: int) -> int:
+    """Bytes one layer's decode attention must move: every row's K and V (int8: + a float32 scale per
+    token and head) read once, its queries read and outputs written once."""
+    n, nk = args.heads
+    itemsize = jnp.dtype(args.dtype).itemsize
+    per_token_head = (args.head_dim + 4) if args.kv_dtype == "int8" else args.head_dim * itemsize
+    return 2 * args.batch * ctx * nk * per_token_head + 2 * args.batch * n * args.head_dim * itemsize
+
+
 def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     """(bytes one layer's decode attention must move, {variant: a call running all layers}).
 
@@ -148,8 +157,7 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     lens = jnp.full((b,), ctx, jnp.int32)
     ones = jnp.ones((b,), jnp.int32)
     scale = float(h**-0.5)
-    per_token_head = (h + 4) if args.kv_dtype == "int8" else h * dtype.itemsize
-    moved = 2 * b * ctx * nk * per_token_head + 2 * q.nbytes
+    moved = decode_bytes(args, ctx)
     attn = {}  # variant -> (form of the pools it takes, fn(q, *pools) -> [B, 1, N, H])
     if "reference" in variants:
         attn["reference"] = (

@@ -353,13 +353,11 @@ def ragged_paged_attention_gpu(
         int8=k_scales is not None,
     )
     blocks = dataclasses.replace(blocks, **{k: v for k, v in overrides.items() if v is not None})
-    if not interpret:
-        keys = blocks.pages_per_step * page_size
-        if keys < 16 or page_size & (page_size - 1) or h & (h - 1):
-            raise ValueError(
-                f"the GPU kernel needs power-of-two page_size and head_dim and at least 16 keys per step; "
-                f"got page_size {page_size}, head_dim {h}, pages_per_step {blocks.pages_per_step}"
-            )
+    if not interpret and (blocks.pages_per_step * page_size < 16 or not supports(page_size=page_size, head_dim=h)):
+        raise ValueError(
+            f"the GPU kernel needs power-of-two page_size and head_dim (>= 16) and at least 16 keys per step; "
+            f"got page_size {page_size}, head_dim {h}, pages_per_step {blocks.pages_per_step}"
+        )
     return _call(
         q,
         k_pages,

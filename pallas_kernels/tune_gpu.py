@@ -1,6 +1,6 @@
 """Block-size search for the GPU kernel on one decode shape: which table entries to write.
 
-    python -m pallas_kernels.tune_gpu [--batch 8] [--contexts 4096] [--heads 32,8] [--head-dim 128]
+    python -m pallas_kernels.tune_gpu [--batch 8] [--contexts 4096] [--heads 32,8] [--kv-dtype int8]
 
 Times `ragged_paged_attention_gpu` over pages per step x KV splits (the table's warps and
 stages), then the best of those over warps x pipeline stages, and prints each setting's time and
@@ -25,23 +25,23 @@ from pallas_kernels.ragged_paged_attention_gpu import _partials, _query_blocks, 
 def _tune_context(args, ctx: int, ceiling: float, rng) -> list[dict]:
     n, nk = args.heads
     h, s, b = args.head_dim, args.page_size, args.batch
-    dtype = jnp.dtype(args.dtype)
     pages = -(-ctx // s)
-    k = jnp.asarray(rng.standard_normal((nk, b * pages + 1, s, h)), dtype)
-    v = jnp.asarray(rng.standard_normal((nk, b * pages + 1, s, h)), dtype)
-    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+    k, v, scales = bench._pools(args, ctx, rng)["kernel"]
+    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), args.dtype)
     table = jnp.asarray(1 + rng.permutation(b * pages).reshape(b, pages), jnp.int32)
     lens, ones = jnp.full((b,), ctx, jnp.int32), jnp.ones((b,), jnp.int32)
-    moved = 2 * b * ctx * nk * h * dtype.itemsize + 2 * q.nbytes
+    moved = bench.decode_bytes(args, ctx)
     results, first_out = [], []
 
     def measure(**blocks):
-        fn = jax.jit(lambda q, k, v, t, ln, o: ragged_paged_attention_gpu(q, k, v, t, ln, o, scale=0.1, **blocks))
+        fn = jax.jit(
+            lambda q, k, v, t, ln, o, sc: ragged_paged_attention_gpu(q, k, v, t, ln, o, scale=0.1, **blocks, **sc)
+        )
         try:
-            out = np.asarray(fn(q, k, v, table, lens, ones), np.float32)
+            out = np.asarray(fn(q, k, v, table, lens, ones, scales), np.float32)
             first_out[:] = first_out or [out]  # every setting must compute the same thing
             np.testing.assert_allclose(out, first_out[0], atol=2e-2, rtol=2e-2)
-            seconds = bench._time(lambda: fn(q, k, v, table, lens, ones), args.repeats)
+            seconds = bench._time(lambda: fn(q, k, v, table, lens, ones, scales), args.repeats)
         except Exception as e:  # a setting the compiler refuses (shared memory, registers): report, go on
             print(f"{ctx:>6} {blocks}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None
@@ -50,7 +50,7 @@ def _tune_context(args, ctx: int, ceiling: float, rng) -> list[dict]:
         print(f"{ctx:>6} {blocks}: {seconds * 1e6:9.1f} us  {moved / seconds / 1e9:7.1f} GB/s  MBU {row['mbu']:.1%}")
         return row
 
-    picked = blocks_for(page_size=s, head_dim=h, rows=16, programs=b * nk, table_pages=pages)
+    picked = blocks_for(page_size=s, head_dim=h, rows=16, programs=b * nk, table_pages=pages, int8=bool(scales))
     print(f"context {ctx}: the table picks {picked}")
     measure()
     # Where the time goes at the table's choice: the kernel alone (inputs already in its layout, no
@@ -60,7 +60,8 @@ def _tune_context(args, ctx: int, ceiling: float, rng) -> list[dict]:
     alone = jax.jit(lambda *a: _partials(*a, q_tokens=1, blocks=picked, interpret=False, **static))
     buf = jax.random.normal(jax.random.key(1), (moved // 8,), jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)
-    for name, fn in (("kernel alone", lambda: alone(qg, table, lens, ones, k, v)), ("copy", lambda: copy(buf))):
+    kernel_alone = lambda: alone(qg, table, lens, ones, k, v, *scales.values())  # noqa: E731
+    for name, fn in (("kernel alone", kernel_alone), ("copy", lambda: copy(buf))):
         seconds = bench._time(fn, args.repeats)
         bw = moved / seconds
         print(f"{ctx:>6} {name}: {seconds * 1e6:9.1f} us  {bw / 1e9:7.1f} GB/s  MBU {bw / ceiling:.1%}")
