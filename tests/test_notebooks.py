@@ -72,9 +72,13 @@ def _execute(name: str, kernel_spec_manager) -> tuple[object, float]:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     limit = TIME_LIMITS[name]
     km = KernelManager(kernel_name="jaxinfer-test", kernel_spec_manager=kernel_spec_manager)
+    # iopub_timeout: how long nbclient waits for a cell's outputs after the kernel says it is done. Its
+    # default (4 s) silently drops outputs that arrive later, which happened once under a loaded
+    # 2-core machine (the quickstart's printed refusal went missing); raise instead of dropping.
     client = nbclient.NotebookClient(
-        nb, km=km, timeout=limit, resources={"metadata": {"path": str(NOTEBOOKS)}}, allow_errors=False
-    )
+        nb, km=km, timeout=limit, resources={"metadata": {"path": str(NOTEBOOKS)}}, allow_errors=False,
+        iopub_timeout=60, raise_on_iopub_timeout=True,
+    )  # fmt: skip
 
     def too_slow(signum, frame):
         raise TimeoutError(f"{name} ran past its {limit} s limit")
