@@ -45,14 +45,24 @@ class IncrementalDetokenizer:
     def _advance(self, *, final: bool) -> None:
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return  # nothing new yet, or a character still incomplete
         start = max(0, len(self.text) - self._holdback)
-        self.text += after[len(before) :]
+        if after.endswith("\ufffd") and not final:
+            # A character is still incomplete: keep the window open, but a stop string may already be
+            # complete in the text before it (a token can end one character and begin the next).
+            whole = after.rstrip("\ufffd")
+            if len(whole) > len(before):
+                self._find_stop(self.text + whole[len(before) :], start)
+            return
+        if len(after) <= len(before):
+            return  # nothing new yet
         self._prefix, self._read = self._read, len(self._ids)
-        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        self.text += after[len(before) :]
+        self._find_stop(self.text, start)
+
+    def _find_stop(self, text: str, start: int) -> None:
+        hits = [i for s in self._stop if (i := text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self.text = text[: min(hits)]
             self.stopped = True
 
     def pop_delta(self, *, final: bool = False) -> str:

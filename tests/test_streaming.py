@@ -59,6 +59,35 @@ def test_earliest_stop_string_wins():
     assert d.text == "one "
 
 
+class _PieceTokenizer:
+    """Byte-level BPE in miniature: each id is a byte string, and one may end a character and begin the next."""
+
+    def __init__(self, pieces):
+        self.pieces = [p.encode() if isinstance(p, str) else p for p in pieces]
+
+    def decode(self, ids):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_stop_string_caught_by_the_token_that_completes_it_even_mid_character():
+    # "é" is b"\xc3\xa9": token 2 finishes the stop string "ab" and begins "é" in the same token.
+    tok = _PieceTokenizer([b"x", b"a", b"b\xc3", b"\xa9", b"c"])
+    deltas, d = feed(tok, [0], [1, 2, 3, 4], stop=("ab",))
+    assert d.stopped and d.text == ""
+    assert "".join(deltas) == ""
+    # Caught on token 2 itself: token 3 was never taken in.
+    d = IncrementalDetokenizer(tok, [0], ("ab",))
+    d.add(1)
+    d.add(2)
+    assert d.stopped
+    # Without a stop string, the split character still comes out whole, once.
+    deltas, d = feed(tok, [0], [1, 2, 3, 4])
+    assert "".join(deltas) == d.text == "abéc" and all("\ufffd" not in x for x in deltas)
+    # A stop string that ends inside the half-made character is found once the character is whole.
+    deltas, d = feed(tok, [0], [1, 2, 3, 4], stop=("bé",))
+    assert d.stopped and d.text == "a" and "".join(deltas) == "a"
+
+
 @pytest.fixture(scope="module")
 def llm():
     return LLM(max_model_len=128, num_kv_pages=64, max_num_seqs=4)
