@@ -386,6 +386,7 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if self.tokenizer is not None else None
             )
             seq.logprobs = [] if params.logprobs is not None else None
+            seq.siblings = seqs
             seqs.append(seq)
             self.scheduler.add(seq)
         req = Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, seqs=seqs)

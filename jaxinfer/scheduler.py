@@ -14,7 +14,9 @@ gives the same K/V, so its output is unchanged.
 
 Prefix caching: a sequence's full pages are registered under a digest of all tokens up to the end
 of the page. A newly admitted sequence walks its prompt page by page and takes every page already
-cached (shared read-only, reference counted) instead of computing it.
+cached (shared read-only, reference counted) instead of computing it. The n samples of one request
+share their prompt this way: while one of them computes the prompt's full pages, the others wait for
+them at the head of the queue rather than computing the same pages again.
 
 The output is a `StepPlan`: plain host data. The engine turns it into device arrays; on several
 hosts the leader broadcasts it so every process runs the same step.
@@ -57,12 +59,14 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its full pages
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # of tokens' full pages, kept across releases
     finish_reason: str | None = None
     first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)
     first_token_time: float | None = None
     last_token_time: float | None = None
     detok: object = None  # IncrementalDetokenizer, owned by the engine
     logprobs: list | None = None  # Logprob per output token, when asked for
+    siblings: list = dataclasses.field(default_factory=list)  # the request's n samples (this one included)
 
     @property
     def output_ids(self) -> list[int]:
@@ -149,9 +153,8 @@ class Scheduler:
         s = self.page_size
         # Always leave at least one token to compute: it produces the logits to sample from.
         max_pages = (len(seq.tokens) - 1) // s
-        key = b""
         for i in range(max_pages):
-            key = page_hash(key, seq.tokens[i * s : (i + 1) * s])
+            key = self._digest(seq, i)
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -160,13 +163,28 @@ class Scheduler:
         seq.num_computed = len(seq.pages) * s
         self.prefix_cache_hit_tokens += seq.num_computed
 
+    def _sibling_computing_prefix(self, seq: Sequence) -> bool:
+        """True while another sample of seq's request is computing prompt pages seq could share."""
+        if not self.pool.enable_prefix_cache:
+            return False
+        shareable = (len(seq.tokens) - 1) // self.page_size * self.page_size
+        return any(s is not seq and s.status is SeqStatus.RUNNING and s.num_computed < shareable for s in seq.siblings)
+
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: offers the sequence's newly completed full pages to the prefix cache."""
-        s = self.page_size
-        for i in range(len(seq.page_keys), seq.num_computed // s):
-            key = page_hash(seq.page_keys[-1] if seq.page_keys else b"", seq.tokens[i * s : (i + 1) * s])
+        for i in range(len(seq.page_keys), seq.num_computed // self.page_size):
+            key = self._digest(seq, i)
             self.pool.register(seq.pages[i], key)
             seq.page_keys.append(key)
+
+    def _digest(self, seq: Sequence, i: int) -> bytes:
+        """Prefix-cache key of seq's page i (full). Tokens are only ever appended, so a sequence's keys
+        never change: each is computed once, not again for every step a blocked queue head retries."""
+        s = self.page_size
+        while len(seq.digests) <= i:
+            j = len(seq.digests)
+            seq.digests.append(page_hash(seq.digests[-1] if seq.digests else b"", seq.tokens[j * s : (j + 1) * s]))
+        return seq.digests[i]
 
     # -- scheduling -------------------------------------------------------------------------
 
@@ -199,6 +217,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.pages:
+                if self._sibling_computing_prefix(seq):
+                    break
                 self._reuse_prefix(seq)
             remaining = len(seq.tokens) - seq.num_computed
             n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)

@@ -1,5 +1,7 @@
 """The continuous-batching engine: batch invariance, preemption, isolation, prefix reuse, recompiles."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -143,7 +145,7 @@ def test_no_compilation_after_warmup(params, placed):
     # downstream of the parameters (the sampler's logits included): both kinds must be fully warmed.
     if placed:
         params = jax.device_put(params, jax.devices()[0])
-    e = make_engine(params, num_kv_pages=60, max_num_seqs=8)
+    e = make_engine(params, num_kv_pages=60, max_num_seqs=8, max_model_len=128)  # the workload fits in 101
     e.warmup()
     before = num_compiles()
     prompts, _ = workload(24, seed=3)
@@ -194,6 +196,25 @@ def test_n_samples_and_seeds(params):
     # Sample i uses seed + i: the same request again reproduces every sample.
     (again,) = run(make_engine(params), [[4, 5, 6, 7]], [sp])[1]
     assert [s.output_ids for s in again.seqs] == outs
+
+
+def test_n_samples_compute_their_shared_prompt_once(params):
+    # 48 tokens: 5 full pages of 8 can be shared, 8 tokens are each sample's own. The budget fits all
+    # four prompts in one step, so without waiting for each other every sample would compute its own.
+    prompt = list(range(3, 51))
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=4, ignore_eos=True)
+    e = make_engine(params, max_num_batched_tokens=256)
+    (req,) = run(e, [prompt], [sp])[1]
+    stats = e.stats()
+    assert stats["prefix_cache_hit_tokens"] == 3 * 40
+    # The prompt once, 8 own tokens for each other sample, then 9 decode steps each.
+    assert sum(stats["step_tokens"].values()) == 48 + 3 * 8 + 4 * 9
+    # Each sample is what a lone n=1 request with its seed gives, with no cache to share.
+    for i, seq in enumerate(req.seqs):
+        lone = make_engine(params, enable_prefix_caching=False)
+        one = dataclasses.replace(sp, n=1, seed=5 + i)
+        assert seq.output_ids == run(lone, [prompt], [one])[0][0]
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
 def test_bad_capacity_and_requests(params):
