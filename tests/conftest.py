@@ -10,6 +10,22 @@ if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# One persistent XLA compilation cache for the whole run: the xdist workers and every process the
+# tests start (servers, multi-host jobs, notebook kernels, the CLI) inherit it, so a program the
+# suite has compiled once (the default model's steps, above all) is loaded rather than compiled again.
+# Made by the controlling process, before the workers start, and removed when it exits; a directory
+# set by the caller is used as it is and kept. `engine.num_compiles` counts cache loads as compiles,
+# so the no-recompile tests are as strict with the cache as without it.
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
@@ -27,3 +43,30 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+# Files in order of their cost on the 2-core machine, heaviest first (measured 2026-11-23, seconds of
+# one worker in a full run: the notebooks ~130, kernels ~300, sharding ~185, ...). xdist hands whole
+# files to whichever worker is free (`--dist loadfile --no-loadscope-reorder`), so the long ones start
+# first and no worker is left alone with one at the end. Unlisted files follow in their usual order.
+_HEAVY_FIRST = (
+    "test_pallas_kernels.py",
+    "test_pallas_kernels_gpu.py",
+    "test_notebooks.py",
+    "test_multihost.py",
+    "test_sharding.py",
+    "test_engine.py",
+    "test_serving.py",
+    "test_default_model.py",
+    "test_gemma.py",
+    "test_hf_parity.py",
+    "test_llm.py",
+    "test_kv_cache_int8.py",
+    "test_streaming.py",
+    "test_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order

@@ -1,22 +1,32 @@
-"""The Pallas ragged paged-attention kernels (in interpret mode on CPU) and the tiled pure-JAX
-attention (the "xla" backend), against the plain pure-JAX reference.
-
-Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row)
-compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one past a
-page boundary, full tables, page tables wider than needed, padding rows, and NaN in every page a
-row does not own (so masking, not luck, keeps them out). Only each row's real query tokens are
-compared; the rest is don't-care.
+"""The Pallas ragged paged-attention kernel for TPU (in TPU interpret mode on CPU) and the tiled
+pure-JAX attention (the "xla" backend), against the plain pure-JAX reference; the kernels in the
+model, on a mesh, in the bench. The GPU kernel's tests are in test_pallas_kernels_gpu.py; the
+random ragged batches both use are in kernel_cases.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import (
+    CASES_PER_STATIC,
+    PAGE,
+    POOL,
+    STATICS,
+    WIDTH,
+    Static,
+    check_kernel_against_reference,
+    check_under_shard_map,
+    kernel_args,
+    random_batch,
+    static_id,
+)
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.attention import reference_paged_attention, resolve_backend, tiled_paged_attention
@@ -25,140 +35,13 @@ from jaxinfer.kv_cache import QuantizedPages
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
-PAGE = 8
-WIDTH = 4  # pages per row in the table (rows use fewer)
-POOL = 24
 
-
-@dataclasses.dataclass(frozen=True)
-class Static:
-    group: int
-    head_dim: int
-    t: int  # query tokens per row (1: decode)
-    window: int | None = None
-    soft_cap: float | None = None
-    dtype: str = "float32"
-    kv_heads: int = 2
-    int8: bool = False  # int8 pools with per-token-per-head scales (q and output stay in dtype)
-
-
-STATICS = [
-    Static(group=1, head_dim=64, t=1),
-    Static(group=2, head_dim=128, t=1, window=5),
-    Static(group=4, head_dim=64, t=6),
-    Static(group=8, head_dim=64, t=1, kv_heads=1, soft_cap=20.0),
-    Static(group=3, head_dim=256, t=4, window=7, soft_cap=30.0),
-    Static(group=2, head_dim=64, t=8, dtype="bfloat16"),
-    Static(group=1, head_dim=128, t=3, window=9, dtype="bfloat16", soft_cap=15.0),
-    Static(group=4, head_dim=128, t=1, int8=True),
-    Static(group=2, head_dim=64, t=5, window=6, soft_cap=25.0, dtype="bfloat16", int8=True),
-]
-CASES_PER_STATIC = 16
-
-
-def _lengths(rng, t: int) -> tuple[list[int], list[int]]:
-    """kv_lens and q_lens of one batch of 4 rows, biased toward the edge cases."""
-    edges = [0, 1, PAGE, PAGE + 1, 2 * PAGE, WIDTH * PAGE - 1, WIDTH * PAGE]
-    kv, q = [], []
-    for _ in range(4):
-        n = int(rng.choice(edges)) if rng.random() < 0.6 else int(rng.integers(0, WIDTH * PAGE + 1))
-        kv.append(n)
-        q.append(0 if n == 0 else int(rng.integers(1, min(n, t) + 1)) if rng.random() < 0.8 else min(n, t))
-    return kv, q
-
-
-def _batch(rng, st: Static):
-    b, nk = 4, st.kv_heads
-    n = nk * st.group
-    dtype = jnp.dtype(st.dtype)
-    kv, ql = _lengths(rng, st.t)
-    owned = rng.permutation(np.arange(1, POOL))[: b * WIDTH].reshape(b, WIDTH)
-    k = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
-    v = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
-    used = {int(owned[i, j]) for i in range(b) for j in range(-(-kv[i] // PAGE))}
-    stale = [p for p in range(POOL) if p not in used]
-    k[:, stale] = np.nan
-    v[:, stale] = np.nan
-    # Slots past a row's length inside its last page are stale too.
-    for i in range(b):
-        if kv[i] % PAGE:
-            last = owned[i, kv[i] // PAGE]
-            k[:, last, kv[i] % PAGE :] = np.nan
-            v[:, last, kv[i] % PAGE :] = np.nan
-    q = rng.standard_normal((b, st.t, n, st.head_dim)).astype(np.float32)
-    if st.int8:
-        k, v = _np_quantized(rng, k), _np_quantized(rng, v)
-    else:
-        k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    return (
-        jnp.asarray(q, dtype),
-        k,
-        v,
-        jnp.asarray(owned, jnp.int32),
-        jnp.asarray(kv, jnp.int32),
-        jnp.asarray(ql, jnp.int32),
-    )
-
-
-def _np_quantized(rng, x: np.ndarray) -> QuantizedPages:
-    """Symmetric per-token-per-head int8 in NumPy; NaN slots get random values and a NaN scale."""
-    stale = np.isnan(x).any(axis=-1)
-    scales = np.abs(np.nan_to_num(x)).max(axis=-1) / 127.0
-    values = np.round(np.nan_to_num(x) / np.where(scales == 0, 1, scales)[..., None]).astype(np.int8)
-    values[stale] = rng.integers(-127, 128, size=(int(stale.sum()), x.shape[-1]), dtype=np.int8)
-    scales[stale] = np.nan
-    return QuantizedPages(values=jnp.asarray(values), scales=jnp.asarray(scales, jnp.float32))
-
-
-def _kernel_args(k, v) -> tuple:
-    """(k_pages, v_pages, scale kwargs) as the kernels take them."""
-    if isinstance(k, QuantizedPages):
-        return k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales)
-    return k, v, {}
-
-
-KERNELS = {"tpu": ragged_paged_attention, "gpu": ragged_paged_attention_gpu}
-GPU_BLOCKS = [
-    {},
-    dict(pages_per_step=1, kv_splits=3),
-    dict(pages_per_step=8, kv_splits=1, rows_per_block=16),
-    dict(pages_per_step=2, kv_splits=8, rows_per_block=32),
-]
-
-
-def _static_id(s: Static) -> str:
-    return f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}"
-
-
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("st", STATICS, ids=_static_id)
-def test_kernel_matches_reference(st, kernel):
-    rng = np.random.default_rng(hash(st) % 2**32)
-    scale = float(st.head_dim**-0.5)
-    kind = SlidingWindow(st.window) if st.window else GlobalAttention()
-    tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
-    for case in range(CASES_PER_STATIC):
-        q, k, v, table, kv, ql = _batch(rng, st)
-        mode = "tpu" if kernel == "tpu" else True  # the TPU kernel under the strict TPU simulation
-        kp, vp, scales = _kernel_args(k, v)
-        # Block sizes: the table's choice, one page per block, and a block that straddles the table's
-        # end; for the GPU kernel also KV splits (more than a row has pages, too) and row blocks.
-        if kernel == "tpu":
-            scales["pages_per_block"] = (None, 1, 3)[case % 3]
-        else:
-            scales.update(GPU_BLOCKS[case % len(GPU_BLOCKS)])
-        out = KERNELS[kernel](
-            q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, interpret=mode, **scales
-        )
-        jax.block_until_ready(out)  # nothing else may be dispatched while TPU interpret mode runs
-        positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
-        ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
-        out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-        for row in range(q.shape[0]):
-            n = int(ql[row])
-            got, want = out[row, :n], ref[row, :n]
-            assert np.isfinite(got).all(), (case, row, "stale NaN leaked")
-            np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row}")
+@pytest.mark.parametrize("st", STATICS, ids=static_id)
+def test_kernel_matches_reference(st):
+    """The TPU kernel under the strict TPU simulation. Block sizes: the table's choice, one page per
+    block, and a block that straddles the table's end."""
+    blocks = [{}, dict(pages_per_block=1), dict(pages_per_block=3)]
+    check_kernel_against_reference(ragged_paged_attention, st, blocks, interpret="tpu")
 
 
 # Jitted once per static configuration and tiling (eagerly, every call would trace its while loop anew).
@@ -174,13 +57,13 @@ def test_tiled_xla_attention_matches_reference(st):
     """The "xla" backend: tiles of R rows x T tokens with an online softmax; row groups that do not
     divide the batch (padded), tiles that do not divide the table (padded with scratch pages), tiles
     smaller than a page (one page per tile), and the default (one tile covers the table)."""
-    rng = np.random.default_rng(hash(st) % 2**32 + 1)
+    rng = np.random.default_rng(zlib.crc32(static_id(st).encode()) + 1)
     scale = float(st.head_dim**-0.5)
     kind = SlidingWindow(st.window) if st.window else GlobalAttention()
     tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
     tiles = [dict(), dict(rows_per_tile=3, tokens_per_tile=3 * PAGE), dict(rows_per_tile=1, tokens_per_tile=2)]
     for case in range(CASES_PER_STATIC):
-        q, k, v, table, kv, ql = _batch(rng, st)
+        q, k, v, table, kv, ql = random_batch(rng, st)
         positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
         ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
         tiling = tiles[case % len(tiles)]
@@ -198,7 +81,7 @@ def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours():
     group visits tiles past its own length) gives the same output; continuous batching relies on it."""
     rng = np.random.default_rng(7)
     st = Static(group=4, head_dim=64, t=1)
-    q, k, v, table, kv, ql = _batch(rng, st)
+    q, k, v, table, kv, ql = random_batch(rng, st)
     kv = jnp.asarray([WIDTH * PAGE, 3, PAGE + 1, 0], jnp.int32)
     ql = jnp.minimum(kv, 1)
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
@@ -213,7 +96,7 @@ def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours():
 
 def test_out_of_range_inputs_are_refused():
     rng = np.random.default_rng(0)
-    q, k, v, table, kv, ql = _batch(rng, Static(group=1, head_dim=64, t=2))
+    q, k, v, table, kv, ql = random_batch(rng, Static(group=1, head_dim=64, t=2))
     call = lambda **kw: ragged_paged_attention(  # noqa: E731
         kw.get("q", q), k, v, kw.get("table", table), kw.get("kv", kv), kw.get("ql", ql), scale=0.125, interpret=True
     )
@@ -252,7 +135,7 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
 
     assert supports(page_size=16, head_dim=128) and supports(page_size=8, head_dim=64)
     assert not supports(page_size=16, head_dim=80) and not supports(page_size=12, head_dim=128)
-    q, k, v, table, kv, ql = _batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
+    q, k, v, table, kv, ql = random_batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
     with pytest.raises(ValueError, match="pages_per_block must be a positive int"):
         ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_block=0)
     with pytest.raises(ValueError, match="num_warps must be a positive int"):
@@ -312,7 +195,7 @@ def test_decode_agrees_with_upstream_paged_attention(group, soft_cap, int8):
     st = Static(group=group, head_dim=128, t=1, soft_cap=soft_cap, int8=int8)
     scale = 128**-0.5
     for _ in range(6):
-        q, k, v, table, kv, ql = _batch(rng, st)
+        q, k, v, table, kv, ql = random_batch(rng, st)
         kv = jnp.maximum(kv, 1)  # upstream has no notion of an empty row
         # nor of stale pages (it reads whole compute blocks): no NaN for it
         if int8:
@@ -321,7 +204,7 @@ def test_decode_agrees_with_upstream_paged_attention(group, soft_cap, int8):
         else:
             k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
             theirs_k, theirs_v = k, v
-        kp, vp, scales = _kernel_args(k, v)
+        kp, vp, scales = kernel_args(k, v)
         ours = ragged_paged_attention(
             q, kp, vp, table, kv, jnp.ones_like(kv), scale=scale, soft_cap=soft_cap, interpret=True, **scales
         )[:, 0]
@@ -353,29 +236,10 @@ def test_kernel_bench_smoke(capsys):
     assert {r["bytes"] for r in rows} == {2 * 2 * 32 * (128 + 4) + 2 * (2 * 2 * 128 * 2)}
 
 
-@pytest.mark.parametrize(
-    "model_axis,kv_heads,int8,kernel",
-    [(2, 2, False, "tpu"), (4, 4, True, "tpu"), (4, 2, False, "tpu"), (8, 2, True, "tpu"), (4, 4, True, "gpu")],
-)
-def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8, kernel):
-    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output. The GPU
-    kernel too (its block table then sees the per-device batch and heads)."""
-    import jax
-    from jax.sharding import Mesh
-
-    from pallas_kernels.sharded import kv_head_sharded
-
-    mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
-    rng = np.random.default_rng(model_axis)
-    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8)
-    q, k, v, table, kv, ql = _batch(rng, st)
-    k, v, scales = _kernel_args(k, v)
-    fn = KERNELS[kernel]
-    single = fn(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
-    sharded = kv_head_sharded(fn, mesh)(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
-    for row in range(q.shape[0]):
-        n = int(ql[row])
-        np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
+@pytest.mark.parametrize("model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True)])
+def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8):
+    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output."""
+    check_under_shard_map(ragged_paged_attention, model_axis, kv_heads, int8)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 8), (4, 8), (16, 8), (1, 16), (64, 32)])
@@ -401,111 +265,3 @@ def test_tiled_xla_attention_never_copies_the_page_pool(rows, width):
     compiled = decode_step.lower(init_params(cfg, 0), cache, batch, cfg=cfg).compile()
     pool_bytes = cache.k[0].nbytes
     assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes / 4
-
-
-def _gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-needs_gpu = pytest.mark.skipif(not _gpus(), reason="no GPU present: the compiled GPU kernel needs one")
-# On a GPU: the block settings the table picks and ones it does not (the compiled kernel needs >= 16 keys
-# per step, so PAGE = 8 takes at least 2 pages per step), all compiled by Triton, none interpreted.
-GPU_COMPILED_BLOCKS = [
-    {},
-    dict(pages_per_step=2, kv_splits=3),
-    dict(pages_per_step=8, kv_splits=1, rows_per_block=16, num_warps=4),
-    dict(pages_per_step=2, kv_splits=8, rows_per_block=32, num_stages=3),
-]
-
-
-@needs_gpu
-@pytest.mark.parametrize("st", STATICS, ids=_static_id)
-def test_gpu_kernel_compiled_matches_reference(st):
-    """The same random ragged batches as the interpret-mode test, through the Triton-compiled kernel;
-    float32 compares at full precision (the reference too: no tf32)."""
-    rng = np.random.default_rng(hash(st) % 2**32 + 2)
-    scale = float(st.head_dim**-0.5)
-    kind = SlidingWindow(st.window) if st.window else GlobalAttention()
-    tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
-    with jax.default_matmul_precision("highest"):
-        for case in range(CASES_PER_STATIC):
-            q, k, v, table, kv, ql = _batch(rng, st)
-            kp, vp, scales = _kernel_args(k, v)
-            scales.update(GPU_COMPILED_BLOCKS[case % len(GPU_COMPILED_BLOCKS)])
-            out = ragged_paged_attention_gpu(
-                q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, **scales
-            )
-            positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
-            ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
-            out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-            for row in range(q.shape[0]):
-                n = int(ql[row])
-                assert np.isfinite(out[row, :n]).all(), (case, row, "stale NaN leaked")
-                np.testing.assert_allclose(out[row, :n], ref[row, :n], atol=tol, rtol=tol, err_msg=f"{case} {row}")
-
-
-@needs_gpu
-@pytest.mark.parametrize("int8,window", [(False, None), (True, None), (False, 700)])
-def test_gpu_kernel_long_mixed_batch_matches_reference(int8, window):
-    """Production-like shapes on the GPU: 16-token pages, 32 query / 8 KV heads, head_dim 128, bfloat16;
-    decode rows with 1-4k tokens of context beside 64- and 200-token prefill chunks with a prefix."""
-    rng = np.random.default_rng(11)
-    b, t, n, nk, h, s, width = 8, 256, 32, 8, 128, 16, 256
-    kv = np.array([4096, 1, 2049, 1000, 3000, 64, 512 + 200, 17])
-    ql = np.array([1, 1, 1, 1, 1, 64, 200, 17])
-    pool = b * width + 1
-    k = jnp.asarray(rng.standard_normal((nk, pool, s, h)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((nk, pool, s, h)), jnp.bfloat16)
-    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.bfloat16)
-    table = jnp.asarray(1 + rng.permutation(b * width).reshape(b, width), jnp.int32)
-    kv, ql = jnp.asarray(kv, jnp.int32), jnp.asarray(ql, jnp.int32)
-    if int8:
-        from jaxinfer.kv_cache import quantize_int8
-
-        k, v = (QuantizedPages(*quantize_int8(x)) for x in (k, v))
-    kind = SlidingWindow(window) if window else GlobalAttention()
-    kp, vp, scales = _kernel_args(k, v)
-    out = ragged_paged_attention_gpu(q, kp, vp, table, kv, ql, scale=h**-0.5, window=window, **scales)
-    positions = (kv - ql)[:, None] + jnp.arange(t)[None, :]
-    ref = reference_paged_attention(q, k, v, table, positions, kv, scale=h**-0.5, kind=kind)
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    for row in range(b):
-        m = int(ql[row])
-        np.testing.assert_allclose(out[row, :m], ref[row, :m], atol=2e-2, rtol=2e-2, err_msg=f"row {row}")
-
-
-@pytest.mark.parametrize("group,soft_cap,int8", [(4, None, False), (2, 20.0, False), (1, None, True)])
-def test_gpu_kernel_agrees_with_upstream_gpu_paged_attention(group, soft_cap, int8):
-    """A second opinion for the GPU kernel: jax.experimental.pallas.ops.gpu.paged_attention (decode
-    only), in interpret mode on CPU and compiled on a GPU. It takes pre-scaled queries and no empty
-    rows, and multiplies the same per-token scales into int8 logits and weights as ours does."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as upstream
-
-    rng = np.random.default_rng(group + 10)
-    on_gpu = jax.default_backend() == "gpu"
-    st = Static(group=group, head_dim=64, t=1, soft_cap=soft_cap, int8=int8, kv_heads=2)
-    for _ in range(3):
-        q, k, v, table, kv, ql = _batch(rng, st)
-        kv = jnp.maximum(kv, 1)
-        if int8:
-            k, v = (QuantizedPages(values=x.values, scales=jnp.nan_to_num(x.scales)) for x in (k, v))
-        else:
-            k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
-        kp, vp, scales = _kernel_args(k, v)
-        blocks = {} if on_gpu else dict(pages_per_step=2)
-        ours = ragged_paged_attention_gpu(
-            q, kp, vp, table, kv, jnp.ones_like(kv), scale=0.125, soft_cap=soft_cap, interpret=not on_gpu, **scales,
-            **blocks,
-        )[:, 0]  # fmt: skip
-        theirs = upstream(
-            q[:, 0] * 0.125, kp, vp, table, kv, scales.get("k_scales"), scales.get("v_scales"),
-            k_splits=2, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap, interpret=not on_gpu,
-        )  # fmt: skip
-        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-3, rtol=2e-3)

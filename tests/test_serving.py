@@ -495,10 +495,13 @@ def test_metrics_endpoint_and_stream_interval(llm):
     try:
         with Client(s.address) as c:
             c.generate("count me", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-            # The first token at once, then messages of 4, and the rest with the end.
+            # The first token at once, then messages of 4, and the rest with the end: [1, 4, 4, 2]. A
+            # handler that falls behind (a loaded machine) merges what is queued, so messages may end
+            # only at those release points.
             p = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
             deltas = list(c.stream("count me", p))
-            assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 2]
+            ends = np.cumsum([len(d.token_ids) for d in deltas]).tolist()
+            assert set(ends) <= {1, 5, 9, 11} and ends[-1] == 11, ends
             assert [t for d in deltas for t in d.token_ids] == llm.generate("count me", p)[0].token_ids
             with pytest.raises(ServerError):
                 c.generate("", SamplingParams(max_tokens=4))

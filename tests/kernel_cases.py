@@ -1,0 +1,158 @@
+"""Random ragged paged-attention batches shared by the kernel tests (test_pallas_kernels*.py).
+
+Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row)
+compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one past a
+page boundary, full tables, page tables wider than needed, padding rows, and NaN in every page a
+row does not own (so masking, not luck, keeps them out). Only each row's real query tokens are
+compared; the rest is don't-care.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import reference_paged_attention
+from jaxinfer.config import GlobalAttention, SlidingWindow
+from jaxinfer.kv_cache import QuantizedPages
+
+PAGE = 8
+WIDTH = 4  # pages per row in the table (rows use fewer)
+POOL = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    group: int
+    head_dim: int
+    t: int  # query tokens per row (1: decode)
+    window: int | None = None
+    soft_cap: float | None = None
+    dtype: str = "float32"
+    kv_heads: int = 2
+    int8: bool = False  # int8 pools with per-token-per-head scales (q and output stay in dtype)
+
+
+STATICS = [
+    Static(group=1, head_dim=64, t=1),
+    Static(group=2, head_dim=128, t=1, window=5),
+    Static(group=4, head_dim=64, t=6),
+    Static(group=8, head_dim=64, t=1, kv_heads=1, soft_cap=20.0),
+    Static(group=3, head_dim=256, t=4, window=7, soft_cap=30.0),
+    Static(group=2, head_dim=64, t=8, dtype="bfloat16"),
+    Static(group=1, head_dim=128, t=3, window=9, dtype="bfloat16", soft_cap=15.0),
+    Static(group=4, head_dim=128, t=1, int8=True),
+    Static(group=2, head_dim=64, t=5, window=6, soft_cap=25.0, dtype="bfloat16", int8=True),
+]
+CASES_PER_STATIC = 16
+
+
+def lengths(rng, t: int) -> tuple[list[int], list[int]]:
+    """kv_lens and q_lens of one batch of 4 rows, biased toward the edge cases."""
+    edges = [0, 1, PAGE, PAGE + 1, 2 * PAGE, WIDTH * PAGE - 1, WIDTH * PAGE]
+    kv, q = [], []
+    for _ in range(4):
+        n = int(rng.choice(edges)) if rng.random() < 0.6 else int(rng.integers(0, WIDTH * PAGE + 1))
+        kv.append(n)
+        q.append(0 if n == 0 else int(rng.integers(1, min(n, t) + 1)) if rng.random() < 0.8 else min(n, t))
+    return kv, q
+
+
+def random_batch(rng, st: Static):
+    b, nk = 4, st.kv_heads
+    n = nk * st.group
+    dtype = jnp.dtype(st.dtype)
+    kv, ql = lengths(rng, st.t)
+    owned = rng.permutation(np.arange(1, POOL))[: b * WIDTH].reshape(b, WIDTH)
+    k = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
+    v = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
+    used = {int(owned[i, j]) for i in range(b) for j in range(-(-kv[i] // PAGE))}
+    stale = [p for p in range(POOL) if p not in used]
+    k[:, stale] = np.nan
+    v[:, stale] = np.nan
+    # Slots past a row's length inside its last page are stale too.
+    for i in range(b):
+        if kv[i] % PAGE:
+            last = owned[i, kv[i] // PAGE]
+            k[:, last, kv[i] % PAGE :] = np.nan
+            v[:, last, kv[i] % PAGE :] = np.nan
+    q = rng.standard_normal((b, st.t, n, st.head_dim)).astype(np.float32)
+    if st.int8:
+        k, v = np_quantized(rng, k), np_quantized(rng, v)
+    else:
+        k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    return (
+        jnp.asarray(q, dtype),
+        k,
+        v,
+        jnp.asarray(owned, jnp.int32),
+        jnp.asarray(kv, jnp.int32),
+        jnp.asarray(ql, jnp.int32),
+    )
+
+
+def np_quantized(rng, x: np.ndarray) -> QuantizedPages:
+    """Symmetric per-token-per-head int8 in NumPy; NaN slots get random values and a NaN scale."""
+    stale = np.isnan(x).any(axis=-1)
+    scales = np.abs(np.nan_to_num(x)).max(axis=-1) / 127.0
+    values = np.round(np.nan_to_num(x) / np.where(scales == 0, 1, scales)[..., None]).astype(np.int8)
+    values[stale] = rng.integers(-127, 128, size=(int(stale.sum()), x.shape[-1]), dtype=np.int8)
+    scales[stale] = np.nan
+    return QuantizedPages(values=jnp.asarray(values), scales=jnp.asarray(scales, jnp.float32))
+
+
+def kernel_args(k, v) -> tuple:
+    """(k_pages, v_pages, scale kwargs) as the kernels take them."""
+    if isinstance(k, QuantizedPages):
+        return k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales)
+    return k, v, {}
+
+
+def static_id(s: Static) -> str:
+    return f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}"
+
+
+def check_kernel_against_reference(kernel, st: Static, blocks: list[dict], *, interpret, seed_offset: int = 0):
+    """CASES_PER_STATIC random batches of `st` through `kernel` (block settings cycled) vs the reference."""
+    rng = np.random.default_rng(zlib.crc32(static_id(st).encode()) + seed_offset)  # hash() varies by process
+    scale = float(st.head_dim**-0.5)
+    kind = SlidingWindow(st.window) if st.window else GlobalAttention()
+    tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
+    for case in range(CASES_PER_STATIC):
+        q, k, v, table, kv, ql = random_batch(rng, st)
+        kp, vp, kwargs = kernel_args(k, v)
+        kwargs.update(blocks[case % len(blocks)])
+        if interpret is not None:
+            kwargs["interpret"] = interpret
+        out = kernel(q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, **kwargs)
+        jax.block_until_ready(out)  # nothing else may be dispatched while TPU interpret mode runs
+        positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
+        ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
+        out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+        for row in range(q.shape[0]):
+            n = int(ql[row])
+            got, want = out[row, :n], ref[row, :n]
+            assert np.isfinite(got).all(), (case, row, "stale NaN leaked")
+            np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row} {blocks}")
+
+
+def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool) -> None:
+    """`kernel` under shard_map over the `model` axis of a 1 x model_axis mesh == the kernel unsharded."""
+    from jax.sharding import Mesh
+
+    from pallas_kernels.sharded import kv_head_sharded
+
+    mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
+    rng = np.random.default_rng(model_axis)
+    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8)
+    q, k, v, table, kv, ql = random_batch(rng, st)
+    k, v, scales = kernel_args(k, v)
+    single = kernel(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
+    sharded = kv_head_sharded(kernel, mesh)(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
+    for row in range(q.shape[0]):
+        n = int(ql[row])
+        np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)

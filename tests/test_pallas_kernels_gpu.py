@@ -1,0 +1,136 @@
+"""The Pallas ragged paged-attention kernel for GPUs: in interpret mode on CPU against the pure-JAX
+reference on the random ragged batches of kernel_cases.py, under shard_map, against upstream's GPU
+paged attention; and, where a GPU is present, compiled by Triton (those tests skip without one).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_cases import (
+    STATICS,
+    Static,
+    check_kernel_against_reference,
+    check_under_shard_map,
+    kernel_args,
+    random_batch,
+    static_id,
+)
+
+from jaxinfer.attention import reference_paged_attention
+from jaxinfer.config import GlobalAttention, SlidingWindow
+from jaxinfer.kv_cache import QuantizedPages
+from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+
+# Interpret mode: the table's choice, one page per step with more KV splits than a row has pages,
+# and row blocks.
+INTERPRET_BLOCKS = [
+    {},
+    dict(pages_per_step=1, kv_splits=3),
+    dict(pages_per_step=8, kv_splits=1, rows_per_block=16),
+    dict(pages_per_step=2, kv_splits=8, rows_per_block=32),
+]
+
+
+@pytest.mark.parametrize("st", STATICS, ids=static_id)
+def test_kernel_matches_reference(st):
+    check_kernel_against_reference(ragged_paged_attention_gpu, st, INTERPRET_BLOCKS, interpret=True)
+
+
+def test_kernel_under_shard_map_over_kv_heads():
+    """Its block table then sees the per-device batch and heads."""
+    check_under_shard_map(ragged_paged_attention_gpu, 4, 4, True)
+
+
+def _gpus() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+needs_gpu = pytest.mark.skipif(not _gpus(), reason="no GPU present: the compiled GPU kernel needs one")
+# On a GPU: the block settings the table picks and ones it does not (the compiled kernel needs >= 16 keys
+# per step, so PAGE = 8 takes at least 2 pages per step), all compiled by Triton, none interpreted.
+GPU_COMPILED_BLOCKS = [
+    {},
+    dict(pages_per_step=2, kv_splits=3),
+    dict(pages_per_step=8, kv_splits=1, rows_per_block=16, num_warps=4),
+    dict(pages_per_step=2, kv_splits=8, rows_per_block=32, num_stages=3),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("st", STATICS, ids=static_id)
+def test_gpu_kernel_compiled_matches_reference(st):
+    """The same kind of random ragged batches as in interpret mode, through the Triton-compiled
+    kernel; float32 compares at full precision (the reference too: no tf32)."""
+    with jax.default_matmul_precision("highest"):
+        check = check_kernel_against_reference
+        check(ragged_paged_attention_gpu, st, GPU_COMPILED_BLOCKS, interpret=None, seed_offset=2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("int8,window", [(False, None), (True, None), (False, 700)])
+def test_gpu_kernel_long_mixed_batch_matches_reference(int8, window):
+    """Production-like shapes on the GPU: 16-token pages, 32 query / 8 KV heads, head_dim 128, bfloat16;
+    decode rows with 1-4k tokens of context beside 64- and 200-token prefill chunks with a prefix."""
+    rng = np.random.default_rng(11)
+    b, t, n, nk, h, s, width = 8, 256, 32, 8, 128, 16, 256
+    kv = np.array([4096, 1, 2049, 1000, 3000, 64, 512 + 200, 17])
+    ql = np.array([1, 1, 1, 1, 1, 64, 200, 17])
+    pool = b * width + 1
+    k = jnp.asarray(rng.standard_normal((nk, pool, s, h)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((nk, pool, s, h)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.bfloat16)
+    table = jnp.asarray(1 + rng.permutation(b * width).reshape(b, width), jnp.int32)
+    kv, ql = jnp.asarray(kv, jnp.int32), jnp.asarray(ql, jnp.int32)
+    if int8:
+        from jaxinfer.kv_cache import quantize_int8
+
+        k, v = (QuantizedPages(*quantize_int8(x)) for x in (k, v))
+    kind = SlidingWindow(window) if window else GlobalAttention()
+    kp, vp, scales = kernel_args(k, v)
+    out = ragged_paged_attention_gpu(q, kp, vp, table, kv, ql, scale=h**-0.5, window=window, **scales)
+    positions = (kv - ql)[:, None] + jnp.arange(t)[None, :]
+    ref = reference_paged_attention(q, k, v, table, positions, kv, scale=h**-0.5, kind=kind)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    for row in range(b):
+        m = int(ql[row])
+        np.testing.assert_allclose(out[row, :m], ref[row, :m], atol=2e-2, rtol=2e-2, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("group,soft_cap,int8", [(4, None, False), (2, 20.0, False), (1, None, True)])
+def test_gpu_kernel_agrees_with_upstream_gpu_paged_attention(group, soft_cap, int8):
+    """A second opinion for the GPU kernel: jax.experimental.pallas.ops.gpu.paged_attention (decode
+    only), in interpret mode on CPU and compiled on a GPU. It takes pre-scaled queries and no empty
+    rows, and multiplies the same per-token scales into int8 logits and weights as ours does."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as upstream
+
+    rng = np.random.default_rng(group + 10)
+    on_gpu = jax.default_backend() == "gpu"
+    st = Static(group=group, head_dim=64, t=1, soft_cap=soft_cap, int8=int8, kv_heads=2)
+    for _ in range(3):
+        q, k, v, table, kv, ql = random_batch(rng, st)
+        kv = jnp.maximum(kv, 1)
+        if int8:
+            k, v = (QuantizedPages(values=x.values, scales=jnp.nan_to_num(x.scales)) for x in (k, v))
+        else:
+            k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+        kp, vp, scales = kernel_args(k, v)
+        blocks = {} if on_gpu else dict(pages_per_step=2)
+        ours = ragged_paged_attention_gpu(
+            q, kp, vp, table, kv, jnp.ones_like(kv), scale=0.125, soft_cap=soft_cap, interpret=not on_gpu, **scales,
+            **blocks,
+        )[:, 0]  # fmt: skip
+        theirs = upstream(
+            q[:, 0] * 0.125, kp, vp, table, kv, scales.get("k_scales"), scales.get("v_scales"),
+            k_splits=2, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap, interpret=not on_gpu,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-3, rtol=2e-3)
