@@ -58,8 +58,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its full pages
-    digests: list[bytes] = dataclasses.field(default_factory=list)  # of tokens' full pages, kept across releases
+    num_keyed: int = 0  # leading pages it holds that are in the prefix cache (taken from it or registered)
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its tokens' full pages
     finish_reason: str | None = None
     first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)
     first_token_time: float | None = None
@@ -125,7 +125,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []
-        seq.page_keys = []
+        seq.num_keyed = 0
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` enough pages for `num_tokens` tokens; False if the pool is short."""
@@ -159,7 +159,7 @@ class Scheduler:
             if page is None:
                 break
             seq.pages.append(page)
-            seq.page_keys.append(key)
+        seq.num_keyed = len(seq.pages)
         seq.num_computed = len(seq.pages) * s
         self.prefix_cache_hit_tokens += seq.num_computed
 
@@ -172,10 +172,9 @@ class Scheduler:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: offers the sequence's newly completed full pages to the prefix cache."""
-        for i in range(len(seq.page_keys), seq.num_computed // self.page_size):
-            key = self._digest(seq, i)
-            self.pool.register(seq.pages[i], key)
-            seq.page_keys.append(key)
+        for i in range(seq.num_keyed, seq.num_computed // self.page_size):
+            self.pool.register(seq.pages[i], self._digest(seq, i))
+        seq.num_keyed = max(seq.num_keyed, seq.num_computed // self.page_size)
 
     def _digest(self, seq: Sequence, i: int) -> bytes:
         """Prefix-cache key of seq's page i (full). Tokens are only ever appended, so a sequence's keys
