@@ -552,6 +552,13 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
             )
         family = "gemma3" if model_type == "gemma3_text" else model_type
 
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(
+            f"quantization_config (quant_method {method!r}) is not supported: jaxinfer loads float16, bfloat16 or "
+            "float32 weights (int8 applies to the KV cache only)"
+        )
     activation = _activation(hf, family)
     if _bool_field(hf, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=true is not supported")

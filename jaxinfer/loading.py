@@ -133,6 +133,11 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
     out = {}
     for fname in files:
         for k in SafetensorsFile(os.path.join(model_dir, fname)).keys():
+            if k in out:  # without an index nothing says which copy is meant
+                raise CheckpointError(
+                    f"tensor {k!r} is in both {os.path.basename(out[k])} and {fname} (and there is no "
+                    "model.safetensors.index.json to say which to use)"
+                )
             out[k] = os.path.join(model_dir, fname)
     return out
 

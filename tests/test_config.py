@@ -112,6 +112,8 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(rope_parameters=dict(rope_type="dynamic", factor=0.5, rope_theta=1e4)), "must be a number >= 1"),
         (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "original_max_position_embeddings"),
         (dict(mlp_bias=True), "mlp_bias"),
+        # A GPTQ checkpoint has qweight/scales instead of weights: said up front, not as a missing tensor.
+        (dict(quantization_config=dict(quant_method="gptq", bits=4)), "quantization_config.*'gptq'"),
         (dict(num_key_value_heads=3), "multiple"),
         # Values that loaded and then gave garbage (all-zero tokens) or ignored a weight:
         (dict(rope_theta=0, rope_parameters=None), "'rope_theta' must be a positive number, got 0"),

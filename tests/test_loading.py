@@ -68,6 +68,16 @@ def test_wrong_shape_is_named(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+def test_a_tensor_in_two_files_without_an_index_is_refused(ckpt, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(ckpt, tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({"model.norm.weight": tensors["model.norm.weight"] * 2}, str(d / "model-extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is in both model-extra\.safetensors and model\."):
+        load_hf_checkpoint(str(d))
+
+
 def test_truncated_file_is_named(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
     f = d / "model.safetensors"
