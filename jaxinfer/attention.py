@@ -118,12 +118,12 @@ def reference_paged_attention(
     k, v = gather(k_pages), gather(v_pages)
     kv_pos = jnp.arange(k.shape[2], dtype=jnp.int32)  # [S_ctx]
 
-    in_context = kv_pos[None, :] < kv_lens[:, None]  # [B, S_ctx]
+    in_context = _visible(kv_pos[None, :], kv_lens[:, None], q_positions[:, :1], kind)  # [B, S_ctx]
     mask = in_context[:, None, :] & (kv_pos[None, None, :] <= q_positions[:, :, None])  # [B, T, S_ctx]
     if isinstance(kind, SlidingWindow):
         mask &= q_positions[:, :, None] - kv_pos[None, None, :] < kind.window
-    # Slots past a row's length may hold another request's stale data (even NaN): zero V there so
-    # a zero probability times garbage cannot leak into the output.
+    # Slots outside a row's visible range may hold another request's stale data (even NaN): zero V
+    # there so a zero probability times garbage cannot leak into the output.
     v = jnp.where(in_context[None, :, :, None], v, jnp.zeros((), v.dtype))
 
     qg = q.reshape(b, t, nk, g, h).transpose(2, 0, 3, 1, 4).reshape(nk, b, g * t, h)  # [K, B, G*T, H]
@@ -136,6 +136,16 @@ def reference_paged_attention(
     out = jnp.einsum("KBQS,KBSH->KBQH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out.reshape(nk, b, g, t, h).transpose(1, 3, 0, 2, 4)  # [B, T, K, G, H]
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _visible(kv_pos, kv_lens, first_q_pos, kind: AttentionKind):
+    """Context slots some query of the row can see: inside its length and, with a sliding window,
+    not before its first query's window. Pages wholly before that window may have been given back
+    (the scheduler drops them for all-window models; the table then points at the scratch page)."""
+    visible = kv_pos < kv_lens
+    if isinstance(kind, SlidingWindow):
+        visible &= kv_pos > first_q_pos - kind.window
+    return visible
 
 
 def tiled_paged_attention(
@@ -163,9 +173,10 @@ def tiled_paged_attention(
     300-320 ms -> 67-79 ms. Same contract as `reference_paged_attention`, to which the tests compare it.
 
     Rows come in groups of rows_per_tile (the engine orders decode rows longest first, so a group's
-    rows have similar lengths); a tile past the group's longest row is never visited (a while loop
-    over the tiles that exist), and a tile that is visited but masked for a row leaves that row's
-    softmax state exactly unchanged, so a row's result does not depend on its neighbours.
+    rows have similar lengths); a tile past the group's longest row, or before the sliding window of
+    every row in it, is never visited (a while loop over the tiles that exist), and a tile that is
+    visited but masked for a row leaves that row's softmax state exactly unchanged, so a row's result
+    does not depend on its neighbours.
     """
     b, t, n, h = q.shape
     nk, _, s, _ = k_pages.shape
@@ -187,8 +198,14 @@ def tiled_paged_attention(
     groups, tiles_per_row = bp // rows, page_table.shape[1] // pages_per_tile - 1
 
     qg = q.reshape(bp, t, nk, g, h).transpose(2, 0, 3, 1, 4).reshape(nk, bp, g * t, h)  # [K, B, G*T, H]
-    # Tiles each row group needs, and tile i of the flattened (group, tile) list.
-    need = jnp.minimum((kv_lens.reshape(groups, rows).max(axis=1) + tile - 1) // tile, tiles_per_row)
+    # Tiles each row group visits: from the first its window reaches (0 without a window) to the
+    # last its longest row reaches; tile i of the flattened (group, tile) list.
+    last_tile = jnp.minimum((kv_lens.reshape(groups, rows).max(axis=1) + tile - 1) // tile, tiles_per_row)
+    first_tile = jnp.zeros_like(last_tile)
+    if isinstance(kind, SlidingWindow):
+        lo = jnp.where(kv_lens > 0, jnp.maximum(q_positions[:, 0] - kind.window + 1, 0), jnp.iinfo(jnp.int32).max)
+        first_tile = jnp.minimum(lo.reshape(groups, rows).min(axis=1) // tile, last_tile)
+    need = last_tile - first_tile
     ends = jnp.cumsum(need)
 
     def gather(pool: Pool, pages: jax.Array) -> jax.Array:  # [K, R, tile, H] in q's dtype
@@ -201,13 +218,13 @@ def tiled_paged_attention(
         i, acc, m, denom = carry
         grp = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
         first = grp * rows
-        start = (i - (ends[grp] - need[grp])) * tile  # first context position of this tile
+        start = (first_tile[grp] + i - (ends[grp] - need[grp])) * tile  # first context position of this tile
         pages = jax.lax.dynamic_slice(page_table, (first, start // s), (rows, pages_per_tile))
         k, v = gather(k_pages, pages), gather(v_pages, pages)
         lens = jax.lax.dynamic_slice(kv_lens, (first,), (rows,))
         qpos = jax.lax.dynamic_slice(q_positions, (first, 0), (rows, t))
         kv_pos = start + jnp.arange(tile, dtype=jnp.int32)
-        in_context = kv_pos[None, :] < lens[:, None]  # [R, tile]
+        in_context = _visible(kv_pos[None, :], lens[:, None], qpos[:, :1], kind)  # [R, tile]
         mask = in_context[:, None, :] & (kv_pos[None, None, :] <= qpos[:, :, None])  # [R, T, tile]
         if isinstance(kind, SlidingWindow):
             mask &= qpos[:, :, None] - kv_pos[None, None, :] < kind.window

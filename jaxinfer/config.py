@@ -225,6 +225,15 @@ class ModelConfig:
         return self.layer_attention[layer] if self.layer_attention else GlobalAttention()
 
     @property
+    def kv_window(self) -> int | None:
+        """How far back any layer attends when every layer has a sliding window (the widest one);
+        None when some layer attends to the whole context. Keys further back are never read again."""
+        kinds = [self.attention_kind(i) for i in range(self.num_layers)]
+        if all(isinstance(k, SlidingWindow) for k in kinds):
+            return max(k.window for k in kinds)
+        return None
+
+    @property
     def attention_scale(self) -> float:
         """Softmax scale of the attention logits (a Python float: it is compiled in)."""
         base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar

@@ -197,6 +197,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_tokens=self.max_prefill_tokens,
+            window=cfg.kv_window,
         )
         self.mesh = mesh
         self.channel = channel
@@ -358,6 +359,9 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         need = pages_needed(min(len(prompt_ids) + params.max_tokens, self.max_model_len), self.page_size)
+        if (window := self.scheduler.window) is not None:
+            # It holds at most the pages from its window's start to the end of its chunk (see Scheduler).
+            need = min(need, (window - 1 + self.max_prefill_tokens) // self.page_size + 2)
         if need > self.pool.capacity:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages; "

@@ -18,6 +18,12 @@ cached (shared read-only, reference counted) instead of computing it. The n samp
 share their prompt this way: while one of them computes the prompt's full pages, the others wait for
 them at the head of the queue rather than computing the same pages again.
 
+Sliding windows: when every layer of the model attends only to a window of W keys, a page whose
+tokens all lie more than W - 1 positions before the next token to compute is never read again. It
+goes back to the pool (or, if the prefix cache holds it, becomes evictable) and its entry in the
+sequence's table becomes the scratch page, which attention masks: a long windowed sequence holds
+about W / page_size + 1 pages, not one per page of its length.
+
 The output is a `StepPlan`: plain host data. The engine turns it into device arrays; on several
 hosts the leader broadcasts it so every process runs the same step.
 """
@@ -29,7 +35,7 @@ import dataclasses
 import enum
 import time
 
-from jaxinfer.kv_cache import OutOfPagesError, PagePool, page_hash, pages_needed
+from jaxinfer.kv_cache import SCRATCH_PAGE, OutOfPagesError, PagePool, page_hash, pages_needed
 from jaxinfer.sampling import SamplingParams
 
 # Padding a prompt chunk may carry before it is cut to the bucket below: about what one more call
@@ -59,6 +65,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_keyed: int = 0  # leading pages it holds that are in the prefix cache (taken from it or registered)
+    num_dropped: int = 0  # leading pages given back as they left the sliding window (entries: scratch)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its tokens' full pages
     finish_reason: str | None = None
     first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)
@@ -103,7 +110,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(
-        self, *, pool: PagePool, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_tokens: int
+        self,
+        *,
+        pool: PagePool,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_tokens: int,
+        window: int | None = None,
     ):
         self.pool = pool
         self.page_size = page_size
@@ -111,6 +125,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # Padded tokens of one prefill call at most (rows bucket x length bucket).
         self.max_prefill_tokens = max_prefill_tokens
+        self.window = window  # every layer attends to at most this many keys (None: some layer to all)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -123,9 +138,20 @@ class Scheduler:
     # -- pages ------------------------------------------------------------------------------
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.release(seq.pages)
+        self.pool.release(seq.pages[seq.num_dropped :])
         seq.pages = []
         seq.num_keyed = 0
+        seq.num_dropped = 0
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Gives back seq's pages that lie wholly before the window of its next token to compute."""
+        if self.window is None:
+            return
+        end = min(max(seq.num_computed - self.window + 1, 0) // self.page_size, len(seq.pages))
+        if end > seq.num_dropped:
+            self.pool.release(seq.pages[seq.num_dropped : end])
+            seq.pages[seq.num_dropped : end] = [SCRATCH_PAGE] * (end - seq.num_dropped)
+            seq.num_dropped = end
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` enough pages for `num_tokens` tokens; False if the pool is short."""
@@ -172,7 +198,7 @@ class Scheduler:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: offers the sequence's newly completed full pages to the prefix cache."""
-        for i in range(seq.num_keyed, seq.num_computed // self.page_size):
+        for i in range(max(seq.num_keyed, seq.num_dropped), seq.num_computed // self.page_size):
             self.pool.register(seq.pages[i], self._digest(seq, i))
         seq.num_keyed = max(seq.num_keyed, seq.num_computed // self.page_size)
 
@@ -201,6 +227,7 @@ class Scheduler:
             n = self._chunk_length(min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill)
             if n == 0:
                 continue  # its next chunk runs next step
+            self._drop_out_of_window(seq)
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -219,6 +246,7 @@ class Scheduler:
                 if self._sibling_computing_prefix(seq):
                     break
                 self._reuse_prefix(seq)
+                self._drop_out_of_window(seq)
             remaining = len(seq.tokens) - seq.num_computed
             n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)
             if n == 0 or not self._grow(seq, seq.num_computed + n):

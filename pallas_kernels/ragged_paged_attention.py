@@ -9,13 +9,16 @@ Grid: (row b, KV head k, page block j). The query heads of one KV head (the GQA 
 and the row's T query tokens form one [T*G, H] block, so K/V pages are read once per group, not
 once per query head. Block j holds `pages_per_block` pages (from a table keyed by page size, see
 PAGES_PER_BLOCK), each fetched by its own BlockSpec whose index map reads the page table
-(scalar-prefetched into SMEM); a page past the row's last maps to that last page again, which the
-pipeline recognises and does not copy. The softmax is online (running max, sum and accumulator in
+(scalar-prefetched into SMEM); a page past the row's last maps to that last page again, and a page
+before its sliding window (if any) to the window's first page, which the pipeline recognises and
+does not copy again: a windowed row reads only its window. The softmax is online (running max, sum and accumulator in
 VMEM scratch), updated page by page and finalised after the last block.
 
 Masking: a key counts if it is inside the row's length, not after the query (causal), and inside
-the sliding window when there is one. V is zeroed past the row's length, so stale data - even
-NaN - left in a recycled page never reaches an output. A row with no keys (padding) outputs 0.
+the sliding window when there is one. V is zeroed outside the row's visible range (past its length,
+before its first query's window), so stale data - even NaN - left in a recycled page, or in the
+scratch page that stands in for pages a windowed sequence gave back, never reaches an output. A row
+with no keys (padding) outputs 0.
 
 Off TPU it runs interpreted: `interpret="tpu"` is Pallas' TPU interpret mode (`pltpu.InterpretParams`),
 the strict simulation of the TPU (the kernel-vs-reference tests use it); `interpret=True` is the
@@ -61,6 +64,7 @@ def _kernel(
     b, j = pl.program_id(0), pl.program_id(2)
     kv_len = kv_lens_ref[b]
     q_start = q_starts_ref[b]
+    lo = 0 if window is None else q_start - window + 1  # the row's first query sees no key before it
 
     @pl.when(j == 0)
     def _init():
@@ -73,7 +77,7 @@ def _kernel(
     for i in range(n):
         start = (j * n + i) * page_size
 
-        @pl.when(start < kv_len)
+        @pl.when((start < kv_len) & (start + page_size > lo))
         def _page(k_ref=k_refs[i], v_ref=v_refs[i], ks_ref=ks_refs[i], vs_ref=vs_refs[i], start=start):
             q = q_ref[0, 0]
             k = k_ref[0, 0]
@@ -99,13 +103,14 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             alpha = jnp.exp(m_prev - m_new)
             l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-            if quantized:  # zero the scales past the row's length: stale (even NaN) scales never count
+            # Zero V (or its scales) outside the row's visible range: stale, even NaN, data never counts.
+            if quantized:
                 v_scale = vs_ref[0, 0]  # [1, S]
-                in_row = start + jax.lax.broadcasted_iota(jnp.int32, v_scale.shape, 1) < kv_len
-                weights = p * jnp.where(in_row, v_scale, 0.0)
+                v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v_scale.shape, 1)
+                weights = p * jnp.where((v_pos < kv_len) & (v_pos >= lo), v_scale, 0.0)
             else:
                 v_pos = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-                v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))
+                v = jnp.where((v_pos < kv_len) & (v_pos >= lo), v, jnp.zeros((), v.dtype))
                 weights = p
             pv = jax.lax.dot_general(
                 weights.astype(compute), v.astype(compute), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
@@ -214,7 +219,8 @@ def _ragged_paged_attention(
     def kv_index(i):  # the index map of the block's i-th page
         def index(bi, ki, j, pt, lens, starts):
             last = jnp.maximum((lens[bi] + page_size - 1) // page_size - 1, 0)
-            return ki, pt[bi, jnp.minimum(j * ppb + i, last)], 0, 0
+            first = 0 if window is None else jnp.maximum(starts[bi] - window + 1, 0) // page_size
+            return ki, pt[bi, jnp.clip(j * ppb + i, jnp.minimum(first, last), last)], 0, 0
 
         return index
 

@@ -3,7 +3,8 @@
 Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row)
 compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one past a
 page boundary, full tables, page tables wider than needed, padding rows, and NaN in every page a
-row does not own (so masking, not luck, keeps them out). Only each row's real query tokens are
+row does not own (so masking, not luck, keeps them out), including page 0, where a windowed row's
+table points for the pages wholly before its window (the engine gives those back). Only each row's real query tokens are
 compared; the rest is don't-care.
 """
 
@@ -68,9 +69,12 @@ def random_batch(rng, st: Static):
     dtype = jnp.dtype(st.dtype)
     kv, ql = lengths(rng, st.t)
     owned = rng.permutation(np.arange(1, POOL))[: b * WIDTH].reshape(b, WIDTH)
+    if st.window:  # pages wholly before a row's window are given back, as the engine does: scratch (NaN)
+        for i in range(b):
+            owned[i, : max(kv[i] - ql[i] - st.window + 1, 0) // PAGE] = 0
     k = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
     v = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
-    used = {int(owned[i, j]) for i in range(b) for j in range(-(-kv[i] // PAGE))}
+    used = {int(owned[i, j]) for i in range(b) for j in range(-(-kv[i] // PAGE))} - {0}
     stale = [p for p in range(POOL) if p not in used]
     k[:, stale] = np.nan
     v[:, stale] = np.nan

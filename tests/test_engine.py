@@ -263,3 +263,41 @@ def test_prompt_chunks_are_cut_to_their_padded_shape():
     # 8 left: bucket 16 pads 8 -> all of it; the 30 joins for 16 tokens (2 x 16, 24/32 real).
     assert steps[2] == [(0, 8), (2, 16), (1, 1)]
     assert steps[3] == [(2, 14), (0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_a_windowed_model_gives_back_pages_that_leave_the_window(params, backend):
+    """Every layer attends to 12 keys: a sequence holds at most the pages from its window's start to
+    the end of its chunk, so sequences 15 pages long run in a cache of 8, preempting each other, with
+    the tokens of an engine that keeps every page. Given-back pages are reused (and poisoned with NaN
+    first); their table entries point at the scratch page, which the poisoning fills with NaN too."""
+    from jaxinfer.config import SlidingWindow
+
+    cfg = dataclasses.replace(CFG, layer_attention=(SlidingWindow(12),) * 2, attention_backend=backend)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 128, 40).tolist()
+    prompts = [shared + rng.integers(3, 128, 5).tolist(), rng.integers(3, 128, 70).tolist()]
+    prompts += [shared + rng.integers(3, 128, 30).tolist(), rng.integers(3, 128, 9).tolist()]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (60, 50, 20, 40)]
+
+    def engine(**kw):
+        return Engine(cfg, params, max_model_len=256, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, **kw)
+
+    keeps_all = engine(num_kv_pages=256, enable_prefix_caching=False)
+    keeps_all.scheduler.window = None
+    want = [run(keeps_all, [p], [sp])[0][0] for p, sp in zip(prompts, sps)]
+
+    e = engine(num_kv_pages=9, poison_reused_pages=True)
+    reqs = [e.add_request(p, sp) for p, sp in zip(prompts, sps)]
+    held = 0
+    while e.has_unfinished():
+        e.step()
+        held = max([held] + [len(s.pages) - s.num_dropped for s in e.scheduler.running])
+    assert [r.seqs[0].output_ids for r in reqs] == want
+    assert held <= (12 - 1 + 16) // 8 + 2  # window start to chunk end; the longest sequence spans 15 pages
+    stats = e.stats()
+    assert stats["num_preemptions"] > 0
+    # Recomputed and shared prefixes came from the prefix cache (pages taken, then the ones already
+    # out of the window given back at once).
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]

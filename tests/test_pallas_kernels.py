@@ -76,9 +76,11 @@ def test_tiled_xla_attention_matches_reference(st):
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row} {tiling}")
 
 
-def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours():
+@pytest.mark.parametrize("kind", [GlobalAttention(), SlidingWindow(6)], ids=["global", "window"])
+def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours(kind):
     """Bitwise: a row attended alone and inside a batch of longer and shorter rows (so its tile
-    group visits tiles past its own length) gives the same output; continuous batching relies on it."""
+    group visits tiles past its own length, or before its window) gives the same output; continuous
+    batching relies on it."""
     rng = np.random.default_rng(7)
     st = Static(group=4, head_dim=64, t=1)
     q, k, v, table, kv, ql = random_batch(rng, st)
@@ -86,7 +88,7 @@ def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours():
     ql = jnp.minimum(kv, 1)
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
     positions = (kv - ql)[:, None]
-    args = dict(scale=0.125, kind=GlobalAttention(), rows_per_tile=4, tokens_per_tile=PAGE)
+    args = dict(scale=0.125, kind=kind, rows_per_tile=4, tokens_per_tile=PAGE)
     together = np.asarray(tiled_paged_attention(q, k, v, table, positions, kv, **args))
     for row in range(3):
         sl = slice(row, row + 1)
