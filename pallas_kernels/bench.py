@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-dtype", default="auto", choices=["auto", "int8"], help="cache pools in --dtype, or int8 + scales"
     )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding window of W keys (a Mistral/Gemma local layer); default global",
+    )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--layers", type=int, default=1, help="attention layers per timed call (one jit); time is per layer")
     p.add_argument(
@@ -126,11 +132,13 @@ def _pools(args, ctx: int, rng) -> dict:
 
 def decode_bytes(args, ctx: int) -> int:
     """Bytes one layer's decode attention must move: every row's K and V (int8: + a float32 scale per
-    token and head) read once, its queries read and outputs written once."""
+    token and head) read once - with --window only the last W keys - its queries read and outputs
+    written once."""
     n, nk = args.heads
     itemsize = jnp.dtype(args.dtype).itemsize
     per_token_head = (args.head_dim + 4) if args.kv_dtype == "int8" else args.head_dim * itemsize
-    return 2 * args.batch * ctx * nk * per_token_head + 2 * args.batch * n * args.head_dim * itemsize
+    keys = ctx if args.window is None else min(ctx, args.window)
+    return 2 * args.batch * keys * nk * per_token_head + 2 * args.batch * n * args.head_dim * itemsize
 
 
 def _variants(args, ctx: int, variants: list[str], rng, platform: str):
@@ -142,7 +150,7 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     dispatch for the step, not one per attention call.
     """
     from jaxinfer.attention import reference_paged_attention, tiled_paged_attention
-    from jaxinfer.config import GlobalAttention
+    from jaxinfer.config import GlobalAttention, SlidingWindow
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
     from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
@@ -158,29 +166,30 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     ones = jnp.ones((b,), jnp.int32)
     scale = float(h**-0.5)
     moved = decode_bytes(args, ctx)
+    kind = GlobalAttention() if args.window is None else SlidingWindow(args.window)
     attn = {}  # variant -> (form of the pools it takes, fn(q, *pools) -> [B, 1, N, H])
     if "reference" in variants:
         attn["reference"] = (
             "reference",
             lambda q, k, v: reference_paged_attention(
-                q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=GlobalAttention()
+                q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=kind
             ),
         )
     if "xla" in variants:
         attn["xla"] = (
             "reference",
-            lambda q, k, v: tiled_paged_attention(
-                q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=GlobalAttention()
-            ),
+            lambda q, k, v: tiled_paged_attention(q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=kind),
         )
     if "ours" in variants:
         kernel = ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
-        static = dict(scale=scale, interpret=not (on_tpu or on_gpu))
+        static = dict(scale=scale, window=args.window, interpret=not (on_tpu or on_gpu))
         static.update({k: v for k, v in (args.kernel_blocks or {}).items() if on_gpu})
         kp, vp, sc = layers[0]["kernel"]
         kernel(q, kp, vp, table, lens, ones, **static, **sc)  # the eager input checks, once
         attn["ours"] = "kernel", lambda q, kp, vp, sc: kernel(q, kp, vp, table, lens, ones, **static, **sc)
-    if "upstream" in variants and on_gpu:
+    if "upstream" in variants and args.window is not None:
+        print("  (upstream: its paged attention has no sliding window; skipped)")
+    elif "upstream" in variants and on_gpu:
         import warnings
 
         with warnings.catch_warnings():  # upstream marks its GPU paged attention deprecated
@@ -233,8 +242,10 @@ def run(args) -> list[dict]:
     simulated_kernels = platform == "cpu"
     if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
         raise SystemExit("error: --heads takes N,K with N a multiple of K")
-    if min(args.batch, args.head_dim, args.page_size, args.repeats, args.layers, *args.contexts) < 1:
-        raise SystemExit("error: --batch, --head-dim, --page-size, --repeats, --layers and --contexts must be positive")
+    if min(args.batch, args.head_dim, args.page_size, args.repeats, args.layers, *args.contexts, args.window or 1) < 1:
+        raise SystemExit(
+            "error: --batch, --head-dim, --page-size, --repeats, --layers, --contexts and --window must be positive"
+        )
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - {"copy", "reference", "xla", "ours", "upstream"}
     if unknown:
@@ -247,6 +258,7 @@ def run(args) -> list[dict]:
         f"{n} query / {nk} KV heads, head_dim {h}, page {s}, {args.dtype}"
         + (", int8 KV cache (+ float32 scales)" if args.kv_dtype == "int8" else "")
         + (f"; {args.layers} layers per call, time per layer" if args.layers > 1 else "")
+        + (f"; sliding window {args.window} (bytes: the window's K/V)" if args.window else "")
     )
     if simulated_kernels:
         print("  (CPU: 'ours' and 'upstream' run in TPU interpret mode - simulated, not a speed)")
