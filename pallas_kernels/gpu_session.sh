@@ -17,6 +17,7 @@ step bench bench --batch 8 --contexts 1024,4096,16384 2>&1 | tee "$OUT/bench.log
 step bench-b32 bench --batch 32 --contexts 4096 2>&1 | tee -a "$OUT/bench.log"
 step bench-int8 bench --batch 8 --contexts 4096,16384 --kv-dtype int8 2>&1 | tee -a "$OUT/bench.log"
 step bench-h64 bench --batch 16 --contexts 4096 --heads 16,16 --head-dim 64 2>&1 | tee -a "$OUT/bench.log"
+step bench-window bench --batch 8 --contexts 16384 --window 4096 2>&1 | tee -a "$OUT/bench.log"  # reads the window only?
 if [ "$1" = tune ]; then
   for shape in "--batch 8 --contexts 4096,16384" "--batch 32 --contexts 4096"; do
     step tune $PY -m pallas_kernels.tune_gpu $shape --repeats 10 2>&1 | tee -a "$OUT/tune.log" | grep -v "^ *[0-9]* {"
