@@ -40,6 +40,8 @@ _ST_DTYPES = {
     "BOOL": np.bool_,
 }
 
+_FLOAT_DTYPES = {np.dtype(_ST_DTYPES[k]) for k in ("F64", "F32", "F16", "BF16")}
+
 
 class SafetensorsFile:
     """A memory-mapped safetensors file; `get(name)` returns a zero-copy view."""
@@ -264,7 +266,13 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
                 raise CheckpointError(
                     f"tensor {names[hf_name]!r} is not in {os.path.basename(fname)} as the index says"
                 )
-            raws.append(st.get(names[hf_name]))
+            raw = st.get(names[hf_name])
+            if raw.dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"tensor {names[hf_name]!r} in {os.path.basename(fname)} holds {raw.dtype} values; weights must be "
+                    "float16, bfloat16 or float32 (quantized checkpoints are not supported)"
+                )
+            raws.append(raw)
         target = abstract
         for key in path:
             target = target[key]

@@ -68,6 +68,17 @@ def test_wrong_shape_is_named(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+def test_integer_weights_are_refused_not_cast(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+
+    def edit(t):
+        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"].astype(np.int32)
+
+    _rewrite_safetensors(d, edit)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' .* holds int32 values"):
+        load_hf_checkpoint(str(d))
+
+
 def test_a_tensor_in_two_files_without_an_index_is_refused(ckpt, tmp_path):
     from safetensors.numpy import load_file, save_file
 
