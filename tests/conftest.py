@@ -9,6 +9,12 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every process the tests start (servers, multi-host jobs, notebook kernels, the CLI) imports this
+# checkout, whatever else is installed: a stale installed copy must not be what gets tested (and
+# notebooks in an environment without jaxinfer would otherwise pip-install one from their first cell).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 # One persistent XLA compilation cache for the whole run: the xdist workers and every process the
 # tests start (servers, multi-host jobs, notebook kernels, the CLI) inherit it, so a program the
