@@ -226,6 +226,10 @@ class PagePool:
         self._refs[page] += 1
         return page
 
+    def contains(self, key: bytes) -> bool:
+        """Whether a cached page holds this prefix page (no reference taken)."""
+        return self.enable_prefix_cache and key in self._page_of
+
     def register(self, page: int, key: bytes) -> None:
         """Records that `page` (full, in use) holds the prefix page `key`, for later requests to share."""
         if not self.enable_prefix_cache or key in self._page_of or page in self._hash_of:

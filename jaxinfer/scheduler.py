@@ -147,7 +147,7 @@ class Scheduler:
         """Gives back seq's pages that lie wholly before the window of its next token to compute."""
         if self.window is None:
             return
-        end = min(max(seq.num_computed - self.window + 1, 0) // self.page_size, len(seq.pages))
+        end = min(self._window_start(seq.num_computed), len(seq.pages))
         if end > seq.num_dropped:
             self.pool.release(seq.pages[seq.num_dropped : end])
             seq.pages[seq.num_dropped : end] = [SCRATCH_PAGE] * (end - seq.num_dropped)
@@ -175,19 +175,35 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Takes the cached pages that hold this sequence's leading full pages."""
+        """Takes the cached pages that hold this sequence's leading full pages.
+
+        With a sliding window only the pages the next token's window reaches are needed: a hit on
+        the first k pages needs pages (k * S - W + 1) // S .. k - 1 cached, not the ones before (the
+        digests chain every earlier token, so a hit still means the whole prefix matched). That
+        matters because a windowed sequence gives its earliest pages back first, so they are also
+        the first evicted."""
         s = self.page_size
         # Always leave at least one token to compute: it produces the logits to sample from.
         max_pages = (len(seq.tokens) - 1) // s
-        for i in range(max_pages):
-            key = self._digest(seq, i)
-            page = self.pool.lookup(key)
-            if page is None:
-                break
-            seq.pages.append(page)
-        seq.num_keyed = len(seq.pages)
-        seq.num_computed = len(seq.pages) * s
+        if self.window is None:
+            first, hit = 0, 0
+            while hit < max_pages and self.pool.contains(self._digest(seq, hit)):
+                hit += 1
+        else:
+            cached = [self.pool.contains(self._digest(seq, i)) for i in range(max_pages)]
+            hit = max_pages
+            while hit > 0 and not all(cached[self._window_start(hit * s) : hit]):
+                hit -= 1
+            first = self._window_start(hit * s)
+        seq.pages = [SCRATCH_PAGE] * first + [self.pool.lookup(self._digest(seq, i)) for i in range(first, hit)]
+        seq.num_dropped = first
+        seq.num_keyed = hit
+        seq.num_computed = hit * s
         self.prefix_cache_hit_tokens += seq.num_computed
+
+    def _window_start(self, position: int) -> int:
+        """The first page the window of the token at `position` reaches (0 without a window)."""
+        return 0 if self.window is None else max(position - self.window + 1, 0) // self.page_size
 
     def _sibling_computing_prefix(self, seq: Sequence) -> bool:
         """True while another sample of seq's request is computing prompt pages seq could share."""

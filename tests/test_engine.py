@@ -301,3 +301,25 @@ def test_a_windowed_model_gives_back_pages_that_leave_the_window(params):
     # out of the window given back at once).
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_a_windowed_prefix_hit_needs_only_the_pages_in_its_window(params):
+    """A windowed sequence gives its earliest pages back first, so they are the first evicted; a
+    later request repeating its tokens still reuses the cached pages its window reaches (before, the
+    walk from page 0 stopped at the first evicted page: no hit at all)."""
+    from jaxinfer.config import SlidingWindow
+    from jaxinfer.kv_cache import page_hash
+
+    cfg = dataclasses.replace(CFG, layer_attention=(SlidingWindow(12),) * 2)
+    small = Engine(cfg, params, max_model_len=256, page_size=8, num_kv_pages=7, max_num_batched_tokens=16)
+    keeps_all = Engine(cfg, params, max_model_len=256, page_size=8, num_kv_pages=64, max_num_batched_tokens=16)
+    keeps_all.scheduler.window = None
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    first = np.random.default_rng(4).integers(3, 128, 80).tolist()
+    (out,), _ = run(small, [first], [sp])
+    assert not small.pool.contains(page_hash(b"", first[:8]))  # the prompt's first page was evicted
+    again = first + out[:24] + [7, 8, 9]  # 104 tokens seen before: 13 full pages, the window reaches 11 and 12
+    hits = small.stats()["prefix_cache_hit_tokens"]
+    assert run(small, [again], [sp])[0] == run(keeps_all, [again], [sp])[0]
+    assert small.stats()["prefix_cache_hit_tokens"] - hits == 13 * 8
+    assert small.stats()["kv_pages_free"] == small.stats()["kv_pages_total"]
