@@ -185,16 +185,18 @@ class Scheduler:
         s = self.page_size
         # Always leave at least one token to compute: it produces the logits to sample from.
         max_pages = (len(seq.tokens) - 1) // s
-        if self.window is None:
+        if self.window is None or not self.pool.enable_prefix_cache:
             first, hit = 0, 0
             while hit < max_pages and self.pool.contains(self._digest(seq, hit)):
                 hit += 1
         else:
             cached = [self.pool.contains(self._digest(seq, i)) for i in range(max_pages)]
-            hit = max_pages
-            while hit > 0 and not all(cached[self._window_start(hit * s) : hit]):
-                hit -= 1
-            first = self._window_start(hit * s)
+            hit, first = max_pages, 0
+            while hit > 0:
+                first = min(self._window_start(hit * s), hit - 1)  # page hit - 1 at least: it proves the match
+                if all(cached[first:hit]):
+                    break
+                hit, first = hit - 1, 0
         seq.pages = [SCRATCH_PAGE] * first + [self.pool.lookup(self._digest(seq, i)) for i in range(first, hit)]
         seq.num_dropped = first
         seq.num_keyed = hit
