@@ -410,7 +410,7 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         runs = [_decode_once(llm, prompts, params) for _ in range(args.repeats)]
         step = statistics.median(r[0] for r in runs)
         mean_ctx = args.context + args.new_tokens / 2
-        step_bytes = streamed_bytes + b * mean_ctx * cfg.kv_bytes_per_token
+        step_bytes = streamed_bytes + b * cfg.kv_bytes_read(mean_ctx)
         achieved = step_bytes / step
         row = {
             "batch": b,

@@ -252,6 +252,13 @@ class ModelConfig:
             per_head = self.head_dim * (4 if self.dtype == "float32" else 2)
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
+    def kv_bytes_read(self, context: float) -> float:
+        """Bytes of K and V one query at `context` tokens must read over all layers: a sliding-window
+        layer reads only its window, so counting the whole context would overstate what decode moves."""
+        per_layer = self.kv_bytes_per_token / self.num_layers
+        kinds = [self.attention_kind(i) for i in range(self.num_layers)]
+        return per_layer * sum(min(context, k.window) if isinstance(k, SlidingWindow) else context for k in kinds)
+
     @property
     def num_params(self) -> int:
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim

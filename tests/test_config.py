@@ -159,3 +159,16 @@ def test_num_params_counts_the_real_tree(flags):
         **flags,
     )
     assert cfg.num_params == sum(x.size for x in jax.tree.leaves(abstract_params(cfg)))
+
+
+def test_kv_bytes_a_query_reads_count_each_layer_its_window():
+    from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
+
+    base = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8)
+    flat = ModelConfig(num_layers=2, **base)
+    assert flat.kv_bytes_read(100) == 100 * flat.kv_bytes_per_token == 100 * 2 * 2 * 2 * 8 * 4
+    mixed = ModelConfig(num_layers=2, layer_attention=(SlidingWindow(16), GlobalAttention()), **base)
+    assert mixed.kv_bytes_read(100) == (16 + 100) * 2 * 2 * 8 * 4  # K and V, 2 KV heads, 8 x float32
+    assert mixed.kv_bytes_read(10) == flat.kv_bytes_read(10)  # inside the window: the whole context
+    assert mixed.kv_window is None
+    assert ModelConfig(num_layers=2, layer_attention=(SlidingWindow(16), SlidingWindow(24)), **base).kv_window == 24
