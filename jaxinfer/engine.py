@@ -358,10 +358,7 @@ class Engine:
         bad = [t for t in prompt_ids if not (0 <= t < self.cfg.vocab_size)]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        need = pages_needed(min(len(prompt_ids) + params.max_tokens, self.max_model_len), self.page_size)
-        if (window := self.scheduler.window) is not None:
-            # It holds at most the pages from its window's start to the end of its chunk (see Scheduler).
-            need = min(need, (window - 1 + self.max_prefill_tokens) // self.page_size + 2)
+        need = self.scheduler.most_pages_held(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
         if need > self.pool.capacity:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages; "

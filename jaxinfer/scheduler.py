@@ -203,6 +203,14 @@ class Scheduler:
         seq.num_computed = hit * s
         self.prefix_cache_hit_tokens += seq.num_computed
 
+    def most_pages_held(self, num_tokens: int) -> int:
+        """The most pages a sequence of num_tokens tokens holds at once: all of them, or with a sliding
+        window those from its window's start to the end of its largest chunk."""
+        need = pages_needed(num_tokens, self.page_size)
+        if self.window is None:
+            return need
+        return min(need, (self.window - 1 + self.max_prefill_tokens) // self.page_size + 2)
+
     def _window_start(self, position: int) -> int:
         """The first page the window of the token at `position` reaches (0 without a window)."""
         return 0 if self.window is None else max(position - self.window + 1, 0) // self.page_size
