@@ -311,36 +311,41 @@ def _draw(x: jax.Array, keep: jax.Array, seed: jax.Array, step: jax.Array, *, bl
     return (blk * block + idx).astype(jnp.int32)
 
 
-@jax.jit
+_apply_penalties = jax.jit(apply_penalties)
+
+
 def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
     """Picks one token per row, and the log-probabilities rows asked for.
 
     Args:
         logits: [B, V] float32 raw model logits.
-        params: SamplingBatch with [B] fields.
+        params: SamplingBatch with [B] fields and a [B, W] history.
 
     Returns:
-        SampleOutput. Each optional stage (penalties, the stochastic path, log-probability
-        top-n) sits behind a `lax.cond` on whether any row needs it, so an all-greedy batch pays for
-        an argmax only.
+        SampleOutput. The penalties run as their own small program, only when the history is wider
+        than one token (some row has a penalty, `history_width`); the sampler proper never sees the
+        history, so it compiles once per row count, not once per row count and history width (a
+        warm-up compiles every pair, and the sampler is the costlier program to compile).
     """
+    processed = logits if params.history.shape[1] == 1 else _apply_penalties(logits, params)
+    return _sample(logits, processed, params.replace(history=None, prompt_lens=None))
 
-    def pick(processed):  # [B] tokens from the (penalised) logits
-        greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
-        def stochastic():
-            x = processed / jnp.maximum(params.temperature, 1e-6)[:, None]
-            keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
-            return jnp.where(params.temperature == 0, greedy, _draw(x, keep, params.seed, params.step))
+@jax.jit
+def _sample(logits: jax.Array, processed: jax.Array, params: SamplingBatch) -> SampleOutput:
+    """`sample` after the penalties: tokens from `processed`, log-probabilities from raw `logits`.
 
-        return jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
+    Each optional stage (the stochastic path, log-probability top-n) sits behind a `lax.cond` on
+    whether any row needs it, so an all-greedy batch pays for an argmax only.
+    """
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
-    # Both branches end in [B] tokens: a branch returning the [B, V] logits themselves would copy them.
-    tokens = jax.lax.cond(
-        jnp.any((params.presence != 0) | (params.frequency != 0) | (params.repetition != 1)),
-        lambda: pick(apply_penalties(logits, params)),
-        lambda: pick(logits),
-    )
+    def stochastic():
+        x = processed / jnp.maximum(params.temperature, 1e-6)[:, None]
+        keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
+        return jnp.where(params.temperature == 0, greedy, _draw(x, keep, params.seed, params.step))
+
+    tokens = jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
     k = min(MAX_LOGPROBS, logits.shape[-1])
 
     def logprobs():

@@ -169,6 +169,28 @@ def test_penalties_match_numpy():
     )
 
 
+def test_rows_without_penalties_are_untouched_by_a_wide_history():
+    """A history wider than one token runs the penalties on every row; a row without any must get
+    the very same sample and log-probabilities as with no history at all, next to a penalised
+    batch-mate or not. The sampler proper compiles once per row count, whatever the history width."""
+    from jaxinfer.sampling import _sample
+
+    logits = jnp.asarray(np.random.RandomState(1).randn(2, V).astype(np.float32) * 3)
+    plain = SamplingParams(temperature=0.9, top_p=0.8, seed=5, logprobs=3)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3)
+    history = list(range(10))
+    _sample.clear_cache()
+    outs = []
+    for width, mate in [(1, plain), (16, plain), (64, penalised)]:
+        rows = [(plain, 5, 2, history, 4), (mate, 0, 2, history, 4)]
+        outs.append(sample(logits, SamplingBatch.from_rows(rows, 2, width)))
+    for out in outs[1:]:
+        assert int(out.tokens[0]) == int(outs[0].tokens[0])
+        np.testing.assert_array_equal(np.asarray(out.top_logprobs[0]), np.asarray(outs[0].top_logprobs[0]))
+        np.testing.assert_array_equal(np.asarray(out.logprob[0]), np.asarray(outs[0].logprob[0]))
+    assert _sample._cache_size() == 1
+
+
 def test_logprobs_are_raw_log_softmax():
     p = SamplingParams(temperature=0.0, logprobs=5)
     sb = SamplingBatch.from_rows([(p, 0, 0, [], 0)], 1, history_len=4)
