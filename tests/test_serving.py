@@ -39,8 +39,8 @@ ENGINE = dict(
     max_model_len=128,
     page_size=16,
     num_kv_pages=160,
-    max_num_seqs=16,
-    max_num_batched_tokens=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
 )
 
 
