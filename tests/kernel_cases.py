@@ -11,6 +11,7 @@ compared; the rest is don't-care.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -120,6 +121,14 @@ def static_id(s: Static) -> str:
     return f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}"
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "kind", "soft_cap"))
+def _reference(q, k, v, table, kv, ql, *, scale, kind, soft_cap):
+    """The reference on a kernel's inputs, jitted: one program per static configuration, where
+    running it op by op compiled some forty small ones (most of these tests' compile time)."""
+    positions = (kv - ql)[:, None] + jnp.arange(q.shape[1])[None, :]
+    return reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=soft_cap)
+
+
 def check_kernel_against_reference(kernel, st: Static, blocks: list[dict], *, interpret, seed_offset: int = 0):
     """CASES_PER_STATIC random batches of `st` through `kernel` (block settings cycled) vs the reference."""
     rng = np.random.default_rng(zlib.crc32(static_id(st).encode()) + seed_offset)  # hash() varies by process
@@ -134,8 +143,7 @@ def check_kernel_against_reference(kernel, st: Static, blocks: list[dict], *, in
             kwargs["interpret"] = interpret
         out = kernel(q, kp, vp, table, kv, ql, scale=scale, window=st.window, soft_cap=st.soft_cap, **kwargs)
         jax.block_until_ready(out)  # nothing else may be dispatched while TPU interpret mode runs
-        positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
-        ref = reference_paged_attention(q, k, v, table, positions, kv, scale=scale, kind=kind, soft_cap=st.soft_cap)
+        ref = _reference(q, k, v, table, kv, ql, scale=scale, kind=kind, soft_cap=st.soft_cap)
         out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
         for row in range(q.shape[0]):
             n = int(ql[row])
