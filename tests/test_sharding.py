@@ -29,7 +29,15 @@ CFG = ModelConfig(
     max_position_embeddings=256,
     layer_attention=(SlidingWindow(20), GlobalAttention()),
 )
-MESHES = ["data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8,model=1"]
+# Every mesh shape once; two of them with the kernels: the Pallas kernel and KV write per device
+# under shard_map (interpreted on CPU, so on 3 of the prompts: batch invariance makes them
+# comparable), one of those on an int8 cache. The rest run the default "xla" attention under GSPMD.
+MESHES = [
+    ("data=1,model=8", {}),
+    ("data=2,model=4", dict(attention_backend="pallas")),
+    ("data=4,model=2", dict(attention_backend="pallas", kv_cache_dtype="int8")),
+    ("data=8,model=1", {}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,45 +71,45 @@ def _run(cfg, params, mesh, num_prompts: int = 6):
 
 @pytest.fixture(scope="module")
 def single(params):
+    """Single-device tokens and memory: the float cache, and (on demand) the int8 one."""
     out, e = _run(CFG, params, None)
     assert len({tuple(o) for o in out}) == len(out)  # varied, so agreement means something
-    return out, e.memory_per_device()
+    runs = {"float32": (out, e.memory_per_device())}
+
+    def get(kv_dtype: str):
+        if kv_dtype not in runs:
+            out, e = _run(dataclasses.replace(CFG, kv_cache_dtype=kv_dtype), params, None, 3)
+            runs[kv_dtype] = (out, e.memory_per_device())
+        return runs[kv_dtype]
+
+    return get
 
 
-@pytest.mark.parametrize("spec", MESHES)
-def test_every_mesh_gives_the_single_device_tokens(params, single, spec):
+@pytest.mark.parametrize("spec,options", MESHES, ids=[f"{m}-{o.get('attention_backend', 'xla')}" for m, o in MESHES])
+def test_every_mesh_gives_the_single_device_tokens(params, single, spec, options):
     mesh = make_mesh(spec)
-    out, e = _run(CFG, params, mesh)
-    assert out == single[0]
+    kernels = options.get("attention_backend") == "pallas"
+    want, one = single(options.get("kv_cache_dtype", "float32"))
+    out, e = _run(dataclasses.replace(CFG, **options), params, mesh, 3 if kernels else 6)
+    assert out == want[: len(out)]
     wq = e.params["layer_0"]["attn"]["wq"]
     sizes = dict(mesh.shape)
     assert wq.sharding.spec == (P(None, "model", None) if sizes["model"] > 1 else P(None, None, None))
     # 2 KV heads: split over model=2; on model=4 and 8 each head is stored model/2 times, so the axis
     # still splits them and every device holds exactly one head (the one its query heads read).
-    k_spec = e.cache.k[0].sharding.spec
+    k = e.cache.k[0]
+    k_spec = (k.values if options.get("kv_cache_dtype") == "int8" else k).sharding.spec
     assert k_spec == (P("model", None, None, None) if sizes["model"] > 1 else P(None, None, None, None))
+    if options.get("kv_cache_dtype") == "int8":
+        assert k.scales.sharding.spec == P("model", None, None)
     assert e.cfg.num_kv_heads == max(2, sizes["model"])
     assert e.params["layer_0"]["attn"]["wk"].sharding.shard_shape(e.params["layer_0"]["attn"]["wk"].shape)[1] == (
         2 if sizes["model"] == 1 else 1
     )
-    mem, one = e.memory_per_device(), single[1]
+    mem = e.memory_per_device()
     if sizes["model"] > 1:
         assert mem["param_bytes_per_device"] < one["param_bytes_per_device"] / (sizes["model"] / 2)
         assert mem["kv_cache_bytes_per_device"] == one["kv_cache_bytes_per_device"] // 2
-
-
-def test_kernels_under_shard_map_in_the_model_match(params, single):
-    """attention_backend="pallas" on a 2x4 mesh (kernel and KV write per device under shard_map,
-    rows split over data) and an int8 cache on 4x2: the single-device reference tokens / the int8
-    single-device tokens. Three of the prompts (batch invariance makes them comparable), since the
-    kernels are interpreted."""
-    out, _ = _run(dataclasses.replace(CFG, attention_backend="pallas"), params, make_mesh("data=2,model=4"), 3)
-    assert out == single[0][:3]
-    int8 = dataclasses.replace(CFG, kv_cache_dtype="int8")
-    want, _ = _run(int8, params, None, 3)
-    got, e = _run(dataclasses.replace(int8, attention_backend="pallas"), params, make_mesh("data=4,model=2"), 3)
-    assert got == want
-    assert e.cache.k[0].scales.sharding.spec == P("model", None, None)
 
 
 def test_no_compilation_after_warmup_on_a_mesh(params):
