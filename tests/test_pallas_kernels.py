@@ -154,9 +154,10 @@ def test_backend_resolution():
     assert resolve_backend("reference", "tpu") == "reference"
 
 
-def test_model_with_pallas_and_xla_backends_match_reference():
+def test_model_with_the_pallas_backend_matches_reference():
     """End to end: greedy tokens with the kernel == with the reference, through chunked prefill
-    (prompts longer than the 16-token chunks), decode, and a sliding-window layer."""
+    (prompts longer than the 16-token chunks), decode, and a sliding-window layer. (The "xla"
+    backend, the CPU default, meets transformers itself end to end in test_hf_parity.py.)"""
     from jaxinfer import default_model
     from jaxinfer.engine import Engine
     from jaxinfer.model import init_params
@@ -166,7 +167,7 @@ def test_model_with_pallas_and_xla_backends_match_reference():
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
-    for backend in ("reference", "xla", "pallas"):
+    for backend in ("reference", "pallas"):
         cfg = dataclasses.replace(base, attention_backend=backend)
         engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
         reqs = [engine.add_request(p, params) for p in prompts]
@@ -174,8 +175,8 @@ def test_model_with_pallas_and_xla_backends_match_reference():
             engine.step()
         outs[backend] = [r.seqs[0].output_ids for r in reqs]
     assert outs["pallas"] == outs["reference"]
-    assert outs["xla"] == outs["reference"]
     assert all(len(t) == 6 for t in outs["pallas"])
+    assert len({tuple(t) for t in outs["reference"]}) == 3  # distinct, so agreement means something
 
 
 def test_llm_takes_the_backend_by_name():
