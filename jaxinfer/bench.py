@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--vs-hf", action="store_true", help="also run HF transformers generate on the same weights")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure at the end")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="latency mode: trace one more decode run at the first batch size with the JAX profiler into DIR "
+        "(open it in ui.perfetto.dev or TensorBoard) and print where each jitted program's time went, by op",
+    )
     t = p.add_argument_group("throughput mode")
     t.add_argument("--num-requests", type=int, default=256)
     t.add_argument("--prompt-len-range", type=_ints, default=[16, 256], help="min,max prompt tokens")
@@ -168,6 +174,8 @@ def run(args) -> dict:
         raise SystemExit("error: pass --model or --preset, not both")
     if args.vs_hf and not (args.model or args.preset):
         raise SystemExit("error: --vs-hf needs a Hugging Face checkpoint: pass --model DIR or --preset NAME")
+    if args.profile and args.mode != "latency":
+        raise SystemExit(f"error: --profile traces the latency mode's decode run; it does nothing in {args.mode} mode")
     if args.new_tokens < 2:
         raise SystemExit("error: --new-tokens must be >= 2 (decode time is measured between tokens)")
     if args.repeats < 1:
@@ -423,6 +431,18 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         report["decode"].append(row)
         print(f"{b:>6} {step * 1e3:>9.2f} {b / step:>9.1f} {achieved / 1e9:>8.1f} {achieved / ceiling:>6.0%}")
 
+    if args.profile:
+        b = args.batch_sizes[0]
+        prompts = [rng.integers(low, cfg.vocab_size, args.context).tolist() for _ in range(b)]
+        before = llm.stats()["step_seconds"]
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            _decode_once(llm, prompts, params)
+        after = llm.stats()["step_seconds"]
+        calls = {phase: after[phase]["count"] - before[phase]["count"] for phase in after}
+        report["profile"] = {"engine_calls": calls, "programs": profile_summary(args.profile)}
+        _print_profile(report["profile"]["programs"], f"one decode run at batch {b}, traced into {args.profile}")
+        print("engine calls in it: " + ", ".join(f"{n} {phase}" for phase, n in calls.items()))
+
     report["sampler"] = _sampler_times(cfg.vocab_size, args.batch_sizes, SamplingParams)
 
     again = measure_read_bandwidth()
@@ -472,6 +492,61 @@ def _sampler_times(vocab: int, batch_sizes: list[int], SamplingParams) -> list[d
         rows.append(row)
         print(f"{b:>6} " + " ".join(f"{row[name] * 1e3:>12.2f}" for name in SAMPLER_SETTINGS))
     return rows
+
+
+def profile_summary(trace_dir: str, top: int = 4) -> list[dict]:
+    """Where each jitted program's time went, from the newest Perfetto trace under `trace_dir`.
+
+    Reads the device-op events (those the runtime tags with `hlo_module` and `hlo_op`) and groups
+    them by program and, inside one, by op kind (the HLO op name up to its first dot: `dot`, `while`,
+    `loop_fusion`, ...). Per program: `runs` (distinct executions, by the events' `run_id`),
+    `wall_ms` per run (first op's start to last op's end), `op_ms` per run (summed op durations) and
+    each op kind's share of the latter. `op_ms` may exceed the wall time where ops overlap, and fall
+    short of it where work is not attributed to an op: on CPU a large matmul's Eigen worker threads
+    are not (prefill's GEMMs), while a decode step's matrix-vector products are.
+    """
+    import glob
+    import gzip
+
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}: the profiler wrote no Perfetto trace")
+    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+        events = json.load(f)["traceEvents"]
+    programs: dict[str, dict] = {}
+    for e in events:
+        a = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in a or "hlo_module" not in a:
+            continue
+        prog = programs.setdefault(a["hlo_module"], {"us": 0.0, "spans": {}, "ops": {}})
+        prog["us"] += e["dur"]
+        lo, hi = prog["spans"].get(a.get("run_id"), (e["ts"], e["ts"] + e["dur"]))
+        prog["spans"][a.get("run_id")] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
+        op = prog["ops"].setdefault(a["hlo_op"].split(".")[0], [0.0, 0])  # "cond.21.clone" -> "cond"
+        op[0] += e["dur"]
+        op[1] += 1
+    rows = []
+    for name, prog in sorted(programs.items(), key=lambda kv: -kv[1]["us"]):
+        runs = len(prog["spans"])  # events without a run_id count as one run
+        ops = sorted(prog["ops"].items(), key=lambda kv: -kv[1][0])
+        rows.append(
+            {
+                "program": name,
+                "runs": runs,
+                "wall_ms": sum(hi - lo for lo, hi in prog["spans"].values()) / runs / 1e3,
+                "op_ms": prog["us"] / runs / 1e3,
+                "ops": [{"kind": k, "share": us / prog["us"], "per_run": n / runs} for k, (us, n) in ops[:top]],
+            }
+        )
+    return rows
+
+
+def _print_profile(rows: list[dict], what: str) -> None:
+    print(f"\nprofile of {what}")
+    print(f"{'program':>16} {'runs':>5} {'wall ms':>8} {'op ms':>8}  largest op kinds (share of op ms, calls per run)")
+    for r in rows:
+        ops = ", ".join(f"{o['kind']} {o['share']:.0%} ({o['per_run']:.0f})" for o in r["ops"])
+        print(f"{r['program'][:16]:>16} {r['runs']:>5} {r['wall_ms']:>8.2f} {r['op_ms']:>8.2f}  {ops}")
 
 
 def _decode_once(llm, prompts, params) -> tuple[float, float]:

@@ -200,7 +200,7 @@ def _bench_args(argv):
     return p.parse_args(argv)
 
 
-def test_bench_runs_and_reports(capsys):
+def test_bench_runs_and_reports(capsys, tmp_path):
     from jaxinfer import bench
 
     args = _bench_args(
@@ -218,6 +218,8 @@ def test_bench_runs_and_reports(capsys):
             "--repeats",
             "1",
             "--vs-hf",
+            "--profile",
+            str(tmp_path / "trace"),
         ]
     )
     report = bench.run(args)
@@ -229,6 +231,17 @@ def test_bench_runs_and_reports(capsys):
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
     assert "sampler" in out and [r["batch"] for r in report["sampler"]] == [1, 2]
     assert all(r[name] > 0 for r in report["sampler"] for name in bench.SAMPLER_SETTINGS)
+    # The profile: each program's executions as the trace saw them are the engine's own call counts,
+    # and the decode program's time is mostly its matmuls.
+    programs = {r["program"]: r for r in report["profile"]["programs"]}
+    calls = report["profile"]["engine_calls"]
+    assert calls["decode"] >= 3 and programs["jit__decode"]["runs"] == calls["decode"], (calls, programs)
+    assert programs["jit_forward"]["runs"] == calls["prefill"] >= 1
+    assert "dot" in [o["kind"] for o in programs["jit__decode"]["ops"]]
+    assert all(r["wall_ms"] > 0 and r["op_ms"] > 0 for r in programs.values())
+    shares = [o["share"] for o in programs["jit__decode"]["ops"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert "profile of one decode run at batch 1" in out
 
 
 def test_cli_stream_n_and_capacity_flags(capsys):
@@ -321,3 +334,12 @@ def test_bench_refuses_zero_repeats(mode):
 
     with pytest.raises(SystemExit, match=r"--repeats must be >= 1, got 0"):
         bench.run(_bench_args(mode + ["--repeats", "0"]))
+
+
+def test_bench_profile_is_refused_outside_the_latency_mode(tmp_path):
+    from jaxinfer import bench
+
+    refusal = r"--profile traces the latency mode's decode run; it does nothing in throughput mode"
+    with pytest.raises(SystemExit, match=refusal):
+        bench.run(_bench_args(["throughput", "--profile", str(tmp_path)]))
+    assert not any(tmp_path.iterdir())
