@@ -176,6 +176,12 @@ def run(args) -> dict:
         raise SystemExit("error: --vs-hf needs a Hugging Face checkpoint: pass --model DIR or --preset NAME")
     if args.profile and args.mode != "latency":
         raise SystemExit(f"error: --profile traces the latency mode's decode run; it does nothing in {args.mode} mode")
+    if args.profile:  # refused now, not after minutes of benchmarking
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            reason = f"cannot create the trace directory ({e.strerror})"
+            raise SystemExit(f"error: --profile {args.profile}: {reason}") from None
     if args.new_tokens < 2:
         raise SystemExit("error: --new-tokens must be >= 2 (decode time is measured between tokens)")
     if args.repeats < 1:
