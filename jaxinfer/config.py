@@ -73,6 +73,9 @@ class SlidingWindow:
 AttentionKind = GlobalAttention | SlidingWindow
 
 
+_REQUIRED = object()  # marks a field with no default
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -148,8 +151,10 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise UnsupportedModelError(f"config field {field!r} must be a positive integer, got {value!r}")
+            if value >= 2**31:  # token ids, positions and shapes are int32
+                raise UnsupportedModelError(f"config field {field!r} must be below 2**31, got {value}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -291,31 +296,62 @@ _GEMMA = ("gemma", "gemma2", "gemma3")
 # Vision-language checkpoints whose text decoder we run on text prompts (images are not supported):
 # architecture or model_type -> the model_type of their `text_config`.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "gemma3": "gemma3_text"}
+# What transformers' config classes assume for a key config.json leaves out, where it changes the
+# model's maths and differs from jaxinfer's own fallbacks (a key present with null stays null).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(max_position_embeddings=2048),
+    "mistral": dict(sliding_window=4096, max_position_embeddings=4096 * 32),
+    "qwen2": dict(sliding_window=4096, max_window_layers=28, max_position_embeddings=32768),
+    "qwen3": dict(head_dim=128, sliding_window=4096, max_window_layers=28, max_position_embeddings=32768),
+    "gemma": dict(head_dim=256, max_position_embeddings=8192),
+    "gemma2": dict(
+        head_dim=256,
+        sliding_window=4096,
+        max_position_embeddings=8192,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "gemma3": dict(head_dim=256, sliding_window=4096, max_position_embeddings=131_072),
+}
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """Reads RoPE settings from either the transformers v5 `rope_parameters` or the older keys."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        params = dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    """RoPE base and scaling of a config with one RoPE for every layer, read as transformers does.
+
+    A `rope_scaling` object (the older key, and what model cards tell users to add by hand) takes the
+    place of a v5 `rope_parameters` when both are present. The base is the object's own `rope_theta`,
+    else the top-level one, else 10000. For llama3 and yarn, a top-level
+    `original_max_position_embeddings` overrides the object's (transformers' rule for Phi-3-style
+    configs); without either it is `max_position_embeddings`.
+    """
+    scaling = _object_field(hf, "rope_scaling")
+    params = dict(scaling) if scaling else dict(_object_field(hf, "rope_parameters") or {})
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = hf["rope_theta"] if hf.get("rope_theta") is not None else 10_000.0
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("llama3", "yarn"):
+        if hf.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return _rope_params(params, hf)
+
+
+def _rope_params(params: dict[str, Any], hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one standardised RoPE object (its `rope_theta` already filled in)."""
     # Some configs spell the kind "type" (older transformers), some "rope_type".
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    theta = _rope_number(params, "rope_theta", kind)
     if kind == "default":
         return theta, None
     if kind == "linear":
-        return theta, LinearRopeScaling(factor=float(params["factor"]))
+        return theta, LinearRopeScaling(factor=_rope_number(params, "factor", kind))
     if kind == "llama3":
-        try:
-            return theta, Llama3RopeScaling(
-                factor=float(params["factor"]),
-                low_freq_factor=float(params["low_freq_factor"]),
-                high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-            )
-        except KeyError as e:
-            raise UnsupportedModelError(f"rope_scaling of type 'llama3' is missing field {e.args[0]!r}") from None
+        return theta, Llama3RopeScaling(
+            factor=_rope_number(params, "factor", kind),
+            low_freq_factor=_rope_number(params, "low_freq_factor", kind),
+            high_freq_factor=_rope_number(params, "high_freq_factor", kind),
+            original_max_position_embeddings=_original_context(params, "llama3"),
+        )
     if kind == "yarn":
         return theta, _yarn(params, hf)
     if kind == "dynamic":
@@ -331,30 +367,55 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _object_field(hf: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = hf.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise UnsupportedModelError(f"config.json field {key!r} must be a JSON object, got {value!r}")
+    return value
+
+
+def _rope_number(params: dict[str, Any], key: str, kind: str, default: Any = _REQUIRED) -> float:
+    """params[key] of a RoPE object as a float (None: `default`); an error naming it otherwise."""
+    value = params.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise UnsupportedModelError(f"rope_scaling of type {kind!r} is missing field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedModelError(f"rope_scaling.{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _original_context(params: dict[str, Any], kind: str) -> int:
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise UnsupportedModelError(
+            f"rope_scaling of type {kind!r} is missing field 'original_max_position_embeddings'"
+        )
+    if isinstance(original, float) and original.is_integer():
+        original = int(original)
+    if not _is_int(original) or original <= 0:
+        raise UnsupportedModelError(
+            f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}"
+        )
+    return original
+
+
 def _yarn(params: dict[str, Any], hf: dict[str, Any]) -> YarnRopeScaling:
     """YaRN settings as transformers reads them: a missing `factor` is max / original context, and a
     missing `attention_factor` is 0.1 ln(factor) + 1 (or, with DeepSeek's `mscale` and
     `mscale_all_dim`, the ratio of two such terms)."""
-    if "original_max_position_embeddings" not in params:
-        raise UnsupportedModelError("rope_scaling of type 'yarn' is missing field 'original_max_position_embeddings'")
-    original = params["original_max_position_embeddings"]
-    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
-        raise UnsupportedModelError(
-            f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}"
-        )
-    factor = params.get("factor")
-    if factor is None:
-        factor = hf.get("max_position_embeddings", original) / original
-    factor = float(factor)
+    original = _original_context(params, "yarn")
+    factor = _rope_number(params, "factor", "yarn", hf.get("max_position_embeddings", original) / original)
     if not factor > 0:
         raise UnsupportedModelError(f"rope_scaling.factor must be positive, got {factor!r}")
 
     def temperature(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    attention_factor = params.get("attention_factor")
+    attention_factor = _rope_number(params, "attention_factor", "yarn", None)
     if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        mscale, mscale_all_dim = (_rope_number(params, k, "yarn", None) for k in ("mscale", "mscale_all_dim"))
         if mscale and mscale_all_dim:
             attention_factor = temperature(factor, mscale) / temperature(factor, mscale_all_dim)
         else:
@@ -362,20 +423,37 @@ def _yarn(params: dict[str, Any], hf: dict[str, Any]) -> YarnRopeScaling:
     return YarnRopeScaling(
         factor=factor,
         original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
+        beta_fast=_rope_number(params, "beta_fast", "yarn", 32.0),
+        beta_slow=_rope_number(params, "beta_slow", "yarn", 1.0),
         attention_factor=float(attention_factor),
-        truncate=bool(params.get("truncate", True)),
+        truncate=_bool_field(params, "truncate", True),
     )
 
 
 def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[AttentionKind, ...]:
+    """Per-layer attention kinds (empty: every layer global), as each transformers model reads them.
+
+    Llama and Gemma 1 have no sliding windows (a stray `sliding_window` key is ignored, as there).
+    Mistral windows every layer and ignores `layer_types`. Qwen 2/3 window nothing unless
+    `use_sliding_window`, then `layer_types` or the layers from `max_window_layers` on. Gemma 2/3
+    follow `layer_types`, or their fixed patterns in configs written before it.
+    """
+    if family in ("llama", "gemma"):
+        return ()
     window = hf.get("sliding_window")
-    layer_types = hf.get("layer_types")
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if window is not None:
+        window = _int_field(hf, "sliding_window")
+        if window <= 0:
+            raise UnsupportedModelError(f"config.json field 'sliding_window' must be a positive integer, got {window}")
+    if family == "mistral":
+        return (SlidingWindow(window),) * num_layers if window else ()
+    if family in ("qwen2", "qwen3") and not _bool_field(hf, "use_sliding_window", False):
         # Qwen configs carry a sliding_window value even when the feature is off.
         return ()
+    layer_types = hf.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise UnsupportedModelError(f"config.json field 'layer_types' must be a list, got {layer_types!r}")
         kinds = []
         for i, t in enumerate(layer_types):
             if t == "full_attention":
@@ -383,7 +461,7 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
             elif t == "sliding_attention":
                 if not window:
                     raise UnsupportedModelError(f"layer_types[{i}] is 'sliding_attention' but sliding_window is unset")
-                kinds.append(SlidingWindow(int(window)))
+                kinds.append(SlidingWindow(window))
             else:
                 raise UnsupportedModelError(f"layer_types[{i}] = {t!r} is not supported")
         if len(kinds) != num_layers:
@@ -392,14 +470,15 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
     if not window:
         return ()
     if family == "gemma2":  # configs written before layer_types: even layers local, odd global
-        return tuple(SlidingWindow(int(window)) if i % 2 == 0 else GlobalAttention() for i in range(num_layers))
+        return tuple(SlidingWindow(window) if i % 2 == 0 else GlobalAttention() for i in range(num_layers))
     if family == "gemma3":  # every `sliding_window_pattern`-th layer global, the rest local
-        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
-        return tuple(SlidingWindow(int(window)) if (i + 1) % pattern else GlobalAttention() for i in range(num_layers))
-    if family == "mistral":
-        return (SlidingWindow(int(window)),) * num_layers
-    first_sliding = int(hf.get("max_window_layers", 0))
-    return tuple(SlidingWindow(int(window)) if i >= first_sliding else GlobalAttention() for i in range(num_layers))
+        key = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
+        pattern = _int_field(hf, key, 6)
+        if pattern <= 0:
+            raise UnsupportedModelError(f"config.json field {key!r} must be a positive integer, got {pattern}")
+        return tuple(SlidingWindow(window) if (i + 1) % pattern else GlobalAttention() for i in range(num_layers))
+    first_sliding = _int_field(hf, "max_window_layers")  # qwen2 / qwen3 (defaults: _HF_DEFAULTS)
+    return tuple(SlidingWindow(window) if i >= first_sliding else GlobalAttention() for i in range(num_layers))
 
 
 def _activation(hf: dict[str, Any], family: str) -> str:
@@ -423,23 +502,40 @@ def _activation(hf: dict[str, Any], family: str) -> str:
 
 
 def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
-    """(global theta, global scaling, local theta) from either config layout.
+    """(global theta, global scaling, local theta), read as transformers' Gemma 3 config does.
 
-    transformers v5 writes `rope_parameters` keyed by layer type; older configs keep `rope_theta`,
-    `rope_scaling` (global layers only) and `rope_local_base_freq` at top level.
+    transformers v5 writes `rope_parameters` keyed by layer type. Older configs keep `rope_theta`,
+    `rope_scaling` and `rope_local_base_freq` at top level; a `rope_scaling` is merged into the
+    global layers' object in either layout (so one added by hand to a v5 config takes effect). Unset
+    bases: 1e6 global, 1e4 local.
     """
     params = hf.get("rope_parameters")
-    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        theta, scaling = _rope({"rope_parameters": params.get("full_attention") or {"rope_theta": 1_000_000.0}})
-        local = params.get("sliding_attention") or {"rope_theta": 10_000.0}
-        local_theta, local_scaling = _rope({"rope_parameters": local})
-        if local_scaling is not None:
-            raise UnsupportedModelError(
-                "rope_parameters['sliding_attention'] has a rope scaling; only unscaled local RoPE is supported"
-            )
-        return theta, scaling, local_theta
-    theta, scaling = _rope({**hf, "rope_theta": hf.get("rope_theta", 1_000_000.0)})
-    return theta, scaling, float(hf.get("rope_local_base_freq", 10_000.0))
+    if params is None:
+        params = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}
+    if not isinstance(params, dict) or not ({"full_attention", "sliding_attention"} & set(params)):
+        # transformers would silently drop such an object and run unscaled RoPE.
+        raise UnsupportedModelError(
+            "gemma3: rope_parameters must be keyed by layer type ('full_attention', 'sliding_attention'), "
+            f"got {params!r}"
+        )
+    full = dict(_object_field(params, "full_attention") or {"rope_type": "default"})
+    if _object_field(hf, "rope_scaling") is not None:
+        full.update(hf["rope_scaling"])
+    if full.get("rope_theta") is None:
+        full["rope_theta"] = hf["rope_theta"] if hf.get("rope_theta") is not None else 1_000_000.0
+    if full.get("rope_type", full.get("type")) in ("llama3", "yarn"):
+        full.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    local = dict(_object_field(params, "sliding_attention") or {"rope_type": "default"})
+    if local.get("rope_theta") is None:
+        local_base = hf.get("rope_local_base_freq")
+        local["rope_theta"] = local_base if local_base is not None else 10_000.0
+    theta, scaling = _rope_params(full, hf)
+    local_theta, local_scaling = _rope_params(local, hf)
+    if local_scaling is not None:
+        raise UnsupportedModelError(
+            "rope_parameters['sliding_attention'] has a rope scaling; only unscaled local RoPE is supported"
+        )
+    return theta, scaling, local_theta
 
 
 def _gemma_options(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -471,7 +567,8 @@ def _gemma_options(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 def _text_decoder_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig:
     """The text decoder of a vision-language checkpoint (Gemma 3): its `text_config`, with the token
-    ids and embedding tying that only the outer config may carry. Images are not supported."""
+    ids that only the outer config may carry and the outer config's embedding tying. Images are not
+    supported."""
     archs = hf.get("architectures") or []
     kind = next((a for a in archs if a in _MULTIMODAL), archs[0] if archs else hf.get("model_type"))
     if kind not in _MULTIMODAL:
@@ -489,13 +586,14 @@ def _text_decoder_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelC
             "(transformers' Gemma3ForConditionalGeneration ignores it)"
         )
     text = {**text, "model_type": _MULTIMODAL[kind], "architectures": None}
-    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+    for key in ("bos_token_id", "eos_token_id"):
         if text.get(key) is None and hf.get(key) is not None:
             text[key] = hf[key]
+    # transformers ties the LM head to the embeddings by the OUTER config's flag (missing: true; null:
+    # untied); the text_config's own flag is never read.
+    tie = "tie_word_embeddings" not in hf or _bool_field(hf, "tie_word_embeddings", False)
+    text["tie_word_embeddings"] = tie
     return from_hf_config(text, dtype=dtype, name=name)
-
-
-_REQUIRED = object()
 
 
 def _int_field(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
@@ -539,6 +637,8 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32", name: str = "m
     """
     try:
         return _from_hf_config(hf, dtype=dtype, name=name)
+    except UnsupportedModelError:
+        raise
     except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:
         # The fields read above check their own types; this catches the rest (a string where a
         # nested object belongs, ...) so a malformed file is a one-line error, never a traceback.
@@ -549,7 +649,11 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
     archs = hf.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UnsupportedModelError(f"config.json field 'architectures' must be a list of names, got {archs!r}")
     model_type = hf.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise UnsupportedModelError(f"config.json field 'model_type' must be a string, got {model_type!r}")
     if "text_config" in hf:
         return _text_decoder_config(hf, dtype=dtype, name=name)
     family = None
@@ -568,6 +672,7 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
             )
         family = "gemma3" if model_type == "gemma3_text" else model_type
 
+    hf = {**_HF_DEFAULTS[family], **hf}
     quant = hf.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
@@ -595,7 +700,9 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
-    attention_bias = _bool_field(hf, "attention_bias", False)
+    # Qwen 2 always has q/k/v biases and never an output bias; Mistral never has any. Both ignore an
+    # `attention_bias` key, as transformers does; the other families put it on all four projections.
+    attention_bias = family not in ("qwen2", "mistral") and _bool_field(hf, "attention_bias", False)
     qkv_bias = family == "qwen2" or attention_bias
     fields = dict(
         name=name,

@@ -92,7 +92,9 @@ def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
 def test_a_mistral_window_must_be_positive():
     hf = _hf_config("mistral-swa").to_dict()
     hf["sliding_window"] = -4
-    with pytest.raises(UnsupportedModelError, match=r"layer_attention\[0\] must be global or a sliding window"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"config.json field 'sliding_window' must be a positive integer, got -4"
+    ):
         from_hf_config(hf)
 
 
@@ -110,7 +112,21 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(rope_parameters=dict(rope_type="longrope", factor=2.0, rope_theta=1e4)), "'longrope'"),
         (dict(rope_parameters=dict(rope_type="dynamic", factor=0.5, rope_theta=1e4)), "must be a number >= 1"),
-        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "original_max_position_embeddings"),
+        (
+            dict(
+                rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4, original_max_position_embeddings=0)
+            ),
+            "original_max_position_embeddings must be a positive integer, got 0",
+        ),
+        (dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4)), "type 'linear' is missing field 'factor'"),
+        (dict(rope_parameters=dict(rope_type="default", rope_theta="abc")), "rope_scaling.rope_theta must be a number"),
+        (
+            dict(rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast="x", original_max_position_embeddings=8)),
+            "rope_scaling.beta_fast must be a number, got 'x'",
+        ),
+        (dict(architectures=5), "'architectures' must be a list of names, got 5"),
+        (dict(architectures=None, model_type=["llama"]), "'model_type' must be a string"),
+        (dict(vocab_size=2**31), "'vocab_size' must be below 2\\*\\*31"),
         (dict(mlp_bias=True), "mlp_bias"),
         # A GPTQ checkpoint has qweight/scales instead of weights: said up front, not as a missing tensor.
         (dict(quantization_config=dict(quant_method="gptq", bits=4)), "quantization_config.*'gptq'"),
@@ -128,8 +144,8 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(num_attention_heads=0, head_dim=None), "'num_attention_heads' must be positive"),
         (dict(head_dim=15), "'head_dim' must be even"),
         (dict(eos_token_id="abc"), "eos token ids must be non-negative integers"),
-        (dict(rope_parameters="default"), "malformed value"),
-        (dict(rope_scaling="linear", rope_parameters=None), "malformed value"),
+        (dict(rope_parameters="default"), "'rope_parameters' must be a JSON object, got 'default'"),
+        (dict(rope_scaling="linear", rope_parameters=None), "'rope_scaling' must be a JSON object, got 'linear'"),
     ],
 )
 def test_unsupported_is_refused_by_name(change, message):

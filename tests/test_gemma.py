@@ -228,9 +228,13 @@ def test_unsupported_is_refused_by_name(family, change, message):
         from_hf_config(hf)
 
 
-def test_multimodal_gemma3_text_decoder_matches_transformers(tmp_path):
+@pytest.mark.parametrize("outer_tied", [True, False])
+def test_multimodal_gemma3_text_decoder_matches_transformers(tmp_path, outer_tied):
     """A Gemma 3 vision-language checkpoint serves text prompts with its text decoder: the vision
-    tower's tensors are left unread, and the logits equal Gemma3ForConditionalGeneration's on text."""
+    tower's tensors are left unread, and the logits equal Gemma3ForConditionalGeneration's on text.
+
+    transformers ties the LM head by the outer config's flag and never reads the text_config's: an
+    untied outer config with a (default, tied) text_config must use the saved lm_head.weight."""
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
     # transformers' vision-language class ignores final_logit_softcapping (we refuse it: tested below).
     text_config = {**GEMMA_TINY, **GEMMA_FAMILIES["gemma3_text"][2], "final_logit_softcapping": None}
@@ -241,7 +245,9 @@ def test_multimodal_gemma3_text_decoder_matches_transformers(tmp_path):
         boi_token_index=125,
         eoi_token_index=126,
         image_token_index=127,
+        tie_word_embeddings=outer_tied,
     )
+    assert config.text_config.tie_word_embeddings  # the text_config's flag says tied either way
     config.text_config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(config).eval()
@@ -255,9 +261,11 @@ def test_multimodal_gemma3_text_decoder_matches_transformers(tmp_path):
         ref = hf(input_ids=torch.tensor([PROMPT + hf_tokens])).logits[0].float().numpy()
 
     cfg, params = load_hf_checkpoint(str(tmp_path))
-    assert cfg.family == "gemma3" and cfg.local_rope_theta == 100.0 and cfg.tie_word_embeddings
+    assert cfg.family == "gemma3" and cfg.local_rope_theta == 100.0 and cfg.tie_word_embeddings == outer_tied
     ours = _jax_logits(cfg, params, (PROMPT + hf_tokens)[:-1], len(PROMPT), page_size=PAGE_SIZE)
     np.testing.assert_allclose(ours, ref[len(PROMPT) - 1 : -1], atol=2e-4, rtol=2e-4)
+    if not outer_tied:
+        return  # the logits decide it; the engine run below is the same code either way
     out = LLM(str(tmp_path), page_size=PAGE_SIZE, num_kv_pages=64).generate(
         prompt_token_ids=[PROMPT], sampling_params=SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     )[0]

@@ -95,6 +95,71 @@ def test_sliding_window_is_active():
     assert np.abs(windowed - unwindowed).max() > 1e-3
 
 
+# Keys users add to, or leave in, a saved config.json by hand, with what transformers makes of them.
+# Each once loaded silently into different logits (found by a fuzz against transformers 5).
+EDITED_CONFIGS = {
+    # Model cards say "add rope_scaling to config.json": it replaces a v5 rope_parameters (base: the
+    # top-level rope_theta, else the default), and merges into Gemma 3's global-layer RoPE.
+    "qwen2+rope_scaling-yarn": (
+        "qwen2",
+        dict(rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16)),
+    ),
+    "llama+rope_scaling-linear": ("llama2", dict(rope_theta=1000.0, rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "gemma3+rope_scaling-linear": ("gemma3_text", dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    # A top-level original_max_position_embeddings overrides the YaRN object's (Phi-3-style configs).
+    "llama+yarn-toplevel-original": (
+        "llama2",
+        dict(
+            rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=64),
+            original_max_position_embeddings=16,
+        ),
+    ),
+    # Llama and Gemma 1 have no sliding window; Mistral windows every layer whatever layer_types says.
+    "llama+stray-window": (
+        "llama2",
+        dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    ),
+    "gemma+stray-window": ("gemma", dict(sliding_window=6)),
+    "mistral+layer_types": ("mistral-swa", dict(layer_types=["full_attention", "sliding_attention"])),
+    # Qwen 2's max_window_layers defaults to 28: with fewer layers, use_sliding_window windows none.
+    "qwen2+window-no-max_window_layers": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=None, layer_types=None),
+    ),
+    # Qwen 2 always has q/k/v biases and no o bias; Mistral none: both ignore attention_bias.
+    "qwen2+attention_bias": ("qwen2", dict(attention_bias=True)),
+    "mistral+attention_bias": ("mistral-swa", dict(attention_bias=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(EDITED_CONFIGS))
+def test_hand_edited_configs_read_as_transformers_reads_them(case, tmp_path):
+    import json
+
+    import transformers
+    from hf_models import GEMMA_FAMILIES, make_hf_gemma
+
+    family, edit = EDITED_CONFIGS[case]
+    gemma = family in GEMMA_FAMILIES
+    save_hf_model(make_hf_gemma(family) if gemma else make_hf_model(family), tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in edit.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    model_cls = (GEMMA_FAMILIES if gemma else FAMILIES)[family][1]
+    hf = getattr(transformers, model_cls).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = PROMPT + PROMPT[:14]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
+    cfg, params = load_hf_checkpoint(str(tmp_path))
+    ours = _jax_logits(cfg, params, tokens, len(PROMPT))
+    np.testing.assert_allclose(ours, ref[len(PROMPT) - 1 :], atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_sharded_half_precision_checkpoint(tmp_path, dtype):
     """bf16 / fp16 weights split over several files with an index load exactly (as float32 compute)."""
