@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -60,6 +61,44 @@ def _ints(s: str) -> list[int]:
     return values
 
 
+def _positive_int(s: str) -> int:
+    try:
+        value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_seconds(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {s!r}") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {s}")
+    return value
+
+
+def _rate(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected requests per second, got {s!r}") from None
+    if not value > 0:  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected a positive number of requests per second (or inf), got {s}")
+    return value
+
+
+def _len_range(s: str) -> list[int]:
+    """MIN,MAX (or one value for both) of positive token counts, MIN <= MAX."""
+    values = _ints(s)
+    if len(values) > 2 or values[0] > values[-1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX, got {s!r}")
+    return values
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "mode",
@@ -80,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prompt-lens", type=_ints, default=[32, 128, 512], help="TTFT prompt lengths")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes")
-    p.add_argument("--context", type=int, default=128, help="prompt length for the decode runs")
+    p.add_argument("--context", type=_positive_int, default=128, help="prompt length for the decode runs")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run")
     p.add_argument(
         "--repeats",
@@ -97,11 +136,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(open it in ui.perfetto.dev or TensorBoard) and print where each jitted program's time went, by op",
     )
     t = p.add_argument_group("throughput mode")
-    t.add_argument("--num-requests", type=int, default=256)
-    t.add_argument("--prompt-len-range", type=_ints, default=[16, 256], help="min,max prompt tokens")
-    t.add_argument("--output-len-range", type=_ints, default=[16, 256], help="min,max generated tokens")
-    t.add_argument("--max-num-seqs", type=int, default=64)
-    t.add_argument("--max-num-batched-tokens", type=int, default=512)
+    t.add_argument("--num-requests", type=_positive_int, default=256)
+    t.add_argument("--prompt-len-range", type=_len_range, default=[16, 256], help="min,max prompt tokens")
+    t.add_argument("--output-len-range", type=_len_range, default=[16, 256], help="min,max generated tokens")
+    t.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    t.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
     t.add_argument(
         "--prefix-caching",
         action="store_true",
@@ -109,18 +148,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     sv = p.add_argument_group("serve mode (also takes the throughput-mode workload flags)")
     sv.add_argument("--server", metavar="HOST:PORT", help="a running server (default: start one on loopback)")
-    sv.add_argument("--concurrency", type=int, default=32, help="streams in flight at most")
+    sv.add_argument("--concurrency", type=_positive_int, default=32, help="streams in flight at most")
     sv.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (default: all at once)"
+        "--request-rate", type=_rate, default=float("inf"), help="Poisson arrivals per second (default: all at once)"
     )
-    sv.add_argument("--duration-limit", type=float, default=600.0, help="seconds; open requests are then cancelled")
-    sv.add_argument("--stream-interval", type=int, default=1, help="the started server's --stream-interval")
+    sv.add_argument(
+        "--duration-limit", type=_positive_seconds, default=600.0, help="seconds; open requests are then cancelled"
+    )
+    sv.add_argument("--stream-interval", type=_positive_int, default=1, help="the started server's --stream-interval")
     sv.add_argument(
         "--vs-offline", action="store_true", help="also run the same requests on an offline engine and print the ratio"
     )
     t.add_argument(
         "--baseline-requests",
-        type=int,
+        type=_positive_int,
         default=None,
         help="run only the first K requests one at a time for the baseline (default: all)",
     )
@@ -196,10 +237,6 @@ def run(args) -> dict:
         if args.mode == "serve":
             from serving import loadgen
 
-            if min(args.concurrency, args.stream_interval) < 1 or min(args.request_rate, args.duration_limit) <= 0:
-                raise SystemExit(
-                    "error: --concurrency, --stream-interval, --request-rate and --duration-limit must be positive"
-                )
             return loadgen.run(args, model_dir)
         if args.mode == "throughput":
             return _throughput(args, model_dir, LLM, SamplingParams)

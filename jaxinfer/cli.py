@@ -128,9 +128,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     from jaxinfer import LLM, SamplingParams
+    from jaxinfer.errors import InvalidRequestError
 
     if bool(args.prompt) == bool(args.prompt_ids):
-        raise SystemExit("error: give prompt text or --prompt-ids (not both, not neither)")
+        raise InvalidRequestError("give prompt text or --prompt-ids (not both, not neither)")
+    if args.stream and (len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1):
+        raise InvalidRequestError("--stream takes exactly one prompt and --n 1")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -150,8 +153,6 @@ def _generate(args) -> int:
         return _generate_remote(args, params)
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
     if args.stream:
-        if len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1:
-            raise SystemExit("error: --stream takes exactly one prompt and --n 1")
         if args.prompt:
             print(args.prompt[0], end="", flush=True)
             deltas = llm.stream(args.prompt[0], params)
@@ -174,8 +175,6 @@ def _generate_remote(args, params) -> int:
 
     with Client(args.server) as client:
         if args.stream:
-            if len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1:
-                raise SystemExit("error: --stream takes exactly one prompt and --n 1")
             if args.prompt:
                 print(args.prompt[0], end="", flush=True)
                 deltas = client.stream(args.prompt[0], params)
@@ -270,6 +269,8 @@ def _bench_mesh(argv: list[str]) -> int:
     p.add_argument("--cpu-devices", type=int, default=None, help="run on N virtual CPU devices (XLA host platform)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.cpu_devices is not None and not 1 <= args.cpu_devices <= 1024:
+        p.error(f"--cpu-devices must be in [1, 1024], got {args.cpu_devices}")
     if args.cpu_devices:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"

@@ -9,20 +9,30 @@ Both speak jaxinfer.v1 and return the types of the offline API - `RequestOutput`
 
 A refused or failed call raises `ServerError` with the gRPC status code and the server's message.
 Leaving a `stream` early cancels the RPC, which aborts the request on the server.
+
+Arguments are checked before any RPC, by the functions both clients share (`_request`, `_seconds`,
+`_text`): what the wire cannot carry (an id past int32, a lone surrogate in a string) or what the
+offline API refuses (a float or bool as a token id, a bytes prompt) raises `InvalidRequestError`
+naming the argument or field, as `LLM` does, never protobuf's or gRPC's own exception.
 """
 
 from __future__ import annotations
 
+import math
+import reprlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
+import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer.engine import Logprob
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.llm import CompletionOutput, RequestOutput, StreamDelta
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, _is_int, _is_number
+from jaxinfer.tokenizer import require_unicode
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from jaxinfer.v1 import jaxinfer_pb2_grpc as pb_grpc
 
@@ -42,37 +52,118 @@ def _server_error(e: grpc.RpcError) -> ServerError:
     return ServerError(e.code(), e.details() or "")
 
 
+# What each integer field type of the proto can carry: protobuf raises a bare "Value out of range".
+_WIRE_INTS = {
+    FieldDescriptor.TYPE_INT32: ("int32", -(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: ("uint32", 0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT64: ("int64", -(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: ("uint64", 0, 2**64 - 1),
+}
+INT32_MAX = 2**31 - 1
+
+
+def _show(value) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def _text(value, field: str) -> str:
+    """`value` if it is a str that UTF-8 can carry; else InvalidRequestError naming `field`."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field} must be a string, got {_show(value)}")
+    require_unicode(value, field)
+    return value
+
+
+def _seconds(value, field: str, *, optional: bool = True, default: float | None = None) -> float | None:
+    """A positive, finite number of seconds (or None, meaning `default`, when `optional`); else
+    InvalidRequestError naming `field`. grpc itself raises a bare TypeError from deep inside."""
+    if value is None and optional:
+        return default
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        none = " (or None)" if optional else ""
+        raise InvalidRequestError(f"{field} must be a positive number of seconds{none}, got {_show(value)}")
+    return float(value)
+
+
+def _wire_value(field: str, f: FieldDescriptor, value):
+    """One value of proto field `f`, checked against the field's wire type and converted to it."""
+    if f.type in _WIRE_INTS:
+        kind, lo, hi = _WIRE_INTS[f.type]
+        if not _is_int(value):
+            raise InvalidRequestError(f"{field} must be an integer, got {_show(value)}")
+        if value > hi:
+            raise InvalidRequestError(f"{field} = {value} is beyond the wire format's {kind} limit {hi}")
+        if value < lo:
+            raise InvalidRequestError(f"{field} = {value} is below the wire format's {kind} limit {lo}")
+        return int(value)
+    if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        if not _is_number(value):
+            raise InvalidRequestError(f"{field} must be a number, got {_show(value)}")
+        return float(value)
+    if f.type == FieldDescriptor.TYPE_BOOL:
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidRequestError(f"{field} must be True or False, got {_show(value)}")
+        return bool(value)
+    if f.type == FieldDescriptor.TYPE_STRING:
+        return _text(value, field)
+    raise TypeError(f"the client cannot send {f.full_name} (proto type {f.type})")  # a new kind of field
+
+
 def _params(p: SamplingParams | None) -> pb.SamplingParams:
-    p = p or SamplingParams()
-    msg = pb.SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        stop=list(p.stop),
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        n=p.n,
-    )
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
+    """`p` as the proto, every field checked against its wire type (field by field from the proto's
+    descriptor, so a field added to both is covered): SamplingParams checks meaning, not wire limits
+    (max_tokens = 2**31 is a fine Python int, but not an int32)."""
+    if p is None:
+        p = SamplingParams()
+    if not isinstance(p, SamplingParams):
+        raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got {_show(p)}")
+    msg = pb.SamplingParams()
+    for f in msg.DESCRIPTOR.fields:
+        value, field = getattr(p, f.name), f"sampling_params.{f.name}"
+        if f.is_repeated:
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise InvalidRequestError(f"{field} must be a list, got {_show(value)}")
+            getattr(msg, f.name).extend(_wire_value(f"{field}[{i}]", f, v) for i, v in enumerate(value))
+        elif value is not None:  # None: unset, the server's default (seed, logprobs)
+            setattr(msg, f.name, _wire_value(field, f, value))
     return msg
 
 
+def _prompt_ids(ids) -> list[int]:
+    """One prompt's token ids as a list of ints in [0, INT32_MAX]; refuses what `LLM` refuses (a
+    string, bytes, floats, bools, nested lists) instead of converting it."""
+    if (
+        isinstance(ids, (str, bytes, bytearray))
+        or not isinstance(ids, Sequence | np.ndarray)
+        or (isinstance(ids, np.ndarray) and ids.ndim != 1)
+    ):
+        raise InvalidRequestError(f"prompt_token_ids must be one prompt's list of integer ids, got {_show(ids)}")
+    out = []
+    for i, t in enumerate(ids):
+        if not _is_int(t):
+            flat = " (the client sends one prompt: a flat list of ids)" if isinstance(t, Sequence | np.ndarray) else ""
+            raise InvalidRequestError(f"prompt_token_ids[{i}] must be an integer, got {_show(t)}{flat}")
+        if not 0 <= t <= INT32_MAX:
+            raise InvalidRequestError(
+                f"prompt_token_ids[{i}] = {t} is outside [0, {INT32_MAX}]: token ids are non-negative, "
+                f"and the wire format's int32 limit is {INT32_MAX}"
+            )
+        out.append(int(t))
+    return out
+
+
 def _request(prompt, sampling_params, prompt_token_ids, request_id) -> pb.GenerateRequest:
+    """The request both clients send, every argument checked first (InvalidRequestError names it)."""
     if (prompt is None) == (prompt_token_ids is None):
-        raise ValueError("pass exactly one of prompt or prompt_token_ids")
-    req = pb.GenerateRequest(sampling_params=_params(sampling_params), request_id=request_id or "")
+        raise InvalidRequestError("pass exactly one of prompt or prompt_token_ids")
+    req = pb.GenerateRequest(
+        sampling_params=_params(sampling_params),
+        request_id="" if request_id is None else _text(request_id, "request_id"),
+    )
     if prompt is not None:
-        req.text = prompt
+        req.text = _text(prompt, "prompt")
     else:
-        req.token_ids.ids.extend(int(t) for t in prompt_token_ids)
+        req.token_ids.ids.extend(_prompt_ids(prompt_token_ids))
     return req
 
 
@@ -118,6 +209,7 @@ def _check_target(target: str) -> str:
     reach: it silently wraps 70000 to 4464."""
     if not isinstance(target, str) or not target:
         raise InvalidRequestError(f"server address must be a non-empty string like host:port, got {target!r}")
+    require_unicode(target, "server address")
     port = target.rpartition(":")[2]
     if port.isdigit() and not 0 < int(port) < 65536:
         raise InvalidRequestError(f"server address {target!r}: the port must be in [1, 65535]")
@@ -129,7 +221,7 @@ class Client:
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
         self.target = _check_target(target)
-        self.timeout = timeout
+        self.timeout = _seconds(timeout, "timeout")
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -153,8 +245,9 @@ class Client:
         timeout: float | None = None,
     ) -> RequestOutput:
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
+        timeout = _seconds(timeout, "timeout", default=self.timeout)
         try:
-            resp = self._stub.Generate(req, timeout=self.timeout if timeout is None else timeout)
+            resp = self._stub.Generate(req, timeout=timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
         return _output(prompt, sampling_params is not None and sampling_params.logprobs is not None, resp)
@@ -168,8 +261,14 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> Iterator[StreamDelta]:
+        """The request's deltas as they come; the arguments are checked at this call, the RPC starts
+        at the first `next`."""
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
-        call = self._stub.GenerateStream(req, timeout=self.timeout if timeout is None else timeout)
+        timeout = _seconds(timeout, "timeout", default=self.timeout)
+        return self._stream(req, timeout)
+
+    def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamDelta]:
+        call = self._stub.GenerateStream(req, timeout=timeout)
         try:
             for msg in call:
                 yield _delta(msg)
@@ -179,8 +278,9 @@ class Client:
             call.cancel()  # a no-op once the stream has ended; aborts the request if it has not
 
     def tokenize(self, text: str) -> list[int]:
+        req = pb.TokenizeRequest(text=_text(text, "text"))
         try:
-            return list(self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).token_ids)
+            return list(self._stub.Tokenize(req, timeout=self.timeout).token_ids)
         except grpc.RpcError as e:
             raise _server_error(e) from None
 
@@ -193,15 +293,16 @@ class Client:
     def health(self, service: str = "") -> str:
         """The standard health check's answer: "SERVING", "NOT_SERVING", "NOT_FOUND" (a service the
         server does not know), or "UNREACHABLE"."""
+        req = health_pb2.HealthCheckRequest(service=_text(service, "service"))
         try:
-            resp = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            resp = self._health.Check(req, timeout=5)
         except grpc.RpcError as e:
             return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Blocks until the server reports SERVING; raises TimeoutError after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _seconds(timeout, "timeout", optional=False)
         while self.health() != "SERVING":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.target} was not SERVING after {timeout:.0f} s")
@@ -213,7 +314,7 @@ class AsyncClient:
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
         self.target = _check_target(target)
-        self.timeout = timeout
+        self.timeout = _seconds(timeout, "timeout")
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -237,13 +338,14 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> RequestOutput:
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
+        timeout = _seconds(timeout, "timeout", default=self.timeout)
         try:
-            resp = await self._stub.Generate(req, timeout=self.timeout if timeout is None else timeout)
+            resp = await self._stub.Generate(req, timeout=timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
         return _output(prompt, sampling_params is not None and sampling_params.logprobs is not None, resp)
 
-    async def stream(
+    def stream(
         self,
         prompt: str | None = None,
         sampling_params: SamplingParams | None = None,
@@ -252,8 +354,14 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[StreamDelta]:
+        """The request's deltas as they come (`async for`); the arguments are checked at this call,
+        the RPC starts at the first step."""
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
-        call = self._stub.GenerateStream(req, timeout=self.timeout if timeout is None else timeout)
+        timeout = _seconds(timeout, "timeout", default=self.timeout)
+        return self._stream(req, timeout)
+
+    async def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[StreamDelta]:
+        call = self._stub.GenerateStream(req, timeout=timeout)
         try:
             async for msg in call:
                 yield _delta(msg)
@@ -263,8 +371,9 @@ class AsyncClient:
             call.cancel()
 
     async def tokenize(self, text: str) -> list[int]:
+        req = pb.TokenizeRequest(text=_text(text, "text"))
         try:
-            resp = await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout)
+            resp = await self._stub.Tokenize(req, timeout=self.timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
         return list(resp.token_ids)
@@ -276,8 +385,9 @@ class AsyncClient:
             raise _server_error(e) from None
 
     async def health(self, service: str = "") -> str:
+        req = health_pb2.HealthCheckRequest(service=_text(service, "service"))
         try:
-            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            resp = await self._health.Check(req, timeout=5)
         except grpc.RpcError as e:
             return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -285,7 +395,7 @@ class AsyncClient:
     async def wait_ready(self, timeout: float = 600.0) -> None:
         import asyncio
 
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _seconds(timeout, "timeout", optional=False)
         while await self.health() != "SERVING":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.target} was not SERVING after {timeout:.0f} s")

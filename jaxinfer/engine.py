@@ -105,22 +105,32 @@ class SeqUpdate:
 
 def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens) -> None:
     """Raises InvalidRequestError naming the first capacity setting out of range (None: not given)."""
-    for name, value, lo in (
-        ("page_size", page_size, 1),
-        ("max_num_seqs", max_num_seqs, 1),
-        ("num_kv_pages", num_kv_pages, 2),
-        ("max_num_batched_tokens", max_num_batched_tokens, 16),
+    for name, value, lo, hi in (
+        ("page_size", page_size, 1, 2**16),
+        ("max_num_seqs", max_num_seqs, 1, 2**14),  # warm-up compiles a decode shape per bucket up to it
+        ("num_kv_pages", num_kv_pages, 2, 2**31 - 1),
+        ("max_num_batched_tokens", max_num_batched_tokens, 16, 2**20),
     ):
         if value is None and name == "num_kv_pages":
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-            raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise InvalidRequestError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     if page_size & (page_size - 1):
         raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
 
 
+# The longest sequence the engine runs (16M tokens): per-row host arrays (page tables, token history)
+# are sized by it, so a config claiming an absurd context must not size them.
+MAX_MODEL_LEN_LIMIT = 2**24
+
+
+def default_max_model_len(cfg) -> int:
+    """The model's maximum length, capped at MAX_MODEL_LEN_LIMIT."""
+    return min(cfg.max_position_embeddings, MAX_MODEL_LEN_LIMIT)
+
+
 def check_max_model_len(cfg, max_model_len) -> None:
-    """Raises InvalidRequestError unless 2 <= max_model_len <= cfg.max_position_embeddings.
+    """Raises InvalidRequestError unless 2 <= max_model_len <= default_max_model_len(cfg).
 
     Past max_position_embeddings the model was never trained, and dynamic-NTK RoPE (loaded as plain
     RoPE, see `config._rope`) would start rescaling, which this engine does not do.
@@ -128,11 +138,14 @@ def check_max_model_len(cfg, max_model_len) -> None:
     if (
         not isinstance(max_model_len, int)
         or isinstance(max_model_len, bool)
-        or not (2 <= max_model_len <= cfg.max_position_embeddings)
+        or not (2 <= max_model_len <= default_max_model_len(cfg))
     ):
-        raise InvalidRequestError(
-            f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_model_len!r}"
+        limit = (
+            f"{cfg.max_position_embeddings} for this model"
+            if cfg.max_position_embeddings <= MAX_MODEL_LEN_LIMIT
+            else f"{MAX_MODEL_LEN_LIMIT} (the engine's limit; this model's is {cfg.max_position_embeddings})"
         )
+        raise InvalidRequestError(f"max_model_len must be in [2, {limit}], got {max_model_len!r}")
 
 
 class Engine:
@@ -358,6 +371,11 @@ class Engine:
         bad = [t for t in prompt_ids if not (0 <= t < self.cfg.vocab_size)]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
         need = self.scheduler.most_pages_held(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
         if need > self.pool.capacity:
             raise InvalidRequestError(

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine import Engine, Logprob, Request, check_capacity, check_max_model_len
+from jaxinfer.engine import Engine, Logprob, Request, check_capacity, check_max_model_len, default_max_model_len
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
@@ -209,7 +209,7 @@ class LLM:
         cfg, params, tokenizer = _load(model, dtype, device_mesh)
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
         if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
+            max_model_len = default_max_model_len(cfg)
         check_max_model_len(cfg, max_model_len)  # before it sizes the default page count
         if num_kv_pages is None:
             num_kv_pages = _default_num_pages(
@@ -260,12 +260,18 @@ class LLM:
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
             prompts = [prompts]
+        if prompts is not None and (isinstance(prompts, bytes) or not isinstance(prompts, Sequence)):
+            raise InvalidRequestError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         if prompts is not None:
             texts = list(prompts)
             ids = [self._encode(p, i) for i, p in enumerate(texts)]
             field = "prompts"
         else:
-            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence | np.ndarray):
+            if (
+                isinstance(prompt_token_ids, (str, bytes))
+                or not isinstance(prompt_token_ids, Sequence | np.ndarray)
+                or (isinstance(prompt_token_ids, np.ndarray) and prompt_token_ids.ndim == 0)
+            ):
                 raise InvalidRequestError("prompt_token_ids must be a list of token-id lists (or one list of ids)")
             if len(prompt_token_ids) and all(_is_int(t) for t in prompt_token_ids):
                 prompt_token_ids = [prompt_token_ids]  # one prompt, as a flat list of ids
@@ -275,6 +281,7 @@ class LLM:
                 if (
                     isinstance(p, (str, bytes))
                     or not isinstance(p, Sequence | np.ndarray)
+                    or (isinstance(p, np.ndarray) and p.ndim != 1)
                     or not all(_is_int(t) for t in p)
                 ):
                     raise InvalidRequestError(f"prompt_token_ids[{i}] must be a list of integers")
@@ -284,6 +291,10 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(ids)
+        if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(ids):
             raise InvalidRequestError(

@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.tokenizer import require_unicode
 
 
 def _is_int(x) -> bool:
@@ -91,8 +92,8 @@ class SamplingParams:
             bad("max_tokens", self.max_tokens, "must be an integer >= 1")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "must be a finite number >= 0")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to disable")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            bad("top_k", self.top_k, "must be an integer in [1, 2**31), or 0 / -1 to disable")
         number_in("top_p", 0, 1, lo_open=True)
         number_in("min_p", 0, 1)
         number_in("presence_penalty", -2, 2)
@@ -107,6 +108,8 @@ class SamplingParams:
             bad("stop", self.stop, "must be a string or a list of strings")
         if any(x == "" for x in stop):
             bad("stop", self.stop, "must not contain an empty string")
+        for i, x in enumerate(stop):
+            require_unicode(x, f"SamplingParams.stop[{i}]")
         if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stop):
             bad(
                 "stop",
@@ -115,8 +118,8 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            bad("stop_token_ids", ids, "must be a list of non-negative integers")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < 2**31 for t in ids):
+            bad("stop_token_ids", ids, "must be a list of integers in [0, 2**31)")
         if len(ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))

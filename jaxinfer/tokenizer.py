@@ -403,10 +403,21 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
             raise InvalidRequestError(
                 f"{where}.content must be a string or a list of parts, got {type(content).__name__}"
             )
-        if isinstance(content, str):
-            require_unicode(content, f"{where}.content")
+        _require_unicode_everywhere(message, where)
         out.append(message)
     return out
+
+
+def _require_unicode_everywhere(value, where: str) -> None:
+    """require_unicode on every string in a message (role, content, content parts, names, ...)."""
+    if isinstance(value, str):
+        require_unicode(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _require_unicode_everywhere(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _require_unicode_everywhere(v, f"{where}[{i}]")
 
 
 def _jinja_environment():
@@ -482,3 +493,8 @@ def render_chat_template(
         raise CheckpointError(f"chat_template tried an unsafe operation: {e}") from None
     except jinja2.exceptions.TemplateError as e:
         raise InvalidRequestError(f"messages: the model's chat_template refused them: {e}") from None
+    except Exception as e:  # a template written for string content given a list of parts, ...
+        raise InvalidRequestError(
+            f"messages: the model's chat_template failed on them ({type(e).__name__}: {e}); "
+            "check the content types this model's template expects"
+        ) from None

@@ -22,7 +22,7 @@ import time
 
 import grpc
 import jax
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -41,7 +41,8 @@ _DEADLINE_SLACK_S = 0.1
 
 SERVICE = "jaxinfer.v1.InferenceService"
 JETSTREAM_SERVICE = "jetstream_proto.Orchestrator"
-HEALTH_SERVICES = ("", SERVICE, JETSTREAM_SERVICE)
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
+HEALTH_SERVICES = ("", SERVICE, JETSTREAM_SERVICE)  # the names health checks answer for
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,31 +109,60 @@ class Server:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Binds and starts serving health checks; loads the model in the background. Returns the port."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((self._inference_handler(), self._jetstream_handler()))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        names = (SERVICE, JETSTREAM_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
-        address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
-        try:
-            self.port = server.add_insecure_port(address)
-        except RuntimeError:  # newer grpcio raises where older ones returned 0
-            self.port = 0
-        if self.port == 0:
-            raise OSError(f"cannot bind {address}: is the port in use, or the address not this machine's?")
-        for name in HEALTH_SERVICES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.start()
-        self._grpc = server
-        if self.config.metrics_port is not None:
-            from prometheus_client import start_http_server
+        """Binds and starts serving health checks; loads the model in the background. Returns the port.
 
-            self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.registry
+        Raises OSError naming the address when a port cannot be bound; nothing is left running or
+        bound then."""
+        # The metrics port first: a gRPC port bound by a server that never starts stays bound until
+        # the process exits, and a started one cannot be left behind (its finalizer needs the loop).
+        self._start_metrics()
+        try:
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            server.add_generic_rpc_handlers(
+                (self._inference_handler(), self._jetstream_handler(), self._health_handler())
             )
+            names = (SERVICE, JETSTREAM_SERVICE, HEALTH_SERVICE)
+            reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+            address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
+            try:
+                self.port = server.add_insecure_port(address)
+            except RuntimeError:  # newer grpcio raises where older ones returned 0
+                self.port = 0
+            if self.port == 0:
+                raise OSError(f"cannot bind {address}: is the port in use, or the address not this machine's?")
+            for name in HEALTH_SERVICES:
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            try:
+                await server.start()
+            except BaseException:
+                await server.stop(None)
+                raise
+        except BaseException:
+            self._stop_metrics()
+            raise
+        self._grpc = server
         self._load_task = asyncio.get_running_loop().create_task(self._load())  # held: tasks are weakly referenced
         return self.port
+
+    def _start_metrics(self) -> None:
+        port = self.config.metrics_port
+        if port is None:
+            return
+        from prometheus_client import start_http_server
+
+        try:
+            self._metrics_http, _ = start_http_server(port, addr=self.config.host, registry=self.registry)
+        except OSError as e:  # errno's words, not "[Errno 98] ...", which names neither flag nor port
+            reason = e.strerror or str(e)
+            reason = reason[:1].lower() + reason[1:]
+            where = f"{_host_for_bind(self.config.host)}:{port}"
+            raise OSError(f"--metrics-port {port}: cannot listen on {where} ({reason})") from e
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()  # shutdown() only ends the loop: this frees the port
+            self._metrics_http = None
 
     @property
     def metrics_port(self) -> int | None:
@@ -209,8 +239,7 @@ class Server:
             await self.engine.wait_idle(5.0)
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
+        self._stop_metrics()
         self.state = "stopped"
         self.ready.set()  # wakes anyone still waiting for a load that will never be used
         self._stopped.set()
@@ -484,6 +513,26 @@ class Server:
             version=jaxinfer.__version__,
         )
 
+    # -- grpc.health.v1 ---------------------------------------------------------------------------
+
+    def _health_handler(self):
+        """grpc.health.v1.Health: the stock servicer (whose statuses start() and stop() set), behind
+        request parsing that answers a malformed request with INVALID_ARGUMENT instead of a
+        traceback. Check and Watch, as the stock registration has them (List is unimplemented)."""
+        handlers = {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                _parsed(self._health.Check),
+                request_deserializer=_HEALTH_REQUEST_PARSER,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                _parsed(self._health.Watch),
+                request_deserializer=_HEALTH_REQUEST_PARSER,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+        }
+        return grpc.method_handlers_generic_handler(HEALTH_SERVICE, handlers)
+
     # -- JetStream ------------------------------------------------------------------------------
 
     def _jetstream_handler(self):
@@ -494,8 +543,8 @@ class Server:
                 response_serializer=js.DecodeResponse.SerializeToString,
             ),
             "HealthCheck": grpc.unary_unary_rpc_method_handler(
-                self._jetstream_health,
-                request_deserializer=js.HealthCheckRequest.FromString,
+                _parsed(self._jetstream_health),
+                request_deserializer=wire.Parser(js.HealthCheckRequest),
                 response_serializer=js.HealthCheckResponse.SerializeToString,
             ),
         }
@@ -557,6 +606,21 @@ class Server:
                     yield js.DecodeResponse(stream_content=js.DecodeResponse.StreamContent(samples=samples))
         except EngineFailedError as e:
             raise _engine_failed(e) from None
+
+
+_HEALTH_REQUEST_PARSER = wire.Parser(health_pb2.HealthCheckRequest)
+
+
+def _parsed(handler):
+    """Wraps a handler that `_observe` does not (health checks): a request `wire.Parser` could not
+    parse is answered INVALID_ARGUMENT with its message, the way `_observe` answers it."""
+
+    async def wrapped(request, ctx):
+        if isinstance(request, wire.BadMessage):
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await handler(request, ctx)
+
+    return wrapped
 
 
 def _engine_failed(e: EngineFailedError) -> RpcError:

@@ -43,7 +43,9 @@ def _bytes_twin(cls):
     def fix(msgs):
         for m in msgs:
             for f in m.field:
-                if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                # A map's key cannot be bytes (health.proto has a map<string, ...>): keys stay strings.
+                key = m.options.map_entry and f.name == "key"
+                if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING and not key:
                     f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
                 if f.type_name.startswith(f".{old}."):
                     f.type_name = f".{new}." + f.type_name[len(old) + 2 :]

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxinfer import LLM, InvalidRequestError, SamplingParams, default_model
@@ -89,6 +90,21 @@ def test_generation_stops_at_max_model_len(llm):
         (lambda m: validate_messages([{"role": "user", "content": "\ud800"}]), r"messages\[0\]\.content is not valid"),
         (lambda m: m.generate(prompt_token_ids=[[1, 2], 3]), r"prompt_token_ids\[1\] must be a list of integers"),
         (lambda m: m.generate(prompt_token_ids=7), "prompt_token_ids must be a list"),
+        # Were raw TypeErrors ("'int' object is not iterable", "len() of unsized object"):
+        (lambda m: m.generate(5), "prompts must be a string or a list of strings, got int"),
+        (lambda m: m.generate("a", 5), "sampling_params must be a SamplingParams or a list of them, got int"),
+        (lambda m: m.generate(prompt_token_ids=np.array(5)), "prompt_token_ids must be a list"),
+        (lambda m: m.generate(prompt_token_ids=[np.ones((2, 2), int)]), r"prompt_token_ids\[0\] must be a list"),
+        # Was accepted: an id the model can never produce, in a stop list.
+        (
+            lambda m: m.generate(["a"], SamplingParams(stop_token_ids=[3, 10**6])),
+            r"prompts\[0\]: SamplingParams.stop_token_ids: 1000000 is outside the vocabulary \[0, 259\)",
+        ),
+        (lambda m: validate_messages([{"role": "us\udcffer", "content": "hi"}]), r"messages\[0\]\.role is not valid"),
+        (
+            lambda m: validate_messages([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
+            r"messages\[0\]\.content\[0\]\.text is not valid Unicode",
+        ),
     ],
 )
 def test_bad_requests_are_refused_clearly(llm, call, match):
@@ -143,10 +159,13 @@ def test_a_flat_list_of_ids_is_one_prompt(llm):
 def test_bad_constructor_arguments():
     with pytest.raises(InvalidRequestError, match="dtype"):
         LLM(dtype="float16")
-    with pytest.raises(InvalidRequestError, match="page_size must be an integer >= 1, got 0"):
+    with pytest.raises(InvalidRequestError, match=r"page_size must be an integer in \[1, 65536\], got 0"):
         LLM(page_size=0)  # was a ZeroDivisionError while sizing the default page count
-    with pytest.raises(InvalidRequestError, match="max_num_seqs must be an integer >= 1, got True"):
+    with pytest.raises(InvalidRequestError, match="max_num_seqs must be an integer in .*, got True"):
         LLM(max_num_seqs=True)
+    # Was a silent hang: the warm-up enumerated a decode shape for every row count up to it.
+    with pytest.raises(InvalidRequestError, match=r"max_num_seqs must be an integer in \[1, 16384\], got 1000000000"):
+        LLM(max_num_seqs=10**9)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         LLM(max_model_len=10**6)
     with pytest.raises(InvalidRequestError, match="model must be a directory path"):
@@ -177,7 +196,8 @@ def test_cli_json(capsys):
         (["generate", "--model", __file__, "x"], "is a file, not a directory"),
         (["generate", "x\udcff"], "is not valid Unicode"),  # argv bytes that are not UTF-8
         # A cache no machine holds: named, not an allocator failure (or the process killed).
-        (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "the KV cache would take"),
+        (["generate", "--num-kv-pages", str(2**30), "--prompt-ids", "1,5"], "the KV cache would take"),
+        (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "page_size must be an integer in [1, 65536]"),
         (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
         (["generate", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
@@ -326,6 +346,31 @@ def test_bench_throughput_runs_and_reports(capsys):
     assert cb["decode_calls"] < base["decode_calls"]  # batched
     for r in (base, cb):
         assert 0 < r["prefill_s"] + r["decode_s"] < r["wall_s"] and r["other_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # Each ran part of a benchmark, or none, then died with an "unexpected ValueError".
+        (["throughput", "--prompt-len-range", "100,10"], "--prompt-len-range: expected MIN,MAX with 1 <= MIN <= MAX"),
+        (["throughput", "--num-requests", "-1"], "--num-requests: expected a positive integer, got -1"),
+        (["--context", "-5"], "--context: expected a positive integer, got -5"),
+        (["serve", "--request-rate", "nan"], "--request-rate: expected a positive number of requests per second"),
+        (["serve", "--duration-limit", "inf"], "--duration-limit: expected a positive, finite number of seconds"),
+    ],
+)
+def test_bench_flags_out_of_range_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        _bench_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_usage_errors_exit_2_before_loading(capsys):
+    assert main(["generate", "--stream", "a", "b"]) == 2
+    assert "--stream takes exactly one prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "mesh", "--cpu-devices", "-3"])  # was a backend crash: "vector::reserve"
+    assert e.value.code == 2 and "--cpu-devices must be in [1, 1024], got -3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", [[], ["throughput"], ["serve", "--vs-offline"]])

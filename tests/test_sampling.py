@@ -127,6 +127,11 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
         (dict(seed=-1), "seed"),
         (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
         (dict(stop_token_ids=5), "stop_token_ids"),
+        # Were accepted here and overflowed int32 inside the engine's step (an OverflowError there).
+        (dict(top_k=2**31), r"top_k must be an integer in \[1, 2\*\*31\)"),
+        (dict(stop_token_ids=[2**31]), r"stop_token_ids must be a list of integers in \[0, 2\*\*31\)"),
+        # A lone surrogate (invalid UTF-8 from a command line) has no UTF-8 form to match against.
+        (dict(stop=["ok", "bad\udcff"]), r"SamplingParams.stop\[1\] is not valid Unicode"),
     ],
 )
 def test_bad_values_name_the_field(kw, field):

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -315,6 +316,37 @@ def test_invalid_utf8_is_named(server):
     with Client(server.address) as c:  # and the server is unharmed
         assert c.health() == "SERVING"
         assert c.generate("fine", SamplingParams(max_tokens=2)).outputs[0].token_ids
+
+
+def test_malformed_health_requests_get_invalid_argument(server, caplog):
+    """Health checks parse like every other RPC: bad bytes are INVALID_ARGUMENT naming the problem,
+    not UNKNOWN with a DecodeError traceback in the server's log."""
+    garbage, bad_service = b"\xff\xff", health_pb2.HealthCheckRequest(service="ab").SerializeToString()[:-1] + b"\xff"
+    cases = [
+        ("/grpc.health.v1.Health/Check", garbage, "not a valid grpc.health.v1.HealthCheckRequest"),
+        ("/grpc.health.v1.Health/Check", bad_service, "service: invalid UTF-8 at byte 1"),
+        ("/grpc.health.v1.Health/Watch", garbage, "not a valid grpc.health.v1.HealthCheckRequest"),
+        ("/grpc.health.v1.Health/Watch", bad_service, "service: invalid UTF-8 at byte 1"),
+        ("/jetstream_proto.Orchestrator/HealthCheck", garbage, "not a valid jetstream_proto.HealthCheckRequest"),
+    ]
+    with grpc.insecure_channel(server.address) as ch:
+        for path, payload, message in cases:
+            kind = ch.unary_stream if path.endswith("Watch") else ch.unary_unary
+            call = kind(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as e:
+                r = call(payload, timeout=10)
+                if path.endswith("Watch"):
+                    list(r)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, e.value.code(), e.value.details())
+            assert message in e.value.details(), (path, e.value.details())
+        # The stock stubs (grpc_health_probe and the like) still get the statuses the server sets.
+        stub = health_pb2_grpc.HealthStub(ch)
+        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="jaxinfer.v1.InferenceService"), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        assert js_grpc.OrchestratorStub(ch).HealthCheck(js.HealthCheckRequest(), timeout=5).is_live
+    assert not [r for r in caplog.records if "raised by servicer method" in r.getMessage()]
 
 
 def test_queue_full_is_resource_exhausted(llm):
@@ -635,6 +667,30 @@ def test_port_in_use_is_a_clear_error(server):
 
     with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: is the port in use"):
         asyncio.run(start())
+
+
+def test_metrics_port_in_use_is_a_clear_error(server):
+    """--metrics-port taken: the message names the flag, the address and the reason; the gRPC port it
+    had bound is released, and `jaxinfer serve` exits 2 without asyncio's teardown noise."""
+    taken = server.port  # the module server's gRPC port: in use
+    expected = f"--metrics-port {taken}: cannot listen on 127.0.0.1:{taken} (address already in use)"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        grpc_port = sock.getsockname()[1]  # free: for the gRPC server the failed start must not keep
+
+    async def start():
+        return await Server(ServerConfig(port=grpc_port, metrics_port=taken)).start()
+
+    with pytest.raises(OSError, match=re.escape(expected)):
+        asyncio.run(start())
+    with socket.socket() as sock:  # nothing left bound
+        sock.bind(("127.0.0.1", grpc_port))
+
+    proc = _serve("--metrics-port", str(taken))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, (out, err)
+    assert err.strip() == f"error: {expected}", err
+    assert "Exception ignored" not in err and "never awaited" not in err
 
 
 JETSTREAM_CLIENT = """

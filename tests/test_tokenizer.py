@@ -358,6 +358,15 @@ def test_bad_messages_are_refused_by_field(chat_llm, messages, message):
         chat_llm[0].chat(messages)
 
 
+def test_a_template_that_fails_on_the_messages_is_a_request_error():
+    """A template written for string content, given a list of parts, raised a raw TypeError."""
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    messages = validate_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    with pytest.raises(InvalidRequestError, match=r"chat_template failed on them \(TypeError: .*str"):
+        render_chat_template("{{ messages[0]['role'] + ': ' + messages[0]['content'] }}", messages)
+
+
 def test_model_without_chat_template_is_refused(tmp_path):
     save_hf_model(make_hf_model("llama2", vocab_size=512), tmp_path)
     _bpe_dir(tmp_path)
