@@ -205,8 +205,36 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     )
 
 
+_METASPACE_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
+    """What transformers 5's LlamaTokenizer does to a tokenizer.json it loads (Llama 2, Mistral v0.1
+    checkpoints name that class): it keeps the file's vocabulary, merges, added tokens and
+    post-processor, and replaces the rest. No normaliser (the files' Prepend("▁") + Replace(" ", "▁")
+    doubled a leading space and added "▁" after special tokens); a Metaspace pre-tokenizer that
+    prepends "▁" to the first word only ("always": after every special token, when `legacy` is
+    true; "never" with add_prefix_space false); byte fallback; a decoder that strips the prefix."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    if not isinstance(tok.model, models.BPE):
+        return  # transformers rebuilds a BPE; anything else is read as written
+    prefix = settings.add_prefix_space if settings.add_prefix_space is not None else True
+    scheme = ("always" if settings.legacy else "first") if prefix else "never"
+    tok.model.fuse_unk = True
+    tok.model.byte_fallback = True
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+
+
 class HFTokenizer:
-    """A `tokenizers` fast tokenizer (tokenizer.json); BOS/EOS come from its own post-processor."""
+    """A `tokenizers` fast tokenizer (tokenizer.json); BOS/EOS come from its own post-processor.
+
+    Under a `tokenizer_class` that transformers rebuilds from the file's vocabulary (LlamaTokenizer),
+    the pipeline is rebuilt the same way: see `_rebuild_as_llama_tokenizer`.
+    """
 
     def __init__(self, path: str, *, settings: TokenizerSettings | None = None, eos_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as _Tok
@@ -216,6 +244,8 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         settings = settings or TokenizerSettings()
+        if settings.tokenizer_class in _METASPACE_CLASSES:
+            _rebuild_as_llama_tokenizer(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_tokens = dict(settings.special_tokens)
         self.chat_template = settings.chat_template
@@ -273,10 +303,12 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.get_piece_size()
         self.chat_template = settings.chat_template
         self.special_tokens = dict(settings.special_tokens)
-        gemma = (settings.tokenizer_class or "").startswith("Gemma")
+        cls = settings.tokenizer_class or ""
         self._prefix_space = settings.add_prefix_space if settings.add_prefix_space is not None else own_prefix
-        if settings.add_prefix_space is None and gemma:
+        if settings.add_prefix_space is None and cls.startswith("Gemma"):
             self._prefix_space = False  # Gemma's tokenizer never adds one
+        if settings.add_prefix_space is None and cls in _METASPACE_CLASSES:
+            self._prefix_space = True  # LlamaTokenizer's default, whatever the model's own flag
         self._prefix_everywhere = bool(settings.legacy)
         bos = self._piece_id(self.special_tokens.get("bos_token"))
         self.bos_id = bos if bos is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
@@ -321,7 +353,10 @@ class SentencePieceTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        text = self._sp.decode([int(i) for i in ids])
+        # Ids past the model's pieces (a config vocabulary padded beyond the tokenizer's) decode to
+        # nothing, as in the tokenizer.json path; so does <unk>, a special token transformers skips.
+        unk = self._sp.unk_id()
+        text = self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size and i != unk])
         return text[1:] if self._prefix_space and text.startswith(" ") else text
 
     @functools.cached_property

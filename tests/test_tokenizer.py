@@ -247,6 +247,8 @@ def test_generation_config_eos_ids_win(tmp_path):
         (True, "nmt_nfkc", {"tokenizer_class": "LlamaTokenizer", "add_eos_token": True}),
         (False, "identity", {"tokenizer_class": "GemmaTokenizer"}),
         (True, "identity", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_prefix_space": False}),
+        # LlamaTokenizer prefixes "▁" by default even when the model's own add_dummy_prefix is off.
+        (False, "identity", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}),
     ],
 )
 def test_sentencepiece_ids_match_transformers(tmp_path, dummy_prefix, normalization, config):
@@ -258,6 +260,52 @@ def test_sentencepiece_ids_match_transformers(tmp_path, dummy_prefix, normalizat
     for text in ["hello world", "naïve 😀 café", "new\nline"]:
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"], skip_special_tokens=True)
     _assert_size_bound_holds(ours)
+
+
+@pytest.mark.parametrize("legacy", [None, True, False])
+def test_llama2_style_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, legacy):
+    """Llama 2 / Mistral v0.1 checkpoints ship a tokenizer.json with a Prepend("▁") + Replace(" ", "▁")
+    normaliser under tokenizer_class LlamaTokenizer. transformers 5 keeps only its vocabulary, merges
+    and post-processor and rebuilds the rest (Metaspace, prepend "first", or "always" when legacy): read
+    as written, " hello" gave ['▁▁', 'hello'] and "a</s>b" a '▁' after '</s>'."""
+    (tmp_path / "spm").mkdir()
+    spm = _spm_dir(tmp_path / "spm", tokenizer_config={"tokenizer_class": "LlamaTokenizer", "add_bos_token": True})
+    hub = tmp_path / "hub"
+    transformers.AutoTokenizer.from_pretrained(str(spm)).save_pretrained(str(hub))
+    tj = json.loads((hub / "tokenizer.json").read_text())
+    tj["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    }
+    tj["pre_tokenizer"] = None
+    (hub / "tokenizer.json").write_text(json.dumps(tj))
+    (hub / "tokenizer.model").unlink(missing_ok=True)
+    config = json.loads((hub / "tokenizer_config.json").read_text())
+    config.pop("legacy", None)
+    if legacy is not None:
+        config["legacy"] = legacy
+    (hub / "tokenizer_config.json").write_text(json.dumps(config))
+    strings = STRINGS + [" hello", "a</s>b", "<s>hello", "[INST] hi [/INST] ok</s>[INST] q [/INST]", "  two  spaces "]
+    ours, theirs = _assert_same_ids(hub, strings)
+    assert isinstance(ours, HFTokenizer)
+    for text in strings:
+        ids = theirs(text)["input_ids"]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_sentencepiece_decode_skips_unk_and_ids_past_the_model(tmp_path):
+    """<unk> is a special token transformers skips; an id past the pieces (a config vocabulary padded
+    beyond the tokenizer's) raised IndexError from inside the streaming detokenizer."""
+    _spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    ours = load_tokenizer(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    a = ours.encode("a", add_special_tokens=False)
+    ids = [*a, 0, *a]  # 0: <unk>
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode([*a, ours.vocab_size, ours.vocab_size + 7, *a]) == ours.decode(a + a)
 
 
 # ----------------------------------------------------------------------------------------------
