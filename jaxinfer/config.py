@@ -547,14 +547,17 @@ def _gemma_options(hf: dict[str, Any], family: str) -> dict[str, Any]:
     opts: dict[str, Any] = dict(embed_scale=True, norm_unit_offset=True)
     if family == "gemma":
         return opts
-    opts.update(post_norms=True, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
-    final_cap = hf.get("final_logit_softcapping")
-    attn_cap = hf.get("attn_logit_softcapping")
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
+        raise UnsupportedModelError(f"config.json field 'query_pre_attn_scalar' must be a number, got {scalar!r}")
+    opts.update(post_norms=True, query_pre_attn_scalar=float(scalar))
+    final_cap = _float_field(hf, "final_logit_softcapping", None)
+    attn_cap = _float_field(hf, "attn_logit_softcapping", None)
     if final_cap is not None:
-        opts["final_logit_softcap"] = float(final_cap)
+        opts["final_logit_softcap"] = final_cap
     if family == "gemma2":
         if attn_cap is not None:
-            opts["attn_logit_softcap"] = float(attn_cap)
+            opts["attn_logit_softcap"] = attn_cap
         return opts
     if attn_cap is not None:
         # Gemma 3 replaced attention soft-capping by q/k norms; transformers ignores the field, so a

@@ -218,6 +218,10 @@ def test_num_params_counts_the_real_tree(family):
         ("gemma3_text", dict(architectures=["Gemma3ForConditionalGeneration"]), "Gemma3ForConditionalGeneration"),
         ("gemma3_text", dict(architectures=None, model_type="gemma3"), "gemma3"),
         ("gemma2", dict(mlp_bias=True), "mlp_bias"),
+        ("gemma2", dict(query_pre_attn_scalar=None), "'query_pre_attn_scalar' must be a number, got None"),
+        ("gemma2", dict(final_logit_softcapping="30"), "'final_logit_softcapping' must be a number, got '30'"),
+        # A flat object: transformers would silently drop it and run unscaled RoPE.
+        ("gemma3_text", dict(rope_parameters={"rope_type": "linear", "factor": 8.0}), "must be keyed by layer type"),
     ],
 )
 def test_unsupported_is_refused_by_name(family, change, message):
