@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind, SlidingWindow
 from jaxinfer.kv_cache import Pool, QuantizedPages, quantize_int8
+from jaxinfer.numerics import sum_last_axis
 
 # Finite, so a row whose keys are all masked (a padding row) gives a uniform softmax, not NaN.
 _MASKED = -1e30
@@ -243,7 +244,7 @@ def tiled_paged_attention(
         m_new = jnp.maximum(m_old, logits.max(axis=-1))
         p = jnp.exp(logits - m_new[..., None])
         alpha = jnp.exp(m_old - m_new)
-        l_new = alpha * l_old + p.sum(axis=-1)
+        l_new = alpha * l_old + sum_last_axis(p)[..., 0]  # batch-invariant: see jaxinfer.numerics
         pv = jnp.einsum("KRQS,KRSH->KRQH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_new = alpha[..., None] * acc_old + pv
         return (

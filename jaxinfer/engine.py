@@ -303,7 +303,9 @@ class Engine:
                 sample(logits, SamplingBatch.from_rows([], b, w))
         jax.block_until_ready(self.cache)
         if self.poison_reused_pages and self.channel is None:
-            self._poison(np.zeros(1, np.int32))
+            # A step hands out any number of pages, padded to a power of two: one program per size.
+            for n in sorted({bucket(k) for k in range(1, self.pool.capacity + 1)}):
+                self._poison(np.zeros(n, np.int32))  # page 0: the scratch page
         return num_compiles() - before
 
     def _model_step(self, batch: Batch, t: int) -> jax.Array:

@@ -20,6 +20,7 @@ import numpy as np
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxinfer.kv_cache import Batch, KVCache
+from jaxinfer.numerics import sum_last_axis
 
 _normal = nn.initializers.normal(stddev=0.02)
 
@@ -30,7 +31,8 @@ def _param(module: nn.Module, name: str, shape, axes, init=_normal):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, statistics in float32, scaled in the model dtype (as HF does).
+    """x / rms(x) * w, statistics in float32 (summed in a shape-independent order), scaled in the
+    model dtype (as HF does).
 
     With `cfg.norm_unit_offset` (Gemma) the stored weight is w and the scale is (1 + w), applied in
     float32 before the cast back, as the Gemma reference does; the weight then starts at zero.
@@ -45,7 +47,8 @@ class RMSNorm(nn.Module):
         init = nn.initializers.zeros if offset else nn.initializers.ones
         w = _param(self, "scale", (self.dim,), ("norm",), init)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+        mean_square = sum_last_axis(x32 * x32) / self.dim  # batch-invariant: see sum_last_axis
+        y = x32 * jax.lax.rsqrt(mean_square + self.cfg.rms_norm_eps)
         if offset:
             return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
         return w * y.astype(x.dtype)

@@ -168,6 +168,19 @@ def test_no_compilation_after_warmup(params, placed):
     assert e.stats()["num_compiles"] == before
 
 
+def test_poisoned_pages_compile_in_the_warmup(params):
+    """poison_reused_pages fills a step's new pages in one call padded to a power of two: the warm-up
+    compiled only the 1-page program, so a step taking 2, 4, ... pages compiled in service."""
+    e = make_engine(
+        params, num_kv_pages=24, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, poison_reused_pages=True
+    )
+    e.warmup()
+    before = num_compiles()
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    run(e, [[5, 6, 7] * 9, [8, 9] * 5, [4] * 40], [sp] * 3)  # 7, 3 and 11 pages at a time
+    assert num_compiles() == before
+
+
 def test_abort_frees_pages_within_a_step(params):
     e = make_engine(params)
     sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
