@@ -61,34 +61,24 @@ def _ints(s: str) -> list[int]:
     return values
 
 
-def _positive_int(s: str) -> int:
-    try:
-        value = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _checked(cast, ok, expected: str):
+    """An argparse type: `cast(s)`, refused (naming what was expected) unless `ok(value)`; nan fails."""
+
+    def parse(s: str):
+        try:
+            value = cast(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {s}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(s: str) -> float:
-    try:
-        value = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {s!r}") from None
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {s}")
-    return value
-
-
-def _rate(s: str) -> float:
-    try:
-        value = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected requests per second, got {s!r}") from None
-    if not value > 0:  # nan fails too
-        raise argparse.ArgumentTypeError(f"expected a positive number of requests per second (or inf), got {s}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_positive_seconds = _checked(float, lambda v: 0 < v < math.inf, "a positive, finite number of seconds")
+_rate = _checked(float, lambda v: v > 0, "a positive number of requests per second (or inf)")
 
 
 def _len_range(s: str) -> list[int]:

@@ -304,8 +304,10 @@ class Engine:
         jax.block_until_ready(self.cache)
         if self.poison_reused_pages and self.channel is None:
             # A step hands out any number of pages, padded to a power of two: one program per size.
-            for n in sorted({bucket(k) for k in range(1, self.pool.capacity + 1)}):
+            n = 1
+            while n <= bucket(self.pool.capacity):
                 self._poison(np.zeros(n, np.int32))  # page 0: the scratch page
+                n *= 2
         return num_compiles() - before
 
     def _model_step(self, batch: Batch, t: int) -> jax.Array:
