@@ -113,39 +113,58 @@ def _images(nb) -> int:
     return sum("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
 
 
+def _expect(nb, *expected: str) -> None:
+    """Asserts each string appears in the notebook's outputs; a miss shows every code cell's outputs, so
+    a lost output and a wrong one can be told apart."""
+    text = _text(nb)
+    missing = [e for e in expected if e not in text]
+    if missing:
+        cells = []
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                outs = [(o.output_type, o.get("text") or o.get("data", {}).get("text/plain", "")) for o in cell.outputs]
+                cells.append(f"cell {i} (execution {cell.execution_count}): {outs!r:.600}")
+        raise AssertionError(f"missing from the outputs: {missing}\n" + "\n".join(cells))
+
+
 def test_quickstart(kernel_spec_manager):
     nb, _ = _execute("quickstart.ipynb", kernel_spec_manager)
-    text = _text(nb)
-    assert "picked up: CPU" in text
-    assert "same seed, same samples: True" in text
-    assert "rendered prompt:" in text and "assistant:" in text  # chat through the stand-in's template
-    assert "InvalidRequestError: this model has no chat_template" in text  # the default model's clear refusal
-    assert "same tokens as llm.generate: True" in text  # prefill + decode_step by hand == the engine
-    assert "= cfg.kv_bytes_per_token" in text and ": True" in text
-    assert "jaxinfer serve --model " in text
+    _expect(
+        nb,
+        "picked up: CPU",
+        "same seed, same samples: True",
+        "rendered prompt:",  # chat through the stand-in's template
+        "assistant:",
+        "InvalidRequestError: this model has no chat_template",  # the default model's clear refusal
+        "same tokens as llm.generate: True",  # prefill + decode_step by hand == the engine
+        "= cfg.kv_bytes_per_token",
+        "jaxinfer serve --model ",
+    )
+    assert ": True" in _text(nb)
 
 
 def test_anatomy_of_inference(kernel_spec_manager):
     nb, _ = _execute("anatomy_of_inference.ipynb", kernel_spec_manager)
-    text = _text(nb)
     assert _images(nb) >= 6, "one figure per section"
-    for sentence in (
+    _expect(
+        nb,
         "of the measured matmul ceiling",
         "of the measured bandwidth ceiling",
         "by recomputing",
         "sequences of 8192 tokens",
         "cut the running streams' worst ITL",
         "prefix-cache hit tokens",
-    ):
-        assert sentence in text, sentence
-    assert text.count("engine.stats(): prompt calls") == 2  # the engine's own phase split, per budget
+    )
+    assert _text(nb).count("engine.stats(): prompt calls") == 2  # the engine's own phase split, per budget
 
 
 def test_serving(kernel_spec_manager):
     nb, _ = _execute("serving.ipynb", kernel_spec_manager)
-    text = _text(nb)
-    assert "health: SERVING" in text
-    assert "streamed text == unary text: True" in text
-    assert "deterministic under batching: True" in text
-    assert "jaxinfer_requests_total" in text  # the metrics table
-    assert "server exit code 0" in text
+    _expect(
+        nb,
+        "health: SERVING",
+        "streamed text == unary text: True",
+        "deterministic under batching: True",
+        "jaxinfer_requests_total",  # the metrics table
+        "server exit code 0",
+    )
