@@ -250,6 +250,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
+        # Seeds of unseeded requests: the engine's own entropy, so a user's np.random.seed() neither
+        # repeats them nor has its stream advanced by generate().
+        self._seeds = np.random.default_rng()
         self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
         self._after_step()  # the gauges read true (all pages free) before the first step
 
@@ -397,7 +400,7 @@ class Engine:
         now = time.perf_counter()
         seqs = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else int(np.random.randint(0, 2**32, dtype=np.uint64))
+            seed = params.seed + i if params.seed is not None else int(self._seeds.integers(2**32))
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=rid,

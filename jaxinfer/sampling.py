@@ -38,13 +38,19 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 
 
+# Temperatures below this are greedy: dividing by them only turns float32 rounding noise between
+# near-tied logits into a coin flip.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to pick each generated token, and when to stop.
 
     Attributes:
         max_tokens: tokens to generate at most (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
+        temperature: logits are divided by it (>= 0); 0, and anything below `GREEDY_TEMPERATURE` (1e-5,
+            vLLM's threshold), means greedy.
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
         min_p: drop tokens less likely than min_p times the most likely one, in [0, 1].
@@ -168,7 +174,8 @@ class SamplingBatch:
         history = np.full((b, history_len), -1, np.int32)
         prompt_lens = np.zeros(b, np.int32)
         for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
+            temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else p.temperature
+            top_k[i], top_p[i], min_p[i] = max(p.top_k, 0), p.top_p, p.min_p
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seed[i], step[i], want[i] = s, n, p.logprobs is not None
             if p.has_penalties:

@@ -47,6 +47,20 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert batch[1].token_ids == alone
 
 
+def test_unseeded_requests_leave_numpy_global_random_state_alone(llm):
+    """Unseeded requests draw their seeds from the engine's own generator: generate() does not advance
+    the user's np.random stream, and seeding that stream does not make unseeded samples repeat."""
+    p = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        np.random.seed(123)
+        state = np.random.get_state()
+        runs.append(llm.generate(prompt_token_ids=[[1, 50, 60]] * 2, sampling_params=p))
+        after = np.random.get_state()
+        assert after[1].tolist() == state[1].tolist() and after[2:] == state[2:]
+    assert [o.token_ids for o in runs[0]] != [o.token_ids for o in runs[1]]
+
+
 def test_stop_token_ids_and_eos(llm):
     free = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=GREEDY)[0].token_ids
     stop_at = free[3]

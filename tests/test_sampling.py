@@ -61,6 +61,18 @@ def test_greedy_and_top_k_1_are_argmax():
     assert got.tolist() == [int(np.argmax(LOGITS))] * 2
 
 
+def test_temperatures_below_the_greedy_threshold_are_greedy():
+    """0 < T < 1e-5 (vLLM's cut) is greedy: dividing a 1-ulp near-tie by it would be a coin flip."""
+    tie = np.zeros(V, np.float32)
+    tie[3], tie[4] = 1.0, np.nextafter(np.float32(1.0), np.float32(0.0))
+    for t in (1e-7, 1e-6, 9e-6):
+        got = draw([SamplingParams(temperature=t, seed=s) for s in range(64)], [0] * 64, logits=tie)
+        assert set(got.tolist()) == {3}, t
+    # At the threshold it samples again: the two near-tied tokens both come out.
+    got = draw([SamplingParams(temperature=1e-5, seed=s) for s in range(64)], [0] * 64, logits=tie)
+    assert set(got.tolist()) == {3, 4}
+
+
 def test_mixed_rows_and_seed_independent_of_batch_mates():
     p = SamplingParams(temperature=1.0, seed=1234)
     alone = draw([p], [5])[0]
