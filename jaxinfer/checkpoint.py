@@ -44,6 +44,8 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "vocab.json",
     "merges.txt",
+    "chat_template.jinja",  # where transformers 5 writes the chat template
+    "chat_template.json",
 )
 
 # ----------------------------------------------------------------------------------------------

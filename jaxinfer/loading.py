@@ -11,6 +11,7 @@ gives us bfloat16 through ml_dtypes and precise errors for truncated files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -113,7 +114,12 @@ class SafetensorsFile:
 
 
 def _checkpoint_files(model_dir: str) -> dict[str, str]:
-    """Maps tensor name -> file for a single-file or index-sharded checkpoint."""
+    """Maps tensor name -> file, choosing the checkpoint as transformers does: `model.safetensors`
+    when it exists (other *.safetensors beside it - an adapter, a Mistral-format copy - are not
+    read), else the shards `model.safetensors.index.json` lists, else every *.safetensors file."""
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return dict.fromkeys(SafetensorsFile(single).keys(), single)
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -137,21 +143,70 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
         for k in SafetensorsFile(os.path.join(model_dir, fname)).keys():
             if k in out:  # without an index nothing says which copy is meant
                 raise CheckpointError(
-                    f"tensor {k!r} is in both {os.path.basename(out[k])} and {fname} (and there is no "
-                    "model.safetensors.index.json to say which to use)"
+                    f"tensor {k!r} is in both {os.path.basename(out[k])} and {fname} (and there is neither a "
+                    "model.safetensors nor a model.safetensors.index.json to say which to use)"
                 )
             out[k] = os.path.join(model_dir, fname)
     return out
+
+
+def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Exact equality of two (memory-mapped) tensors, a block of rows at a time."""
+    if a.shape != b.shape:
+        return False
+    rows = max(1, (1 << 24) // max(1, a[0].size * 4)) if a.ndim else 1
+    for i in range(0, len(a) if a.ndim else 1, rows):
+        x, y = (a[i : i + rows], b[i : i + rows]) if a.ndim else (a, b)
+        if not np.array_equal(x.astype(np.float32), y.astype(np.float32)):
+            return False
+    return True
+
+
+def _tying_as_stored(model_dir: str, cfg: ModelConfig) -> ModelConfig:
+    """The config's tying, checked against what the checkpoint stores (as transformers 5 does).
+
+    A config that ties the LM head to the embedding while the checkpoint stores an `lm_head.weight`
+    with different values (a fine-tune that trained the head and kept the flag) is loaded untied, with
+    the stored head, and a warning."""
+    if not cfg.tie_word_embeddings:
+        return cfg
+    stored = _checkpoint_files(model_dir)
+    names = _text_decoder_names(stored)
+    if not {"model.embed_tokens.weight", "lm_head.weight"} <= names.keys():
+        return cfg
+
+    def read(name):
+        return SafetensorsFile(stored[names[name]]).get(names[name])
+
+    if _arrays_equal(read("model.embed_tokens.weight"), read("lm_head.weight")):
+        return cfg
+    sys.stderr.write(
+        f"jaxinfer: {model_dir}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
+        "checkpoint stores an lm_head.weight with different values; using it, untied (as transformers does). "
+        "Set tie_word_embeddings to false in config.json to silence this.\n"
+    )
+    return dataclasses.replace(cfg, tie_word_embeddings=False)
 
 
 # (HF names, our path, converter): the converter gets the HF arrays (memory-map views: one, or several
 # to merge) and the target shape, and returns a LAZY view in our layout: anything with `.shape` and
 # numpy indexing. Nothing is read until a shard of it is indexed and made contiguous.
 def _linear_in_out(x, shape):  # HF Linear weight [out, in] -> [in, *out_split] (transpose + split: a view)
+    out_dim, in_dim = x.shape  # the reshape must only split axes: a transposed matrix of the same size is refused
+    if not any(math.prod(shape[:s]) == in_dim and math.prod(shape[s:]) == out_dim for s in range(1, len(shape))):
+        raise ValueError("not an [out, in] weight of this shape")
     return x.T.reshape(shape)
 
 
 def _same(x, shape):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError("shape")
+    return x
+
+
+def _heads(x, shape):  # a bias over heads: HF [N * H] -> [N, H]
+    if tuple(x.shape) != (math.prod(shape),):
+        raise ValueError("shape")
     return x.reshape(shape)
 
 
@@ -190,7 +245,7 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ..
         for hf, me in (("q", "q"), ("k", "k"), ("v", "v")):
             yield (pre + f"self_attn.{hf}_proj.weight",), (ours, "attn", f"w{me}"), _linear_in_out
             if cfg.qkv_bias:
-                yield (pre + f"self_attn.{hf}_proj.bias",), (ours, "attn", f"b{me}"), _same
+                yield (pre + f"self_attn.{hf}_proj.bias",), (ours, "attn", f"b{me}"), _heads
         # o_proj [D, N*H] -> [N, H, D]
         yield (pre + "self_attn.o_proj.weight",), (ours, "attn", "wo"), _linear_in_out
         if cfg.o_bias:
@@ -244,6 +299,10 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
     """
     stored = _checkpoint_files(model_dir)
     names = _text_decoder_names(stored)  # our HF-style name -> name in the file
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in names and "lm_head.weight" in names:
+        # A tied model saved with only its head (safetensors' save_model keeps one of two shared
+        # tensors): the embedding is that tensor, as transformers ties it.
+        names["model.embed_tokens.weight"] = names.pop("lm_head.weight")
     files = {n: stored[s] for n, s in names.items()}
     abstract = abstract_params(cfg)
     opened: dict[str, SafetensorsFile] = {}
@@ -304,8 +363,8 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
     )
     if extra:
         raise CheckpointError(
-            f"checkpoint has tensors this {cfg.family} config does not use, e.g. {extra[0]!r} "
-            f"({len(extra)} in all); the config may not match the weights"
+            f"checkpoint has tensors this {cfg.family} config does not use, e.g. {extra[0]!r} in "
+            f"{os.path.basename(files[extra[0]])} ({len(extra)} in all); the config may not match the weights"
         )
     return params
 
@@ -362,7 +421,18 @@ def load_hf_checkpoint(model_dir: str, *, dtype: str = "float32", shardings=None
     if not os.path.isdir(model_dir):
         what = "is a file, not a directory" if os.path.exists(model_dir) else "does not exist"
         raise CheckpointError(f"model directory {model_dir!r} {what}")
-    cfg = load_hf_config(model_dir, dtype=dtype)
+    from jaxinfer import checkpoint
+
+    if checkpoint.is_checkpoint(model_dir):
+        raise CheckpointError(f"{model_dir!r} is already a jaxinfer checkpoint, not a Hugging Face one")
+    if os.path.isdir(os.path.join(model_dir, checkpoint.PARAMS_DIR)) and not os.path.exists(
+        os.path.join(model_dir, "model.safetensors")
+    ):
+        raise CheckpointError(
+            f"{model_dir!r} holds a jaxinfer {checkpoint.PARAMS_DIR}/ directory but no {checkpoint.MARKER}: an "
+            "interrupted `jaxinfer convert`? Convert the Hugging Face checkpoint again."
+        )
+    cfg = _tying_as_stored(model_dir, load_hf_config(model_dir, dtype=dtype))
     if callable(shardings):
         shardings = shardings(cfg)
     return cfg, load_safetensors_params(model_dir, cfg, shardings=shardings)

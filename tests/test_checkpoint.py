@@ -24,6 +24,7 @@ from jaxinfer.config import (
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loading import load_hf_checkpoint
 from jaxinfer.model import init_params
+from jaxinfer.tokenizer import load_tokenizer
 
 SMALL = ModelConfig(
     name="small",
@@ -90,11 +91,15 @@ def test_config_from_dict_refuses_unknown_fields_and_types():
             checkpoint.config_from_dict({**d, **edit})
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf")
     save_hf_model(make_hf_model("llama3.1", vocab_size=36), path)  # the vocabulary of the tokenizer below
     train_sentencepiece(path, vocab_size=36)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers 5 writes it
     return str(path)
 
 
@@ -108,6 +113,7 @@ def converted(hf_dir, tmp_path_factory):
 def test_convert_writes_marker_config_params_and_tokenizer(converted, hf_dir):
     assert checkpoint.is_checkpoint(converted) and not checkpoint.is_checkpoint(hf_dir)
     assert {"jaxinfer_checkpoint.json", "config.json", "params", "tokenizer.model"} <= set(os.listdir(converted))
+    assert load_tokenizer(converted).chat_template == CHAT_TEMPLATE  # llm.chat() works on the converted copy
     cfg, params = checkpoint.restore(converted)
     hf_cfg, hf_params = load_hf_checkpoint(hf_dir)
     assert cfg == hf_cfg
@@ -187,6 +193,16 @@ def test_missing_directory_and_not_a_checkpoint(tmp_path, hf_dir):
         checkpoint.restore(str(tmp_path / "nope"))
     with pytest.raises(CheckpointError, match="not a jaxinfer checkpoint.*jaxinfer_checkpoint.json"):
         checkpoint.restore(hf_dir)
+
+
+def test_a_jaxinfer_checkpoint_read_as_a_hugging_face_one_is_named(converted, tmp_path):
+    with pytest.raises(CheckpointError, match="already a jaxinfer checkpoint"):  # `jaxinfer convert` run twice
+        load_hf_checkpoint(converted)
+    partial = tmp_path / "partial"
+    shutil.copytree(converted, partial)
+    os.remove(partial / checkpoint.MARKER)  # a conversion interrupted before its marker
+    with pytest.raises(CheckpointError, match="interrupted `jaxinfer convert`"):
+        LLM(str(partial))
 
 
 def test_missing_or_corrupt_config(small_ckpt):

@@ -1,5 +1,7 @@
 """Parity with Hugging Face transformers on random-weight checkpoints written by save_pretrained."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,6 +155,46 @@ def test_hand_edited_configs_read_as_transformers_reads_them(case, tmp_path):
     model_cls = (GEMMA_FAMILIES if gemma else FAMILIES)[family][1]
     hf = getattr(transformers, model_cls).from_pretrained(tmp_path, attn_implementation="eager").eval()
     tokens = PROMPT + PROMPT[:14]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
+    cfg, params = load_hf_checkpoint(str(tmp_path))
+    ours = _jax_logits(cfg, params, tokens, len(PROMPT))
+    np.testing.assert_allclose(ours, ref[len(PROMPT) - 1 :], atol=2e-4, rtol=2e-4)
+
+
+def _tied_config_distinct_head(d):
+    """A fine-tune that trained its own head but kept the tie flag in config.json."""
+    config = json.loads((d / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _tied_only_head_stored(d):
+    """A tied model saved with safetensors' save_model: only one of the two shared tensors is kept."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "family, tie, edit",
+    [
+        ("llama2", False, _tied_config_distinct_head),
+        ("llama2", True, _tied_only_head_stored),
+    ],
+    ids=["tied-config-distinct-head", "tied-only-head-stored"],
+)
+def test_tying_follows_the_stored_tensors_as_transformers_does(family, tie, edit, tmp_path):
+    """transformers 5 ties the head to the embedding only when the checkpoint agrees: a stored head
+    that differs is used untied, and a lone stored head is the embedding too."""
+    import transformers
+
+    save_hf_model(make_hf_model(family, tie_word_embeddings=tie), tmp_path)
+    edit(tmp_path)
+    hf = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = PROMPT + PROMPT[:6]
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
     cfg, params = load_hf_checkpoint(str(tmp_path))

@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from hf_models import make_hf_model, save_hf_model, train_sentencepiece
@@ -68,6 +70,20 @@ def test_wrong_shape_is_named(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"])
+def test_a_transposed_tensor_of_the_right_size_is_refused(ckpt, tmp_path, name):
+    """Same element count, axes swapped: reshaping it would load scrambled weights without a word."""
+    d = _copy(ckpt, tmp_path)
+
+    def edit(t):
+        assert t[name].shape[0] != t[name].shape[1]
+        t[name] = np.ascontiguousarray(t[name].T)
+
+    _rewrite_safetensors(d, edit)
+    with pytest.raises(CheckpointError, match=re.escape(name) + ".*wrong shape"):
+        load_hf_checkpoint(str(d))
+
+
 def test_integer_weights_are_refused_not_cast(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
 
@@ -83,10 +99,28 @@ def test_a_tensor_in_two_files_without_an_index_is_refused(ckpt, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     d = _copy(ckpt, tmp_path)
-    tensors = load_file(str(d / "model.safetensors"))
+    os.rename(d / "model.safetensors", d / "weights.safetensors")  # neither model.safetensors nor an index
+    tensors = load_file(str(d / "weights.safetensors"))
     save_file({"model.norm.weight": tensors["model.norm.weight"] * 2}, str(d / "model-extra.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is in both model-extra\.safetensors and model\."):
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is in both model-extra\.safetensors and weights"):
         load_hf_checkpoint(str(d))
+
+
+def test_model_safetensors_is_the_checkpoint_when_present(ckpt, tmp_path):
+    """As transformers reads a directory: model.safetensors wins over an index and its shards, and
+    other *.safetensors beside it (a PEFT adapter, a Mistral-format copy) are not read."""
+    from safetensors.numpy import load_file, save_file
+
+    _, want = load_hf_checkpoint(str(ckpt))
+    d = _copy(ckpt, tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    adapter = {"base_model.model.lm_head.lora_A.weight": np.ones((2, 3), np.float32)}
+    save_file(adapter, str(d / "adapter_model.safetensors"))
+    save_file({k: v * 2 for k, v in tensors.items()}, str(d / "model-00001-of-00001.safetensors"))
+    index = {"weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, got = load_hf_checkpoint(str(d))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def test_truncated_file_is_named(ckpt, tmp_path):
@@ -169,6 +203,7 @@ def test_corrupt_safetensors_headers_are_named(ckpt, tmp_path, edit, message):
 )
 def test_malformed_index_is_named(ckpt, tmp_path, weight_map, message):
     d = _copy(ckpt, tmp_path)
+    os.remove(d / "model.safetensors")  # the index is the checkpoint only without model.safetensors
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=message):
         load_hf_checkpoint(str(d))
