@@ -23,7 +23,7 @@ import time
 import grpc
 import jax
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 import jaxinfer
@@ -118,11 +118,15 @@ class Server:
         self._start_metrics()
         try:
             server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            names = (SERVICE, JETSTREAM_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
             server.add_generic_rpc_handlers(
-                (self._inference_handler(), self._jetstream_handler(), self._health_handler())
+                (
+                    self._inference_handler(),
+                    self._jetstream_handler(),
+                    self._health_handler(),
+                    _reflection_handler(names),
+                )
             )
-            names = (SERVICE, JETSTREAM_SERVICE, HEALTH_SERVICE)
-            reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
             address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
             try:
                 self.port = server.add_insecure_port(address)
@@ -279,8 +283,8 @@ class Server:
     def _admit(self, prompt_ids, params: SamplingParams, field: str, info: dict, *, interval: int = 1) -> RequestStream:
         try:
             self.llm.engine.validate(prompt_ids, params)
-        except InvalidRequestError as e:
-            raise _invalid(f"{field}: {e}") from None
+        except InvalidRequestError as e:  # about the prompt, or about a sampling parameter
+            raise _invalid(f"{'sampling_params' if str(e).startswith('SamplingParams.') else field}: {e}") from None
         try:
             return self.engine.submit(prompt_ids, params, request_id=info["id"], interval=interval)
         except QueueFullError as e:
@@ -353,12 +357,19 @@ class Server:
             code = info["code"] = classify(ctx, e, info)
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 raise e
+            gone = _ended(ctx)
+            if gone:  # the deadline passed (or the client left) before the answer: that is its status
+                code = info["code"] = grpc.StatusCode.DEADLINE_EXCEEDED if not ctx.done() else grpc.StatusCode.CANCELLED
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
             # Counted before the client hears the status, so a scrape right after it sees the RPC.
             cleanup(info)
             finish(ctx, info, code, info["t0"])
             info["finished"] = True
+            if gone:
+                # gRPC core has already ended the call: an abort would fail inside grpc.aio and log a
+                # traceback; ending the handler as a cancellation is what grpc.aio expects.
+                raise asyncio.CancelledError
             await ctx.abort(code, info.get("error", code.name))
 
         def new_info() -> dict:
@@ -371,6 +382,8 @@ class Server:
                 try:
                     begin(request)
                     async for item in handler(request, ctx, info):
+                        if _ended(ctx):  # a write now would fail inside grpc.aio, which logs a traceback
+                            raise asyncio.CancelledError
                         yield item
                 except BaseException as e:
                     await fail(ctx, e, info)
@@ -465,10 +478,12 @@ class Server:
 
     async def _generate_stream(self, request, ctx, info):
         stream = self._start_generate(request, info, streaming=True)
+        finished = 0  # samples whose last message has been sent (the engine may be steps ahead)
         try:
             async for d in _coalesced(stream):
                 if not (d.token_ids or d.text or d.finish_reason):
                     continue
+                finished += d.finish_reason is not None
                 msg = pb.GenerateStreamResponse(
                     request_id=stream.request_id,
                     index=d.index,
@@ -477,7 +492,7 @@ class Server:
                     finish_reason=wire.FINISH_REASONS[d.finish_reason],
                     logprobs=wire.logprobs_proto(d.logprobs),
                 )
-                if len(stream.finish_reasons) == stream.params.n and d.finish_reason is not None:
+                if finished == stream.params.n and d.finish_reason is not None:
                     msg.usage.CopyFrom(self._usage(stream))  # the last message of the request
                 yield msg
         except EngineFailedError as e:
@@ -609,6 +624,35 @@ class Server:
 
 
 _HEALTH_REQUEST_PARSER = wire.Parser(health_pb2.HealthCheckRequest)
+
+
+def _ended(ctx) -> bool:
+    """True once gRPC core has ended the call: its deadline has passed, or the client went away."""
+    remaining = ctx.time_remaining()
+    return ctx.done() or (remaining is not None and remaining <= 0)
+
+
+def _reflection_handler(service_names) -> grpc.GenericRpcHandler:
+    """Server reflection: the stock servicer, behind request parsing that answers a malformed request
+    with INVALID_ARGUMENT (the stock registration answered UNKNOWN and logged a traceback)."""
+    servicer = reflection.aio.ReflectionServicer(service_names)
+
+    async def info(request_iterator, ctx):
+        async def parsed():
+            async for request in request_iterator:
+                if isinstance(request, wire.BadMessage):
+                    await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                yield request
+
+        async for response in servicer.ServerReflectionInfo(parsed(), ctx):
+            yield response
+
+    handler = grpc.stream_stream_rpc_method_handler(
+        info,
+        request_deserializer=wire.Parser(reflection_pb2.ServerReflectionRequest),
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {"ServerReflectionInfo": handler})
 
 
 def _parsed(handler):

@@ -328,15 +328,24 @@ def test_malformed_health_requests_get_invalid_argument(server, caplog):
         ("/grpc.health.v1.Health/Watch", garbage, "not a valid grpc.health.v1.HealthCheckRequest"),
         ("/grpc.health.v1.Health/Watch", bad_service, "service: invalid UTF-8 at byte 1"),
         ("/jetstream_proto.Orchestrator/HealthCheck", garbage, "not a valid jetstream_proto.HealthCheckRequest"),
+        (
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            b"\xff\xff\xff\xff",
+            "not a valid grpc.reflection.v1alpha.ServerReflectionRequest",
+        ),
     ]
     with grpc.insecure_channel(server.address) as ch:
         for path, payload, message in cases:
-            kind = ch.unary_stream if path.endswith("Watch") else ch.unary_unary
-            call = kind(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
             with pytest.raises(grpc.RpcError) as e:
-                r = call(payload, timeout=10)
-                if path.endswith("Watch"):
-                    list(r)
+                if path.endswith("ServerReflectionInfo"):
+                    call = ch.stream_stream(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+                    list(call(iter([payload]), timeout=10))
+                else:
+                    kind = ch.unary_stream if path.endswith("Watch") else ch.unary_unary
+                    call = kind(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+                    r = call(payload, timeout=10)
+                    if path.endswith("Watch"):
+                        list(r)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, e.value.code(), e.value.details())
             assert message in e.value.details(), (path, e.value.details())
         # The stock stubs (grpc_health_probe and the like) still get the statuses the server sets.
@@ -347,6 +356,31 @@ def test_malformed_health_requests_get_invalid_argument(server, caplog):
         watch.cancel()
         assert js_grpc.OrchestratorStub(ch).HealthCheck(js.HealthCheckRequest(), timeout=5).is_live
     assert not [r for r in caplog.records if "raised by servicer method" in r.getMessage()]
+
+
+def _block_loop(server, seconds: float) -> None:
+    """Holds the server's event loop (as a burst of work would) while the engine thread goes on."""
+
+    async def hold():
+        time.sleep(seconds)
+
+    asyncio.run_coroutine_threadsafe(hold(), server.loop)
+
+
+def test_usage_is_on_the_last_message_only_when_the_handler_lags(server):
+    """With n samples, `usage` goes on the stream's last message only, even when the engine has
+    finished every sample before the handler sends their last messages."""
+    params = pb.SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=4, ignore_eos=True)
+    with grpc.insecure_channel(server.address) as ch:
+        call = pb_grpc.InferenceServiceStub(ch).GenerateStream(
+            pb.GenerateRequest(text="the quick brown fox", sampling_params=params), timeout=60
+        )
+        first = next(call)
+        _block_loop(server, 1.5)  # the engine finishes all four samples meanwhile
+        msgs = [first, *call]
+    assert sum(m.finish_reason != pb.FINISH_REASON_UNSPECIFIED for m in msgs) == 4
+    assert [m.HasField("usage") for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    assert msgs[-1].usage.completion_tokens == 24
 
 
 def test_queue_full_is_resource_exhausted(llm):
