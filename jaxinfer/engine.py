@@ -284,6 +284,11 @@ class Engine:
 
         Multi-host: every process calls it (same shapes, same order); followers with sampler=False.
         """
+        compiled = self._warmup(sampler)
+        self._after_step()  # the gauges, compilations included, as of the end of the warm-up
+        return compiled
+
+    def _warmup(self, sampler: bool) -> int:
         before = num_compiles()
         step_logits = {}  # rows -> logits exactly as a step returns them
         for b, t, mp in self.decode_shapes() + self.prefill_shapes():
@@ -392,12 +397,21 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model has none")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request. `arrival_time` (time.perf_counter()): when it arrived, if earlier than now
+        (a server that received it while a step ran); latency metrics count from it."""
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
-        now = time.perf_counter()
+        now = time.perf_counter() if arrival_time is None else min(arrival_time, time.perf_counter())
         seqs = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else int(self._seeds.integers(2**32))
@@ -436,6 +450,7 @@ class Engine:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
                 self.metrics.finished.labels("abort").inc()
+                self._observe_end(seq)
                 updates.append(SeqUpdate(seq, [], self._final_text(seq), "abort"))
         self._after_step()
         return updates
@@ -520,11 +535,12 @@ class Engine:
         p = seq.params
         m = self.metrics
         if seq.first_token_time is None:
+            if all(s.first_token_time is None for s in seq.siblings):  # the request's first token
+                m.ttft.observe(now - seq.arrival_time)
+                scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else seq.arrival_time
+                m.queue_time.observe(scheduled - seq.arrival_time)
+                m.prefill_time.observe(now - scheduled)
             seq.first_token_time = now
-            m.ttft.observe(now - seq.arrival_time)
-            scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else seq.arrival_time
-            m.queue_time.observe(scheduled - seq.arrival_time)
-            m.prefill_time.observe(now - scheduled)
         else:
             m.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
@@ -553,8 +569,13 @@ class Engine:
             reason = "stop"  # the final flush completed a stop string (its last character was half-made)
         self.scheduler.finish(seq, reason)
         self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
+        self._observe_end(seq)
         return SeqUpdate(seq, new_tokens, text, reason)
+
+    def _observe_end(self, seq: Sequence) -> None:
+        """Request latency, once per request: when its last sample ends (finished or aborted)."""
+        if all(s.finished for s in seq.siblings):
+            self.metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.detok is None:
@@ -614,7 +635,8 @@ class Engine:
             "ttft_seconds": m.ttft.as_dict(),
             "itl_seconds": m.itl.as_dict(),
             "request_latency_seconds": m.e2e.as_dict(),
-            # TTFT = queue time + prefill time, per request.
+            # Per request (n samples count once): TTFT = queue time + prefill time, to the request's
+            # first token; latency to its last sample's end (aborts included). ITL: per sample.
             "queue_time_seconds": m.queue_time.as_dict(),
             "prefill_time_seconds": m.prefill_time.as_dict(),
             "step_seconds": {phase: h.as_dict() for phase, h in m.step_time.items()},

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Latency buckets in seconds: fine enough for a CPU and for an accelerator.
+# Latency buckets in seconds: fine enough for an accelerator's steps, long enough for a queued
+# request on a CPU (TTFTs of minutes happen there under load).
 _BUCKETS = (
     0.001,
     0.0025,
@@ -29,6 +31,10 @@ _BUCKETS = (
     10.24,
     20.48,
     40.96,
+    81.92,
+    163.84,
+    327.68,
+    655.36,
     float("inf"),
 )
 
@@ -61,7 +67,8 @@ class LatencyHistogram:
         ordered = sorted(self._recent)  # a copy: stats() may run on another thread than observe()
         if not ordered:
             return [None] * len(qs)
-        return [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in qs]
+        n = len(ordered)  # nearest rank: the smallest value with at least q% of them at or below it
+        return [ordered[min(n - 1, max(0, math.ceil(q / 100 * n) - 1))] for q in qs]
 
     def percentile(self, q: float) -> float | None:
         return self.percentiles(q)[0]
@@ -93,7 +100,10 @@ class EngineMetrics:
         self.waiting = Gauge("jaxinfer_waiting_sequences", "Sequences queued", registry=r)
         self.preemptions = Counter("jaxinfer_preemptions", "Sequences preempted for lack of KV pages", registry=r)
         self.prefix_hits = Counter(
-            "jaxinfer_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+            "jaxinfer_prefix_cache_hit_tokens",
+            "Tokens whose K/V came from the prefix cache instead of being computed (shared prompt prefixes, "
+            "and a preempted sequence's own pages when it resumes)",
+            registry=r,
         )
         self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens received", registry=r)
         self.generated_tokens = Counter("jaxinfer_generation_tokens", "Tokens generated", registry=r)
@@ -102,13 +112,25 @@ class EngineMetrics:
         )
         self.compiles = Gauge("jaxinfer_xla_compilations", "XLA compilations in this process", registry=r)
         self.ttft = LatencyHistogram(
-            Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token", buckets=_BUCKETS, registry=r)
+            Histogram(
+                "jaxinfer_time_to_first_token_seconds",
+                "Arrival to a request's first token (of any of its n samples)",
+                buckets=_BUCKETS,
+                registry=r,
+            )
         )
         self.itl = LatencyHistogram(
-            Histogram("jaxinfer_inter_token_latency_seconds", "Time between tokens", buckets=_BUCKETS, registry=r)
+            Histogram(
+                "jaxinfer_inter_token_latency_seconds", "Time between a sample's tokens", buckets=_BUCKETS, registry=r
+            )
         )
         self.e2e = LatencyHistogram(
-            Histogram("jaxinfer_request_latency_seconds", "Arrival to last token", buckets=_BUCKETS, registry=r)
+            Histogram(
+                "jaxinfer_request_latency_seconds",
+                "Arrival to a request's end (its last sample finished or aborted)",
+                buckets=_BUCKETS,
+                registry=r,
+            )
         )
         # Where time to first token goes: waiting for a slot (queue), then computing the prompt.
         self.queue_time = LatencyHistogram(

@@ -187,7 +187,7 @@ class AsyncEngine:
             interval=interval,
         )
         self._streams[rid] = stream
-        self._commands.put(("add", rid, prompt_ids, params))
+        self._commands.put(("add", rid, prompt_ids, params, stream.arrival))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -305,9 +305,10 @@ class AsyncEngine:
     def _apply(self, cmd: tuple, batch: list) -> None:
         engine = self.engine
         if cmd[0] == "add":
-            _, rid, prompt_ids, params = cmd
+            _, rid, prompt_ids, params, arrival = cmd
             try:
-                engine.add_request(prompt_ids, params, request_id=rid)
+                # The server's arrival time: TTFT and latency include the wait for the engine thread.
+                engine.add_request(prompt_ids, params, request_id=rid, arrival_time=arrival)
             except Exception as e:  # validated already; anything left is reported, not raised
                 batch.append((rid, e))
         elif cmd[0] == "abort":

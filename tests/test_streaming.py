@@ -1,5 +1,7 @@
 """Incremental detokenization and streaming: UTF-8, leading spaces, stop strings, cancellation."""
 
+import time
+
 import pytest
 from hf_models import train_sentencepiece
 
@@ -216,6 +218,36 @@ def test_phase_metrics_split_ttft_and_count_every_computed_token():
     assert "jaxinfer_request_queue_time_seconds_sum" in text
 
 
+def test_request_metrics_count_requests_once_and_include_aborts():
+    """TTFT, queue, prefill and request latency are per request (n samples count once; an aborted
+    request still has a latency); latency counts from the arrival time the server passes in; the
+    compilation gauge is current right after the warm-up."""
+    from prometheus_client import generate_latest
+
+    from jaxinfer import default_model
+    from jaxinfer.engine import num_compiles
+
+    llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=64, max_num_seqs=4)
+    registry = llm.engine.metrics.registry
+    assert f"jaxinfer_xla_compilations {float(num_compiles())}" in generate_latest(registry).decode()
+    params = SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=params)
+    s = llm.stats()
+    for key in ("ttft_seconds", "queue_time_seconds", "prefill_time_seconds", "request_latency_seconds"):
+        assert s[key]["count"] == 1, key
+    assert s["itl_seconds"]["count"] == 3 * 3  # per sample: three gaps in each of three samples
+
+    engine = llm.engine
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    req = engine.add_request([1, 7, 8], long, arrival_time=time.perf_counter() - 5)
+    engine.step()
+    engine.abort(req.request_id)
+    engine.release(req.request_id)
+    s = llm.stats()
+    assert s["ttft_seconds"]["count"] == 2 and s["ttft_seconds"]["sum"] > 5  # counted from the given arrival
+    assert s["request_latency_seconds"]["count"] == 2 and s["request_latency_seconds"]["sum"] > 5
+
+
 def test_latency_percentiles_follow_the_recent_window():
     from prometheus_client import CollectorRegistry, Histogram
 
@@ -225,7 +257,8 @@ def test_latency_percentiles_follow_the_recent_window():
     for x in range(1, 21):
         h.observe(float(x))
     assert h.count == 20 and h.sum == 210.0  # every observation counted
-    assert h.percentiles(0, 50, 99) == [11.0, 16.0, 20.0]  # percentiles of the last 10 only
+    assert h.percentiles(0, 50, 99) == [11.0, 15.0, 20.0]  # nearest rank, over the last 10 only
+    assert h.percentiles(99) == [20.0] and h.percentiles(90) == [19.0]
 
 
 def test_stats_from_another_thread_while_steps_donate_the_cache(llm):
