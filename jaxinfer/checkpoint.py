@@ -288,11 +288,10 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "float32") -> ModelCon
     from jaxinfer.tokenizer import load_tokenizer
 
     cfg, params = load_hf_checkpoint(hf_dir, dtype=dtype)
-    # Like LLM does: a config without EOS takes the tokenizer's, so the checkpoint stands alone.
-    if not cfg.eos_token_ids:
-        tok = load_tokenizer(hf_dir)
-        if tok is not None and tok.eos_ids:
-            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_ids))
+    # Like LLM does: the tokenizer's own EOS joins the config's, so the checkpoint stands alone.
+    tok = load_tokenizer(hf_dir, eos_ids=cfg.eos_token_ids)
+    if tok is not None and tok.eos_ids != cfg.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tok.eos_ids))
     save(out_dir, cfg, params, dtype=dtype, tokenizer_dir=hf_dir)
     return cfg
 

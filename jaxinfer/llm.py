@@ -119,7 +119,7 @@ def _load(model, dtype: str, mesh):
     else:
         cfg, params = load_hf_checkpoint(path, dtype=dtype, shardings=shardings)
     tokenizer = load_tokenizer(path, eos_ids=cfg.eos_token_ids)
-    if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_ids:
+    if tokenizer is not None and tokenizer.eos_ids != cfg.eos_token_ids:  # the tokenizer's own EOS stops too
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
     if model is None:
         print(

@@ -229,11 +229,25 @@ def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
 
 
+def _with_own_eos(eos_ids, own: int | None) -> tuple[int, ...]:
+    """The model's EOS ids (config.json / generation_config.json) and the tokenizer's own eos_token, as
+    vLLM stops on both: chat fine-tunes often name <|eot_id|> / <|im_end|> only in the tokenizer."""
+    return tuple(dict.fromkeys((*eos_ids, *((own,) if own is not None else ()))))
+
+
+def _is_byte_level(path: str) -> bool:
+    """Whether a tokenizer.json uses a ByteLevel pre-tokenizer or decoder (GPT-2 / Llama 3 style). Such
+    files under a LlamaTokenizer class name (DeepSeek checkpoints) are read as written, as transformers
+    5 reads them: the Metaspace rebuild would drop every byte it cannot place."""
+    with open(path, encoding="utf-8") as f:
+        return '"ByteLevel"' in f.read()
+
+
 class HFTokenizer:
     """A `tokenizers` fast tokenizer (tokenizer.json); BOS/EOS come from its own post-processor.
 
     Under a `tokenizer_class` that transformers rebuilds from the file's vocabulary (LlamaTokenizer),
-    the pipeline is rebuilt the same way: see `_rebuild_as_llama_tokenizer`.
+    the pipeline is rebuilt the same way (`_rebuild_as_llama_tokenizer`), unless the file is byte-level.
     """
 
     def __init__(self, path: str, *, settings: TokenizerSettings | None = None, eos_ids: tuple[int, ...] = ()):
@@ -244,14 +258,14 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         settings = settings or TokenizerSettings()
-        if settings.tokenizer_class in _METASPACE_CLASSES:
+        if settings.tokenizer_class in _METASPACE_CLASSES and not _is_byte_level(path):
             _rebuild_as_llama_tokenizer(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_tokens = dict(settings.special_tokens)
         self.chat_template = settings.chat_template
         self.bos_id = self._id(self.special_tokens.get("bos_token"))
         eos_id = self._id(self.special_tokens.get("eos_token"))
-        self.eos_ids = tuple(eos_ids) or ((eos_id,) if eos_id is not None else ())
+        self.eos_ids = _with_own_eos(eos_ids, eos_id)
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -318,7 +332,7 @@ class SentencePieceTokenizer:
         self.add_bos = add_bos and self.bos_id is not None
         self.add_eos = bool(settings.add_eos) and eos is not None
         self._eos_id = eos
-        self.eos_ids = tuple(eos_ids) or ((eos,) if eos is not None else ())
+        self.eos_ids = _with_own_eos(eos_ids, eos)
         # Special tokens are matched inside text (longest first) and encoded as their own id.
         specials = {}
         for token in (*self.special_tokens.values(), *settings.extra_special_tokens, *user_defined):

@@ -228,11 +228,13 @@ def test_malformed_tokenizer_settings_are_named(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
-def test_generation_config_eos_ids_win(tmp_path):
-    """EOS ids from config.json / generation_config.json (passed by the loader) take precedence."""
+def test_eos_ids_are_the_models_and_the_tokenizers(tmp_path):
+    """EOS ids from config.json / generation_config.json (passed by the loader) come first; the
+    tokenizer's own eos_token stops generation too (as in vLLM), also when the config names another."""
     _bpe_dir(tmp_path)
     assert load_tokenizer(str(tmp_path)).eos_ids == (2,)
     assert load_tokenizer(str(tmp_path), eos_ids=(2, 5)).eos_ids == (2, 5)
+    assert load_tokenizer(str(tmp_path), eos_ids=(5,)).eos_ids == (5, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,6 +296,18 @@ def test_llama2_style_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, l
     for text in strings:
         ids = theirs(text)["input_ids"]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_byte_level_tokenizer_json_under_a_llama_class_is_read_as_written(tmp_path):
+    """DeepSeek checkpoints name LlamaTokenizerFast over a byte-level BPE file: transformers 5 reads it
+    as written (the Metaspace rebuild dropped every emoji and glued "Hello world" together)."""
+    _bpe_dir(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "LlamaTokenizerFast"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = _assert_same_ids(tmp_path, STRINGS + ["Hello world", "emoji 😀🚀", " leading"])
+    for text in ["Hello world", "emoji 😀🚀"]:
+        assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
 
 
 def test_sentencepiece_decode_skips_unk_and_ids_past_the_model(tmp_path):
