@@ -156,7 +156,9 @@ def save(
         tokenizer_config: written as tokenizer_config.json (after the copies).
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"output directory {out_dir!r} is a file")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"output directory {out_dir!r} exists and is not empty")
     dtype = dtype or cfg.dtype
     if dtype not in config_module.DTYPES:

@@ -30,8 +30,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=["auto", "reference", "xla", "pallas"],
-        help="paged attention: auto = the Pallas kernel on TPU, the tiled pure-JAX 'xla' on CPU, the plain "
-        "pure-JAX 'reference' on GPU; or forced",
+        help="paged attention: auto = the Pallas kernel on TPU and GPU, the tiled pure-JAX 'xla' on CPU; or forced",
     )
     e.add_argument(
         "--mesh",
@@ -154,19 +153,16 @@ def _generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
     if args.stream:
         if args.prompt:
-            print(args.prompt[0], end="", flush=True)
             deltas = llm.stream(args.prompt[0], params)
         else:
             deltas = llm.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
-        for d in deltas:
-            print(d.text, end="", flush=True)
-        print()
+        _print_stream(args, deltas, has_text=llm.tokenizer is not None)
         return 0
     if args.prompt:
         outs = llm.generate(args.prompt, params)
     else:
         outs = llm.generate(prompt_token_ids=args.prompt_ids, sampling_params=params)
-    _print_outputs(args, llm.cfg.name, outs)
+    _print_outputs(args, llm.cfg.name, outs, has_text=llm.tokenizer is not None)
     return 0
 
 
@@ -176,13 +172,10 @@ def _generate_remote(args, params) -> int:
     with Client(args.server) as client:
         if args.stream:
             if args.prompt:
-                print(args.prompt[0], end="", flush=True)
                 deltas = client.stream(args.prompt[0], params)
             else:
                 deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
-            for d in deltas:
-                print(d.text, end="", flush=True)
-            print()
+            _print_stream(args, deltas)
             return 0
         if args.prompt:
             outs = [client.generate(p, params) for p in args.prompt]
@@ -192,7 +185,24 @@ def _generate_remote(args, params) -> int:
     return 0
 
 
-def _print_outputs(args, model_name: str, outs) -> None:
+def _print_stream(args, deltas, *, has_text: bool = True) -> None:
+    """Deltas as they come: text after the prompt, or with --json one object per delta; a model
+    without a tokenizer streams its token ids."""
+    if not args.json and args.prompt:
+        print(args.prompt[0], end="", flush=True)
+    for d in deltas:
+        if args.json:
+            obj = {"token_ids": list(d.token_ids), "text": d.text, "finish_reason": d.finish_reason}
+            print(json.dumps(obj), flush=True)
+        elif has_text:
+            print(d.text, end="", flush=True)
+        elif d.token_ids:
+            print(",".join(map(str, d.token_ids)), end=",", flush=True)
+    if not args.json:
+        print()
+
+
+def _print_outputs(args, model_name: str, outs, *, has_text: bool = True) -> None:
     for out in outs:
         for o in out.outputs:
             if args.json:
@@ -211,6 +221,8 @@ def _print_outputs(args, model_name: str, outs) -> None:
                         for lp in o.logprobs
                     ]
                 print(json.dumps(obj))
+            elif not has_text:  # no tokenizer: the ids, as --prompt-ids takes them
+                print(",".join(map(str, o.token_ids)))
             else:
                 print(o.text if out.prompt is None else out.prompt + o.text)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -251,7 +252,9 @@ class LLM:
             raise InvalidRequestError(f"prompts[{index}] is empty")
         require_unicode(text, f"prompts[{index}]")
         if self.tokenizer is None:
-            raise InvalidRequestError("this model directory has no tokenizer: pass prompt_token_ids instead")
+            raise InvalidRequestError(
+                "this model directory has no tokenizer: pass token ids instead (prompt_token_ids=, or --prompt-ids)"
+            )
         return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=f"prompts[{index}]")
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids):
@@ -380,7 +383,14 @@ class LLM:
             texts.append(text)
             max_tokens = self.engine.max_model_len - 1
             ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
-        outs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+        try:
+            outs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+        except InvalidRequestError as e:  # name the conversation the caller passed, not the ids made of it
+            where = re.match(r"prompt_token_ids\[(\d+)\]: ", str(e))
+            if where is None:
+                raise
+            field = f"messages[{where.group(1)}]" if batched else "messages"
+            raise InvalidRequestError(f"{field}: {str(e)[where.end() :]}") from None
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs

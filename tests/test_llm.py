@@ -278,6 +278,26 @@ def test_bench_runs_and_reports(capsys, tmp_path):
     assert "profile of one decode run at batch 1" in out
 
 
+def test_cli_stream_json_python_m_and_ids_without_a_tokenizer(capsys, tmp_path):
+    from hf_models import make_hf_model, save_hf_model
+
+    argv = ["generate", "--max-tokens", "5", "--ignore-eos", "--max-model-len", "64", "--temperature", "0"]
+    assert main([*argv, "--stream", "--json", "Hi"]) == 0  # one JSON object per delta
+    deltas = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert main([*argv, "--json", "Hi"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    assert sum((d["token_ids"] for d in deltas), []) == whole["token_ids"]
+    assert deltas[-1]["finish_reason"] == "length" and all(d["finish_reason"] is None for d in deltas[:-1])
+    save_hf_model(make_hf_model("llama2"), tmp_path)  # weights only: no tokenizer files
+    assert main([*argv, "--model", str(tmp_path), "--json", "--prompt-ids", "1,5,6"]) == 0
+    ids = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*argv, "--model", str(tmp_path), "--prompt-ids", "1,5,6"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(map(str, ids))  # the ids, not an empty line
+    r = subprocess.run([sys.executable, "-m", "jaxinfer", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "generate" in r.stdout
+
+
 def test_cli_stream_n_and_capacity_flags(capsys):
     assert (
         main(

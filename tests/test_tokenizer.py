@@ -397,6 +397,9 @@ def test_llm_chat_generates_from_the_rendered_prompt(chat_llm):
     assert [o.prompt_token_ids for o in both][1] == ids and len(both) == 2
     without = chat_llm.chat(CONVERSATIONS[0], params, add_generation_prompt=False)[0]
     assert not without.prompt.endswith("<start_of_turn>model\n")
+    # A refusal names the conversation the caller passed, not the token ids chat() made of it.
+    with pytest.raises(InvalidRequestError, match=r"^messages\[0\]: SamplingParams\.stop_token_ids"):
+        chat_llm.chat(CONVERSATIONS, SamplingParams(stop_token_ids=[100000]))
 
 
 @pytest.mark.parametrize(
