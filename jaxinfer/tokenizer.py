@@ -504,6 +504,49 @@ def _jinja_environment():
 _TEMPLATES: dict[str, Any] = {}  # compiled templates by source: a model's template compiles once
 
 
+@functools.cache
+def _iterates_content(template: str) -> bool:
+    """Whether a chat template loops over a message's content (written for OpenAI-style lists of
+    parts, as vision-language templates are) rather than printing it as a string."""
+    import jinja2
+
+    def names(node) -> set[str]:
+        found = set()
+        for n in [node, *node.find_all((jinja2.nodes.Getitem, jinja2.nodes.Getattr, jinja2.nodes.Name))]:
+            if isinstance(n, jinja2.nodes.Getitem) and isinstance(n.arg, jinja2.nodes.Const):
+                found.add(str(n.arg.value))
+            elif isinstance(n, jinja2.nodes.Getattr):
+                found.add(n.attr)
+            elif isinstance(n, jinja2.nodes.Name):
+                found.add(n.name)
+        return found
+
+    try:
+        tree = _jinja_environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False  # render_chat_template names the syntax error
+    return any("content" in names(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
+
+def _text_content(message: dict) -> dict:
+    """A message whose content is a list of parts, as a string-content template needs it: the text
+    parts joined by newlines (as vLLM does for such templates). Other parts cannot be shown to a
+    text-only template."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(
+                f"messages: content part {j} is {kind or type(part).__name__!r}, not a text part "
+                "({'type': 'text', 'text': ...}); this model's chat template takes text only"
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
 def render_chat_template(
     template: str,
     messages: list[dict],
@@ -530,6 +573,8 @@ def render_chat_template(
         except jinja2.TemplateSyntaxError as e:
             raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
         _TEMPLATES[template] = compiled
+    if not _iterates_content(template):
+        messages = [_text_content(m) for m in messages]
     try:
         return compiled.render(
             **(special_tokens or {}),

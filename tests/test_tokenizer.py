@@ -424,12 +424,33 @@ def test_bad_messages_are_refused_by_field(chat_llm, messages, message):
 
 
 def test_a_template_that_fails_on_the_messages_is_a_request_error():
-    """A template written for string content, given a list of parts, raised a raw TypeError."""
+    """A template that raises on what it is given (a raw TypeError before) is a request error."""
     from jaxinfer.tokenizer import render_chat_template, validate_messages
 
-    messages = validate_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    messages = validate_messages([{"role": "user", "content": "hi"}])
     with pytest.raises(InvalidRequestError, match=r"chat_template failed on them \(TypeError: .*str"):
-        render_chat_template("{{ messages[0]['role'] + ': ' + messages[0]['content'] }}", messages)
+        render_chat_template("{{ messages[0]['role'] + ': ' + messages[0]['content'] + 1 }}", messages)
+
+
+def test_content_parts_are_joined_for_a_string_template_and_kept_for_a_list_template():
+    """OpenAI-style content parts: a template that prints content as a string gets the text parts
+    joined by newlines (vLLM's "auto" content format; the list's Python repr before); a template that
+    loops over the parts gets them as they are."""
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    string_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+    list_template = (
+        "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}"
+        "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}"
+    )
+    as_parts = validate_messages([{"role": "user", "content": parts}])
+    as_string = validate_messages([{"role": "user", "content": "Hello\nworld"}])
+    assert render_chat_template(string_template, as_parts) == render_chat_template(string_template, as_string)
+    assert render_chat_template(list_template, as_parts) == "<user>[Hello][world]"
+    image = validate_messages([{"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(InvalidRequestError, match="content part 2 is 'image_url'"):
+        render_chat_template(string_template, image)
 
 
 def test_model_without_chat_template_is_refused(tmp_path):
