@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run as one batch)")
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

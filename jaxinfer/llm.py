@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -101,6 +102,29 @@ def _check_cache_fits(cfg, *, num_kv_pages: int, page_size: int) -> None:
         )
 
 
+def _auto_dtype(model) -> str:
+    """dtype="auto": what the checkpoint stores. A Hugging Face config's `dtype` (`torch_dtype` before
+    transformers 5); a jaxinfer checkpoint's stored dtype; float32 for the embedded models. float16
+    checkpoints compute in bfloat16 (same memory; jaxinfer has no float16 path)."""
+    from jaxinfer import checkpoint
+
+    if model is None or (isinstance(model, str) and model in default_model.EMBEDDED):
+        return "float32"
+    path = os.fspath(model)
+    try:
+        if checkpoint.is_checkpoint(path):
+            with open(os.path.join(path, checkpoint.MARKER), encoding="utf-8") as f:
+                stored = json.load(f).get("dtype")
+        else:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                hf = json.load(f)
+            text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+            stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return "float32"  # loading names what is wrong with the directory
+    return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
+
+
 def _load(model, dtype: str, mesh):
     """(cfg, params, tokenizer) of `model`: None (the embedded default), an embedded name, a jaxinfer
     (orbax) checkpoint directory or a Hugging Face one. On a mesh, parameters are read straight onto
@@ -145,7 +169,8 @@ class LLM:
 
     Args:
         model: a local Hugging Face checkpoint directory; None for the embedded default model.
-        dtype: "float32" or "bfloat16", for parameters, activations and the KV cache.
+        dtype: "float32" or "bfloat16", for parameters, activations and the KV cache; "auto": the
+            checkpoint's own (bfloat16 for a bfloat16 or float16 checkpoint, else float32).
         max_model_len: longest sequence (prompt + output); defaults to the model's maximum.
         page_size: tokens per KV-cache page.
         num_kv_pages: pages in the cache; defaults to what max_num_seqs full-length sequences need,
@@ -191,8 +216,10 @@ class LLM:
             raise InvalidRequestError(
                 f"enable_prefix_caching and warmup must be True or False, got {enable_prefix_caching!r}, {warmup!r}"
             )
+        if dtype == "auto" and isinstance(model, (str, os.PathLike, type(None))):
+            dtype = _auto_dtype(model)
         if dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+            raise InvalidRequestError(f"dtype must be one of {(*DTYPES, 'auto')}, got {dtype!r}")
         if attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"

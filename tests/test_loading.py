@@ -279,3 +279,19 @@ def test_text_prompts_through_llm_with_tokenizer(tmp_path):
     assert out.prompt_token_ids == llm.tokenizer.encode("the quick fox")
     assert len(out.token_ids) == 5
     assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
+    """dtype="auto" (vLLM's default): a bfloat16 or float16 checkpoint computes in bfloat16, a float32
+    one in float32, the embedded default model in float32."""
+    import torch
+
+    from jaxinfer import default_model
+
+    for saved, want in ((torch.bfloat16, "bfloat16"), (torch.float16, "bfloat16")):
+        d = tmp_path / str(saved)
+        save_hf_model(make_hf_model("llama2"), d, dtype=saved)
+        assert json.loads((d / "config.json").read_text()).get("dtype") == str(saved).removeprefix("torch.")
+        assert LLM(str(d), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == want
+    assert LLM(str(ckpt), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
+    assert LLM(default_model.TINY_RANDOM, dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
