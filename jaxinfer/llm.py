@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -15,7 +14,7 @@ import numpy as np
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Logprob, Request, check_capacity, check_max_model_len, default_max_model_len
-from jaxinfer.errors import InvalidRequestError
+from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import make_mesh
@@ -113,14 +112,12 @@ def _auto_dtype(model) -> str:
     path = os.fspath(model)
     try:
         if checkpoint.is_checkpoint(path):
-            with open(os.path.join(path, checkpoint.MARKER), encoding="utf-8") as f:
-                stored = json.load(f).get("dtype")
-        else:
-            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-                hf = json.load(f)
-            text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-            stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    except (OSError, ValueError, AttributeError):
+            return checkpoint.load_config(path).dtype
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+        stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    except (OSError, ValueError, AttributeError, CheckpointError):
         return "float32"  # loading names what is wrong with the directory
     return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
 
@@ -284,8 +281,10 @@ class LLM:
             )
         return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=f"prompts[{index}]")
 
-    def _prompts(self, prompts, sampling_params, prompt_token_ids):
-        """Normalises and validates inputs; returns (texts, ids, params). Raises before any work starts."""
+    def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
+        """Normalises and validates inputs; returns (texts, ids, params). Raises before any work starts.
+
+        `name_of(i)`: what a refusal calls prompt i (chat: the caller's messages[i], not ids made of them)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -336,7 +335,7 @@ class LLM:
             try:
                 self.engine.validate(p, sp)
             except InvalidRequestError as e:
-                raise InvalidRequestError(f"{field}[{i}]: {e}") from None
+                raise InvalidRequestError(f"{name_of(i) if name_of else f'{field}[{i}]'}: {e}") from None
         return texts, ids, sampling_params
 
     def generate(
@@ -351,7 +350,9 @@ class LLM:
         All prompts run through the continuous-batching engine together. Every prompt is validated
         before any work starts, so a bad one loses nothing.
         """
-        texts, ids, params = self._prompts(prompts, sampling_params, prompt_token_ids)
+        return self._generate(*self._prompts(prompts, sampling_params, prompt_token_ids))
+
+    def _generate(self, texts, ids, params) -> list[RequestOutput]:
         requests = []
         try:
             for p, sp in zip(ids, params):
@@ -410,14 +411,8 @@ class LLM:
             texts.append(text)
             max_tokens = self.engine.max_model_len - 1
             ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
-        try:
-            outs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
-        except InvalidRequestError as e:  # name the conversation the caller passed, not the ids made of it
-            where = re.match(r"prompt_token_ids\[(\d+)\]: ", str(e))
-            if where is None:
-                raise
-            field = f"messages[{where.group(1)}]" if batched else "messages"
-            raise InvalidRequestError(f"{field}: {str(e)[where.end() :]}") from None
+        name_of = (lambda i: f"messages[{i}]") if batched else (lambda i: "messages")
+        outs = self._generate(*self._prompts(None, sampling_params, ids, name_of=name_of))
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs

@@ -136,9 +136,6 @@ EDITED_CONFIGS = {
 
 @pytest.mark.parametrize("case", list(EDITED_CONFIGS))
 def test_hand_edited_configs_read_as_transformers_reads_them(case, tmp_path):
-    import json
-
-    import transformers
     from hf_models import GEMMA_FAMILIES, make_hf_gemma
 
     family, edit = EDITED_CONFIGS[case]
@@ -152,12 +149,19 @@ def test_hand_edited_configs_read_as_transformers_reads_them(case, tmp_path):
         else:
             config[key] = value
     path.write_text(json.dumps(config))
-    model_cls = (GEMMA_FAMILIES if gemma else FAMILIES)[family][1]
-    hf = getattr(transformers, model_cls).from_pretrained(tmp_path, attn_implementation="eager").eval()
-    tokens = PROMPT + PROMPT[:14]
+    _assert_logits_as_transformers_reads(tmp_path, (GEMMA_FAMILIES if gemma else FAMILIES)[family][1], 14)
+
+
+def _assert_logits_as_transformers_reads(path, model_cls: str, new: int) -> None:
+    """transformers loads `path` as `model_cls`; jaxinfer loads the same directory; prompt + `new`
+    teacher-forced tokens give the same logits."""
+    import transformers
+
+    hf = getattr(transformers, model_cls).from_pretrained(path, attn_implementation="eager").eval()
+    tokens = PROMPT + PROMPT[:new]
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
-    cfg, params = load_hf_checkpoint(str(tmp_path))
+    cfg, params = load_hf_checkpoint(str(path))
     ours = _jax_logits(cfg, params, tokens, len(PROMPT))
     np.testing.assert_allclose(ours, ref[len(PROMPT) - 1 :], atol=2e-4, rtol=2e-4)
 
@@ -189,17 +193,9 @@ def _tied_only_head_stored(d):
 def test_tying_follows_the_stored_tensors_as_transformers_does(family, tie, edit, tmp_path):
     """transformers 5 ties the head to the embedding only when the checkpoint agrees: a stored head
     that differs is used untied, and a lone stored head is the embedding too."""
-    import transformers
-
     save_hf_model(make_hf_model(family, tie_word_embeddings=tie), tmp_path)
     edit(tmp_path)
-    hf = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path, attn_implementation="eager").eval()
-    tokens = PROMPT + PROMPT[:6]
-    with torch.no_grad():
-        ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
-    cfg, params = load_hf_checkpoint(str(tmp_path))
-    ours = _jax_logits(cfg, params, tokens, len(PROMPT))
-    np.testing.assert_allclose(ours, ref[len(PROMPT) - 1 :], atol=2e-4, rtol=2e-4)
+    _assert_logits_as_transformers_reads(tmp_path, FAMILIES[family][1], 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

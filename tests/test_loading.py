@@ -283,15 +283,18 @@ def test_text_prompts_through_llm_with_tokenizer(tmp_path):
 
 def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     """dtype="auto" (vLLM's default): a bfloat16 or float16 checkpoint computes in bfloat16, a float32
-    one in float32, the embedded default model in float32."""
+    one in float32, a jaxinfer checkpoint in the dtype it stores, the embedded models in float32."""
     import torch
 
-    from jaxinfer import default_model
+    from jaxinfer import checkpoint, default_model
 
     for saved, want in ((torch.bfloat16, "bfloat16"), (torch.float16, "bfloat16")):
         d = tmp_path / str(saved)
         save_hf_model(make_hf_model("llama2"), d, dtype=saved)
         assert json.loads((d / "config.json").read_text()).get("dtype") == str(saved).removeprefix("torch.")
         assert LLM(str(d), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == want
+    converted = tmp_path / "converted"  # a jaxinfer checkpoint: the dtype it stores
+    checkpoint.convert_hf(str(ckpt), str(converted), dtype="bfloat16")
+    assert LLM(str(converted), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "bfloat16"
     assert LLM(str(ckpt), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
     assert LLM(default_model.TINY_RANDOM, dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
