@@ -46,6 +46,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",  # where transformers 5 writes the chat template
     "chat_template.json",
+    "generation_config.json",  # not the tokenizer's, but read beside it: EOS ids and default sampling
 )
 
 # ----------------------------------------------------------------------------------------------

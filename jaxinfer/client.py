@@ -112,9 +112,10 @@ def _wire_value(field: str, f: FieldDescriptor, value):
 def _params(p: SamplingParams | None) -> pb.SamplingParams:
     """`p` as the proto, every field checked against its wire type (field by field from the proto's
     descriptor, so a field added to both is covered): SamplingParams checks meaning, not wire limits
-    (max_tokens = 2**31 is a fine Python int, but not an int32)."""
+    (max_tokens = 2**31 is a fine Python int, but not an int32). None sends no field: the server
+    applies the model's defaults, as `LLM.generate` does without SamplingParams."""
     if p is None:
-        p = SamplingParams()
+        return pb.SamplingParams()
     if not isinstance(p, SamplingParams):
         raise InvalidRequestError(f"sampling_params must be a SamplingParams (or None), got {_show(p)}")
     msg = pb.SamplingParams()
@@ -179,6 +180,8 @@ def _output(prompt: str | None, want_logprobs: bool, resp: pb.GenerateResponse) 
             text=c.text,
             finish_reason=_FINISH.get(c.finish_reason, "abort"),
             logprobs=_logprobs(c.logprobs) if want_logprobs else None,
+            stop_reason=_stop_reason(c),
+            cumulative_logprob=sum(lp.logprob for lp in c.logprobs) if want_logprobs else None,
         )
         for c in resp.completions
     ]
@@ -187,16 +190,29 @@ def _output(prompt: str | None, want_logprobs: bool, resp: pb.GenerateResponse) 
     )
 
 
+def _stop_reason(msg) -> int | str | None:
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
+
+
 def _delta(msg: pb.GenerateStreamResponse) -> StreamDelta:
     return StreamDelta(
-        token_ids=list(msg.token_ids), text=msg.text, finish_reason=_FINISH.get(msg.finish_reason), index=msg.index
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        finish_reason=_FINISH.get(msg.finish_reason),
+        index=msg.index,
+        stop_reason=_stop_reason(msg),
     )
 
 
 def _model_info(msg: pb.ModelInfo) -> dict:
-    return {
+    """The server's ModelInfo as a dict; `default_sampling_params` as a SamplingParams."""
+    info = {
         f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
     }
+    defaults = {f.name: tuple(v) if f.is_repeated else v for f, v in msg.default_sampling_params.ListFields()}
+    info["default_sampling_params"] = SamplingParams(**defaults)
+    return info
 
 
 # gRPC refuses messages over 4 MiB by default; a valid answer can be larger (n = 64 samples with 20

@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (the earliest in it)
 
     def add(self, token_id: int) -> None:
         """Appends one generated token; sets `stopped` if the text now contains a stop string."""
@@ -60,9 +61,10 @@ class IncrementalDetokenizer:
         self._find_stop(self.text, start)
 
     def _find_stop(self, text: str, start: int) -> None:
-        hits = [i for s in self._stop if (i := text.find(s, start)) >= 0]
+        hits = [(i, s) for s in self._stop if (i := text.find(s, start)) >= 0]
         if hits:
-            self.text = text[: min(hits)]
+            at, self.stop_string = min(hits, key=lambda hit: hit[0])  # ties: the first listed
+            self.text = text[:at]
             self.stopped = True
 
     def pop_delta(self, *, final: bool = False) -> str:

@@ -544,7 +544,10 @@ class Engine:
         else:
             m.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
-        if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if token in self.cfg.eos_token_ids and not p.ignore_eos:
+            return self._finish(seq, [], "stop")
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
             return self._finish(seq, [], "stop")
         seq.tokens.append(token)
         m.generated_tokens.inc()
@@ -565,8 +568,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, new_tokens: list[int], reason: str) -> SeqUpdate:
         text = self._final_text(seq)
-        if reason == "length" and seq.detok is not None and seq.detok.stopped:
-            reason = "stop"  # the final flush completed a stop string (its last character was half-made)
+        if seq.detok is not None and seq.detok.stopped:
+            # (With reason "length": the final flush completed a stop string, its last character half-made.)
+            reason, seq.stop_reason = "stop", seq.detok.stop_string
         self.scheduler.finish(seq, reason)
         self.metrics.finished.labels(reason).inc()
         self._observe_end(seq)

@@ -16,9 +16,16 @@ from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Logprob, Request, check_capacity, check_max_model_len, default_max_model_len
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, generation_defaults
 from jaxinfer.sharding import make_mesh
-from jaxinfer.tokenizer import encode_prompt, load_tokenizer, render_chat_template, require_unicode, validate_messages
+from jaxinfer.tokenizer import (
+    check_chat_options,
+    encode_prompt,
+    load_tokenizer,
+    render_chat_template,
+    require_unicode,
+    validate_messages,
+)
 
 
 @dataclasses.dataclass
@@ -30,6 +37,11 @@ class CompletionOutput:
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[Logprob] | None = None
+    # The stop token id (from SamplingParams.stop_token_ids) or stop string that ended it; None when
+    # EOS, max_tokens or an abort did (vLLM's meaning).
+    stop_reason: int | str | None = None
+    # Sum of the chosen tokens' log-probabilities; None unless logprobs were asked for.
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass
@@ -57,6 +69,14 @@ class RequestOutput:
     def logprobs(self) -> list[Logprob] | None:
         return self.outputs[0].logprobs
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
+
 
 @dataclasses.dataclass
 class StreamDelta:
@@ -66,10 +86,22 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None
     index: int = 0  # which sample, when n > 1
+    stop_reason: int | str | None = None  # with finish_reason "stop": see CompletionOutput.stop_reason
 
 
 def _is_int(t) -> bool:
     return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+
+
+def _token_ids(p, field: str) -> list[int]:
+    if (
+        isinstance(p, (str, bytes))
+        or not isinstance(p, Sequence | np.ndarray)
+        or (isinstance(p, np.ndarray) and p.ndim != 1)
+        or not all(_is_int(t) for t in p)
+    ):
+        raise InvalidRequestError(f"{field} must be a list of integers")
+    return [int(t) for t in p]
 
 
 def _free_device_bytes() -> int:
@@ -120,6 +152,26 @@ def _auto_dtype(model) -> str:
     except (OSError, ValueError, AttributeError, CheckpointError):
         return "float32"  # loading names what is wrong with the directory
     return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
+
+
+GENERATION_CONFIG_CHOICES = ("auto", "none")
+
+
+def _default_sampling_params(model, generation_config: str) -> SamplingParams:
+    """SamplingParams with the checkpoint's generation_config.json defaults (see `generation_defaults`);
+    says on stderr when they differ from SamplingParams' own, as vLLM does."""
+    if generation_config == "none" or (isinstance(model, str) and model in default_model.EMBEDDED):
+        return SamplingParams()
+    path = default_model.ASSETS if model is None else os.fspath(model)
+    defaults = generation_defaults(path)
+    if defaults:
+        shown = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
+        print(
+            f"jaxinfer: default sampling parameters from {os.path.join(path, 'generation_config.json')}: {shown} "
+            '(LLM(..., generation_config="none") or --generation-config none to ignore them)',
+            file=sys.stderr,
+        )
+    return SamplingParams(**defaults)
 
 
 def _load(model, dtype: str, mesh):
@@ -186,6 +238,9 @@ class LLM:
             devices (a multi-process mesh must use all of them). Tensor parallelism over `model`
             (heads, MLP, vocabulary; KV heads replicated when they do not split evenly), batch rows
             over `data`. None: one device. See jaxinfer.sharding for the rules table.
+        generation_config: "auto": the checkpoint's generation_config.json sets the default
+            SamplingParams (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens as
+            max_tokens; see `get_default_sampling_params`), as in vLLM; "none": SamplingParams' own.
         warmup: compile every step shape now, so no request ever waits for a compilation.
     """
 
@@ -203,6 +258,7 @@ class LLM:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         mesh: str | dict | None = None,
+        generation_config: str = "auto",
         warmup: bool = False,
     ):
         if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -220,6 +276,10 @@ class LLM:
         if attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
+        if generation_config not in GENERATION_CONFIG_CHOICES:
+            raise InvalidRequestError(
+                f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}"
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
@@ -245,6 +305,7 @@ class LLM:
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
+        self._default_params = _default_sampling_params(model, generation_config)
         self.engine = Engine(
             cfg,
             params,
@@ -269,17 +330,41 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def _encode(self, text: str, index: int) -> list[int]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate`, `chat` and `stream` use when given no SamplingParams (and what the server
+        starts from for fields a request leaves unset): the checkpoint's generation_config.json
+        recommendations over SamplingParams' defaults, unless the LLM was made with
+        generation_config="none"."""
+        return self._default_params
+
+    def _encode(self, text: str, field: str) -> list[int]:
         if not isinstance(text, str):
-            raise InvalidRequestError(f"prompts[{index}] must be a string, got {type(text).__name__}")
+            raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}")
         if not text:
-            raise InvalidRequestError(f"prompts[{index}] is empty")
-        require_unicode(text, f"prompts[{index}]")
+            raise InvalidRequestError(f"{field} is empty")
+        require_unicode(text, field)
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this model directory has no tokenizer: pass token ids instead (prompt_token_ids=, or --prompt-ids)"
             )
-        return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=f"prompts[{index}]")
+        return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=field)
+
+    def _prompt_item(self, p, i: int) -> tuple[str | None, list[int]]:
+        """(text, ids) of prompts[i]: a string, or a vLLM-style prompt dict ({"prompt": text} or
+        {"prompt_token_ids": [...]})."""
+        if not isinstance(p, Mapping):
+            return p, self._encode(p, f"prompts[{i}]")
+        keys = set(p)
+        if unknown := sorted(map(str, keys - {"prompt", "prompt_token_ids"})):
+            raise InvalidRequestError(
+                f"prompts[{i}]: unsupported prompt field(s) {unknown}; a prompt dict holds 'prompt' (text) "
+                "or 'prompt_token_ids'"
+            )
+        if len(keys) != 1:
+            raise InvalidRequestError(f"prompts[{i}] must hold exactly one of 'prompt' or 'prompt_token_ids'")
+        if "prompt" in p:
+            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt")
+        return None, _token_ids(p["prompt_token_ids"], f"prompts[{i}].prompt_token_ids")
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
         """Normalises and validates inputs; returns (texts, ids, params). Raises before any work starts.
@@ -287,13 +372,15 @@ class LLM:
         `name_of(i)`: what a refusal calls prompt i (chat: the caller's messages[i], not ids made of them)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         if prompts is not None and (isinstance(prompts, bytes) or not isinstance(prompts, Sequence)):
-            raise InvalidRequestError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
+            raise InvalidRequestError(
+                f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}"
+            )
         if prompts is not None:
-            texts = list(prompts)
-            ids = [self._encode(p, i) for i, p in enumerate(texts)]
+            items = [self._prompt_item(p, i) for i, p in enumerate(prompts)]
+            texts, ids = [text for text, _ in items], [p_ids for _, p_ids in items]
             field = "prompts"
         else:
             if (
@@ -305,19 +392,10 @@ class LLM:
             if len(prompt_token_ids) and all(_is_int(t) for t in prompt_token_ids):
                 prompt_token_ids = [prompt_token_ids]  # one prompt, as a flat list of ids
             texts = [None] * len(prompt_token_ids)
-            ids = []
-            for i, p in enumerate(prompt_token_ids):
-                if (
-                    isinstance(p, (str, bytes))
-                    or not isinstance(p, Sequence | np.ndarray)
-                    or (isinstance(p, np.ndarray) and p.ndim != 1)
-                    or not all(_is_int(t) for t in p)
-                ):
-                    raise InvalidRequestError(f"prompt_token_ids[{i}] must be a list of integers")
-                ids.append([int(t) for t in p])
+            ids = [_token_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
             field = "prompt_token_ids"
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self._default_params
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(ids)
         if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
@@ -340,12 +418,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: str | Mapping | Sequence[str | Mapping] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); returns outputs in prompt order.
+
+        A prompt is a string or, as in vLLM, a dict: {"prompt": text} or {"prompt_token_ids": ids};
+        one list may mix them. Without sampling_params, `get_default_sampling_params()` applies.
 
         All prompts run through the continuous-batching engine together. Every prompt is validated
         before any work starts, so a bad one loses nothing.
@@ -376,6 +457,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping | None = None,
     ) -> list[RequestOutput]:
         """Generates the next turn of a conversation, rendered with the model's chat template.
 
@@ -384,6 +467,11 @@ class LLM:
                 conversations.
             sampling_params: one for all conversations, or one per conversation.
             add_generation_prompt: end the prompt with the template's opening of an assistant turn.
+            continue_final_message: leave the last message open (cut after its text, before whatever
+                ends a turn) so the model goes on writing it, e.g. a prefilled assistant answer; needs
+                add_generation_prompt=False.
+            chat_template_kwargs: further variables for the template, e.g. {"enable_thinking": False}
+                for Qwen 3.
 
         Returns:
             One RequestOutput per conversation, as `generate` returns; `prompt` is the rendered text.
@@ -397,6 +485,11 @@ class LLM:
                 "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
                 "format the prompt yourself and call generate()"
             )
+        template_kwargs = check_chat_options(
+            chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = list(messages) if batched else [messages]
         texts, ids = [], []
@@ -407,6 +500,8 @@ class LLM:
                 validate_messages(conv, field),
                 add_generation_prompt=add_generation_prompt,
                 special_tokens=tok.special_tokens,
+                template_kwargs=template_kwargs,
+                continue_final_message=continue_final_message,
             )
             texts.append(text)
             max_tokens = self.engine.max_model_len - 1
@@ -419,7 +514,7 @@ class LLM:
 
     def stream(
         self,
-        prompt: str | None = None,
+        prompt: str | Mapping | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
@@ -443,7 +538,11 @@ class LLM:
                     u = mine.pop(0)
                     if u.token_ids or u.text or u.finish_reason:
                         yield StreamDelta(
-                            token_ids=u.token_ids, text=u.text, finish_reason=u.finish_reason, index=u.seq.index
+                            token_ids=u.token_ids,
+                            text=u.text,
+                            finish_reason=u.finish_reason,
+                            index=u.seq.index,
+                            stop_reason=u.seq.stop_reason if u.finish_reason else None,
                         )
                 if req.finished:
                     return
@@ -481,6 +580,8 @@ class LLM:
                 text=texts.get(s.seq_id, ""),
                 finish_reason=s.finish_reason,
                 logprobs=s.logprobs,
+                stop_reason=s.stop_reason,
+                cumulative_logprob=None if s.logprobs is None else sum(lp.logprob for lp in s.logprobs),
             )
             for s in req.seqs
         ]

@@ -9,8 +9,11 @@ request's samples therefore do not depend on which other requests share its batc
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import reprlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +142,52 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+# generation_config.json keys that set default SamplingParams fields: the ones vLLM reads (HF's
+# max_new_tokens is max_tokens). Everything else in the file (num_beams, length_penalty, ...) is ignored.
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(model_dir: str | None) -> dict:
+    """The sampling defaults a checkpoint's `generation_config.json` recommends, as SamplingParams
+    keyword arguments ({} when it has none).
+
+    Only keys the file sets count (HF's implicit top_k=50 does not, as in vLLM). `"do_sample": false`
+    means greedy, as it does in transformers' `generate`: temperature 0, and the filters it would
+    ignore are dropped. The file is advisory: a value SamplingParams refuses is left out with a warning
+    on stderr naming it, and an unreadable file counts as none.
+    """
+    if model_dir is None:
+        return {}
+    path = os.path.join(model_dir, "generation_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(gen, dict):
+        return {}
+    greedy = gen.get("do_sample") is False
+    out = {"temperature": 0.0} if greedy else {}
+    for key, field in GENERATION_CONFIG_KEYS.items():
+        value = gen.get(key)
+        if value is None or (greedy and field in ("temperature", "top_k", "top_p", "min_p")):
+            continue
+        try:
+            SamplingParams(**{field: value})
+        except InvalidRequestError as e:
+            print(f"jaxinfer: ignoring {path} {key!r}: {e}", file=sys.stderr)
+            continue
+        out[field] = value
+    return out
 
 
 @struct.dataclass

@@ -68,6 +68,7 @@ class Sequence:
     num_dropped: int = 0  # leading pages given back as they left the sliding window (entries: scratch)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its tokens' full pages
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
     first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)
     first_token_time: float | None = None
     last_token_time: float | None = None

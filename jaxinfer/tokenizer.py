@@ -29,7 +29,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError
@@ -547,17 +547,72 @@ def _text_content(message: dict) -> dict:
     return {**message, "content": "\n".join(texts)}
 
 
+# Template variables the renderer sets itself; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final_message) -> dict:
+    """Validates chat_template_kwargs (returned as a dict) and the two turn options."""
+    for name, value in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be True or False, got {value!r}")
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError(
+            "continue_final_message=True continues the last message, add_generation_prompt=True opens a new one: "
+            "pass add_generation_prompt=False with it"
+        )
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, Mapping) or not all(isinstance(k, str) for k in template_kwargs):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a dict with string keys, got {type(template_kwargs).__name__}"
+        )
+    if taken := [k for k in _RESERVED_TEMPLATE_VARIABLES if k in template_kwargs]:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {taken}: pass them as chat()'s own arguments")
+    return dict(template_kwargs)
+
+
+def _continue_final(rendered: str, message: dict) -> str:
+    """The rendered conversation cut right after the final message's text, so the model continues
+    that message (transformers' continue_final_message): whatever the template wrote after it (an
+    end-of-turn token, a newline) goes."""
+    content = message.get("content")
+    if isinstance(content, list):  # the last text part is the one to continue
+        content = next((p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError("continue_final_message: the final message has no text to continue")
+    core = content.strip()
+    at = rendered.rfind(core)
+    if at < 0:
+        raise InvalidRequestError(
+            "continue_final_message: the chat template does not reproduce the final message's text "
+            "(it rewrites or drops part of it), so there is no place to continue from"
+        )
+    end = at + len(core)
+    tail = content[len(content.rstrip()) :]  # trailing whitespace the template kept is part of the message
+    if tail and rendered.startswith(tail, end):
+        end += len(tail)
+    return rendered[:end]
+
+
 def render_chat_template(
     template: str,
     messages: list[dict],
     *,
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
+    template_kwargs: dict | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """Renders one (validated) conversation into the prompt text the model was trained on.
 
-    The template sees `messages`, `add_generation_prompt`, `tools` / `documents` (None) and the
-    named special tokens (`bos_token`, `eos_token`, ...), as with transformers' `apply_chat_template`.
+    The template sees `messages`, `add_generation_prompt`, `tools` / `documents` (None), the named
+    special tokens (`bos_token`, `eos_token`, ...) and `template_kwargs` (e.g. Qwen 3's
+    `enable_thinking`), as with transformers' `apply_chat_template`. `continue_final_message` leaves
+    the last message open (see `_continue_final`).
 
     Raises:
         InvalidRequestError: the template refused the conversation (`raise_exception`), e.g. roles
@@ -576,8 +631,8 @@ def render_chat_template(
     if not _iterates_content(template):
         messages = [_text_content(m) for m in messages]
     try:
-        return compiled.render(
-            **(special_tokens or {}),
+        rendered = compiled.render(
+            **{**(special_tokens or {}), **(template_kwargs or {})},
             messages=messages,
             tools=None,
             documents=None,
@@ -592,3 +647,4 @@ def render_chat_template(
             f"messages: the model's chat_template failed on them ({type(e).__name__}: {e}); "
             "check the content types this model's template expects"
         ) from None
+    return _continue_final(rendered, messages[-1]) if continue_final_message else rendered

@@ -54,6 +54,7 @@ class Delta:
     text: str
     finish_reason: str | None
     logprobs: list[Logprob]
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop token id or string
 
 
 @dataclasses.dataclass
@@ -83,7 +84,9 @@ class RequestStream:
         if self.interval > 1:
             h = self.held.pop(d.index, None)
             if h is not None:
-                d = Delta(d.index, h.token_ids + d.token_ids, h.text + d.text, d.finish_reason, h.logprobs + d.logprobs)
+                d = dataclasses.replace(
+                    d, token_ids=h.token_ids + d.token_ids, text=h.text + d.text, logprobs=h.logprobs + d.logprobs
+                )
             if d.finish_reason is None and len(d.token_ids) < self.interval and d.index in self.started:
                 self.held[d.index] = d
                 return
@@ -323,7 +326,8 @@ class AsyncEngine:
                 sent = self._sent_logprobs.get(seq.seq_id, 0)
                 logprobs = seq.logprobs[sent:]
                 self._sent_logprobs[seq.seq_id] = len(seq.logprobs)
-            batch.append((seq.request_id, Delta(seq.index, u.token_ids, u.text, u.finish_reason, logprobs)))
+            stop = seq.stop_reason if u.finish_reason else None
+            batch.append((seq.request_id, Delta(seq.index, u.token_ids, u.text, u.finish_reason, logprobs, stop)))
             if u.finish_reason is not None:
                 self._sent_logprobs.pop(seq.seq_id, None)
                 done.add(seq.request_id)

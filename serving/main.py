@@ -32,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GenerateStream sends a sample's tokens once this many have accumulated (the first and the "
         "last at once); >1 trades smoothness for less per-token transport work",
     )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: sampling fields a request leaves unset take the model's generation_config.json values "
+        "(as in vLLM); none: SamplingParams' defaults",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_engine_arguments(p)
     d = p.add_argument_group("multi-host (every process runs the same command with its own --process-id)")
@@ -96,7 +103,7 @@ def run(args) -> int:
         drain_timeout=args.drain_timeout,
         stream_interval=args.stream_interval,
         peer_timeout=args.peer_timeout,
-        engine=engine_kwargs(args),
+        engine=engine_kwargs(args) | {"generation_config": args.generation_config},
     )
 
     async def main() -> int:

@@ -440,7 +440,7 @@ class Server:
         else:
             ids = list(request.token_ids.ids)
         try:
-            params = wire.sampling_params(request.sampling_params)
+            params = wire.sampling_params(request.sampling_params, self.llm.get_default_sampling_params())
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
         # A unary call only needs the end: holding every delta until then spares a wake-up per step.
@@ -465,6 +465,7 @@ class Server:
                 c.logprobs.extend(wire.logprobs_proto(d.logprobs))
                 if d.finish_reason is not None:
                     c.finish_reason = wire.FINISH_REASONS[d.finish_reason]
+                    wire.set_stop_reason(c, d.stop_reason)
         except EngineFailedError as e:
             raise _engine_failed(e) from None
         for c, t in zip(comps, texts):
@@ -492,6 +493,7 @@ class Server:
                     finish_reason=wire.FINISH_REASONS[d.finish_reason],
                     logprobs=wire.logprobs_proto(d.logprobs),
                 )
+                wire.set_stop_reason(msg, d.stop_reason)
                 if finished == stream.params.n and d.finish_reason is not None:
                     msg.usage.CopyFrom(self._usage(stream))  # the last message of the request
                 yield msg
@@ -526,6 +528,7 @@ class Server:
             eos_token_ids=list(cfg.eos_token_ids),
             has_tokenizer=self.llm.tokenizer is not None,
             version=jaxinfer.__version__,
+            default_sampling_params=wire.sampling_params_proto(self.llm.get_default_sampling_params()),
         )
 
     # -- grpc.health.v1 ---------------------------------------------------------------------------
@@ -698,12 +701,12 @@ async def _coalesced(stream: RequestStream):
         for d in batch:
             m = merged.get(d.index)
             if m is None:
-                merged[d.index] = Delta(d.index, list(d.token_ids), d.text, d.finish_reason, list(d.logprobs))
+                merged[d.index] = dataclasses.replace(d, token_ids=list(d.token_ids), logprobs=list(d.logprobs))
             else:
                 m.token_ids += d.token_ids
                 m.text += d.text
                 m.logprobs += d.logprobs
-                m.finish_reason = d.finish_reason
+                m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
         for d in merged.values():
             yield d
 

@@ -96,16 +96,36 @@ class Parser:
             return BadMessage(found or f"the request is not a valid {self.cls.DESCRIPTOR.full_name}: {e}")
 
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "n")
-_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos")
+_OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "logprobs", "n")
+_PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos")
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """The proto's parameters as SamplingParams (unset optionals keep their defaults); raises
-    InvalidRequestError naming the field."""
+def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams | None = None) -> SamplingParams:
+    """The proto's parameters as SamplingParams: unset optionals take `defaults`' values (the model's
+    generation_config.json defaults, see `LLM.get_default_sampling_params`), or SamplingParams' own.
+    Raises InvalidRequestError naming the field."""
     kw = {f: getattr(msg, f) for f in _OPTIONAL if msg.HasField(f)}
     kw.update({f: getattr(msg, f) for f in _PLAIN})
-    return SamplingParams(**kw, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids))
+    return dataclasses.replace(
+        defaults or SamplingParams(), **kw, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids)
+    )
+
+
+def sampling_params_proto(params: SamplingParams) -> pb.SamplingParams:
+    """SamplingParams as the proto (`ModelInfo.default_sampling_params`); None fields stay unset."""
+    msg = pb.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids)
+    for f in (*_OPTIONAL, *_PLAIN):
+        if (value := getattr(params, f)) is not None:
+            setattr(msg, f, value)
+    return msg
+
+
+def set_stop_reason(msg, stop_reason: int | str | None) -> None:
+    """Sets a Completion's / GenerateStreamResponse's `stop_reason` oneof (nothing when None)."""
+    if isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif stop_reason is not None:
+        msg.stop_token_id = stop_reason
 
 
 def logprobs_proto(lps: list[Logprob]) -> list[pb.TokenLogprob]:

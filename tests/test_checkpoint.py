@@ -100,6 +100,8 @@ def hf_dir(tmp_path_factory):
     save_hf_model(make_hf_model("llama3.1", vocab_size=36), path)  # the vocabulary of the tokenizer below
     train_sentencepiece(path, vocab_size=36)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers 5 writes it
+    gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    (path / "generation_config.json").write_text(json.dumps(gen))
     return str(path)
 
 
@@ -133,6 +135,9 @@ def test_llm_on_converted_dir_matches_llm_on_hf_dir(converted, hf_dir):
         assert x.token_ids == y.token_ids and len(x.token_ids) == 12
         for lx, ly in zip(x.logprobs, y.logprobs):
             assert lx.top == ly.top  # top-5 log-probabilities: identical, not merely close
+    # generation_config.json came along: the same default sampling.
+    assert from_orbax.get_default_sampling_params() == from_hf.get_default_sampling_params()
+    assert from_hf.get_default_sampling_params() == SamplingParams(temperature=0.7, top_p=0.9)
     # The copied tokenizer works: text prompts encode the same way.
     text = from_orbax.generate(["In the beginning"], SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert text.prompt_token_ids == from_hf.tokenizer.encode("In the beginning")

@@ -70,6 +70,7 @@ def test_stop_token_ids_and_eos(llm):
         sampling_params=SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
     )[0]
     assert out.finish_reason == "stop" and out.token_ids == free[:first]
+    assert out.stop_reason == stop_at  # the stop token that ended it (vLLM's stop_reason)
     # The same token as the model's EOS stops too, unless ignore_eos.
     import dataclasses
 
@@ -77,6 +78,7 @@ def test_stop_token_ids_and_eos(llm):
     eos_llm.engine.cfg = dataclasses.replace(eos_llm.engine.cfg, eos_token_ids=(stop_at,))
     out = eos_llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=SamplingParams(max_tokens=8, temperature=0))
     assert out[0].finish_reason == "stop" and out[0].token_ids == free[:first]
+    assert out[0].stop_reason is None  # EOS has no stop_reason, as in vLLM
 
 
 def test_generation_stops_at_max_model_len(llm):
@@ -105,7 +107,14 @@ def test_generation_stops_at_max_model_len(llm):
         (lambda m: m.generate(prompt_token_ids=[[1, 2], 3]), r"prompt_token_ids\[1\] must be a list of integers"),
         (lambda m: m.generate(prompt_token_ids=7), "prompt_token_ids must be a list"),
         # Were raw TypeErrors ("'int' object is not iterable", "len() of unsized object"):
-        (lambda m: m.generate(5), "prompts must be a string or a list of strings, got int"),
+        (lambda m: m.generate(5), "prompts must be a string, a prompt dict or a list of them, got int"),
+        # vLLM-style prompt dicts: one known key, checked as the plain forms are.
+        (lambda m: m.generate({"prompt": "a", "multi_modal_data": {}}), r"prompts\[0\]: unsupported prompt field"),
+        (lambda m: m.generate([{"prompt": "a", "prompt_token_ids": [1]}]), r"prompts\[0\] must hold exactly one of"),
+        (lambda m: m.generate(["a", {}]), r"prompts\[1\] must hold exactly one of"),
+        (lambda m: m.generate([{"prompt": ""}]), r"prompts\[0\]\.prompt is empty"),
+        (lambda m: m.generate([{"prompt_token_ids": "abc"}]), r"prompts\[0\]\.prompt_token_ids must be a list"),
+        (lambda m: m.generate([{"prompt_token_ids": [1, 999]}]), r"prompts\[0\]: .*999 is outside the vocabulary"),
         (lambda m: m.generate("a", 5), "sampling_params must be a SamplingParams or a list of them, got int"),
         (lambda m: m.generate(prompt_token_ids=np.array(5)), "prompt_token_ids must be a list"),
         (lambda m: m.generate(prompt_token_ids=[np.ones((2, 2), int)]), r"prompt_token_ids\[0\] must be a list"),
@@ -170,6 +179,68 @@ def test_a_flat_list_of_ids_is_one_prompt(llm):
     assert len(flat) == 1 and flat[0].token_ids == nested[0].token_ids and flat[0].prompt_token_ids == [1, 5, 6]
 
 
+def test_prompt_dicts_as_in_vllm(llm):
+    """{"prompt": text} and {"prompt_token_ids": ids} (vLLM's TextPrompt / TokensPrompt) in one list."""
+    ids = llm.tokenizer.encode("In the beginning")
+    outs = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}, "Hello"], GREEDY)
+    assert outs[0].prompt == "Hello" and outs[1].prompt is None and outs[1].prompt_token_ids == ids
+    assert outs[0].token_ids == outs[2].token_ids == llm.generate("Hello", GREEDY)[0].token_ids
+    assert outs[1].token_ids == llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].token_ids
+    streamed = [t for d in llm.stream({"prompt_token_ids": ids}, GREEDY) for t in d.token_ids]
+    assert streamed == outs[1].token_ids
+
+
+def _model_with_generation_config(tmp_path, gen: dict):
+    from tests.hf_models import make_hf_model, save_hf_model
+
+    save_hf_model(make_hf_model("llama2"), tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    return tmp_path
+
+
+def test_generation_config_sets_the_default_sampling_params(tmp_path, capsys):
+    """Without SamplingParams, generate() samples as the checkpoint's generation_config.json says (vLLM's
+    generation_config="auto"); explicit SamplingParams are used as given; "none" ignores the file."""
+    d = _model_with_generation_config(
+        tmp_path, {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_new_tokens": 5}
+    )
+    llm = LLM(str(d), num_kv_pages=16)
+    assert "generation_config.json: temperature=0.6, top_k=20, top_p=0.95, max_tokens=5" in capsys.readouterr().err
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.6, 20, 0.95, 5)
+    assert defaults.min_p == 0.0 and defaults.repetition_penalty == 1.0  # not in the file: SamplingParams'
+    out = llm.generate(prompt_token_ids=[[1, 5, 6]])[0]
+    assert len(out.token_ids) == 5 or out.finish_reason == "stop"
+    assert len(llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=SamplingParams())[0].token_ids) > 5
+    plain = LLM(str(d), num_kv_pages=16, generation_config="none")
+    assert plain.get_default_sampling_params() == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "gen, expected",
+    [
+        # transformers' do_sample=False is greedy: its temperature and filters do not apply.
+        (
+            {"do_sample": False, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.1},
+            dict(temperature=0.0, repetition_penalty=1.1),
+        ),
+        ({"top_k": 50}, dict(top_k=50)),
+        ({"bos_token_id": 1, "eos_token_id": 2, "num_beams": 4}, {}),
+        # A value SamplingParams refuses is left out (with a warning), not fatal to loading.
+        ({"temperature": -1, "top_p": 0.9}, dict(top_p=0.9)),
+        ("not a dict", {}),
+    ],
+)
+def test_generation_defaults_read_like_transformers_and_vllm(tmp_path, capsys, gen, expected):
+    from jaxinfer.sampling import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    assert generation_defaults(str(tmp_path)) == expected
+    assert ("ignoring" in capsys.readouterr().err) == (gen == {"temperature": -1, "top_p": 0.9})
+    (tmp_path / "generation_config.json").write_text("{broken")
+    assert generation_defaults(str(tmp_path)) == {}
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(InvalidRequestError, match="dtype"):
         LLM(dtype="float16")
@@ -184,6 +255,8 @@ def test_bad_constructor_arguments():
         LLM(max_model_len=10**6)
     with pytest.raises(InvalidRequestError, match="model must be a directory path"):
         LLM(5)
+    with pytest.raises(InvalidRequestError, match=r"generation_config must be one of \('auto', 'none'\), got 'vllm'"):
+        LLM(generation_config="vllm")
     with pytest.raises(InvalidRequestError, match="mesh must be a string"):
         LLM(mesh=2)
     with pytest.raises(InvalidRequestError, match="enable_prefix_caching and warmup must be True or False"):

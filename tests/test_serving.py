@@ -181,6 +181,49 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
     assert got.prompt_token_ids == ref.prompt_token_ids
 
 
+def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_the_wire(tmp_path):
+    """A request's unset sampling fields take the checkpoint's generation_config.json values (as vLLM's
+    server does); set ones win. ModelInfo shows the defaults; stop_reason reaches the client."""
+    from tests.hf_models import make_hf_model, save_hf_model
+
+    save_hf_model(make_hf_model("llama2"), tmp_path)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "max_new_tokens": 4, "repetition_penalty": 1.3})
+    )
+    engine = dict(max_model_len=64, num_kv_pages=32, max_num_seqs=4)
+    offline = LLM(str(tmp_path), **engine)
+    expected_defaults = SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3)
+    assert offline.get_default_sampling_params() == expected_defaults
+    prompt = [1, 17, 33, 9]
+    s = ServerThread(LLM(str(tmp_path), **engine))
+    try:
+        with Client(s.address) as c:
+            assert c.model_info()["default_sampling_params"] == expected_defaults
+            got = c.generate(prompt_token_ids=prompt)  # no SamplingParams: nothing set, all defaults
+            ref = offline.generate(prompt_token_ids=[prompt])[0]
+            assert got.token_ids == ref.token_ids and (len(got.token_ids) == 4 or got.finish_reason == "stop")
+            raw = pb_grpc.InferenceServiceStub(grpc.insecure_channel(s.address)).Generate(
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=prompt), sampling_params=pb.SamplingParams(max_tokens=9, ignore_eos=True)
+                ),
+                timeout=60,
+            )
+            longer = offline.generate(
+                prompt_token_ids=[prompt],
+                sampling_params=SamplingParams(**{**vars(expected_defaults), "max_tokens": 9, "ignore_eos": True}),
+            )[0]
+            assert list(raw.completions[0].token_ids) == longer.token_ids and len(longer.token_ids) == 9
+            # stop_reason: the stop token that ended it, on the unary answer and the stream's last message.
+            stop_at = longer.token_ids[2]
+            p = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
+            assert c.generate(prompt_token_ids=prompt, sampling_params=p).stop_reason == stop_at
+            deltas = list(c.stream(prompt_token_ids=prompt, sampling_params=p))
+            assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop_at
+            assert offline.generate(prompt_token_ids=[prompt], sampling_params=p)[0].stop_reason == stop_at
+    finally:
+        s.stop()
+
+
 def _long(max_tokens=100) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -138,12 +138,14 @@ def test_stop_strings_end_generation_through_the_api(llm):
     free = llm.generate(["The"], sp)[0]
     stop = free.text[5:7]
     assert stop and stop in free.text
-    out = llm.generate(["The"], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
-    assert out.finish_reason == "stop"
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["never said", stop])
+    out = llm.generate(["The"], params)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # which stop string (vLLM's stop_reason)
+    assert free.finish_reason == "length" and free.stop_reason is None
     assert out.text == free.text[: free.text.index(stop)]
-    assert stop not in "".join(
-        d.text for d in llm.stream("The", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))
-    )
+    deltas = list(llm.stream("The", params))
+    assert stop not in "".join(d.text for d in deltas)
+    assert deltas[-1].stop_reason == stop and all(d.stop_reason is None for d in deltas[:-1])
 
 
 def test_closing_a_stream_aborts_and_frees_pages(llm):
@@ -167,6 +169,8 @@ def test_n_samples_and_logprobs_through_the_api(llm):
         for lp, t in zip(o.logprobs, o.token_ids):
             assert lp.token_id == t and lp.logprob <= 0 and len(lp.top) == 3
             assert max(lp.top.values()) >= lp.logprob - 1e-6
+        assert o.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in o.logprobs))
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
 
 
 def test_stats_and_prometheus_registry(llm):

@@ -363,6 +363,52 @@ def test_chat_template_matches_apply_chat_template(tmp_path, style, tokenizer, a
         assert text.endswith("<start_of_turn>model\n") == add_generation_prompt
 
 
+# A Qwen 3-style switch the caller sets through chat_template_kwargs.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<' + message['role'] + '>' + message['content'] + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think></think>' }}{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("style", ["llama3", "gemma"])
+@pytest.mark.parametrize("answer", ["The answer is", "The answer is ", "  4\n"])
+def test_continue_final_message_matches_transformers(tmp_path, style, answer):
+    """The prompt ends inside the assistant's message, as transformers' continue_final_message makes it
+    (the template's end-of-turn cut off; trailing spaces kept only where the template kept them)."""
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, style)
+    ours = load_tokenizer(str(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    conv = [*CONVERSATIONS[1][1:3], {"role": "user", "content": "Again?"}, {"role": "assistant", "content": answer}]
+    text = render_chat_template(
+        ours.chat_template,
+        validate_messages(conv),
+        add_generation_prompt=False,
+        special_tokens=ours.special_tokens,
+        continue_final_message=True,
+    )
+    assert text == theirs.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert text.endswith(answer.strip())
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, "llama3")
+    _edit_config(d, chat_template=THINKING_TEMPLATE)
+    ours = load_tokenizer(str(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    conv = CONVERSATIONS[0]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        text = render_chat_template(
+            ours.chat_template, validate_messages(conv), special_tokens=ours.special_tokens, template_kwargs=kwargs
+        )
+        assert text == theirs.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert text.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
+
+
 def test_chat_template_jinja_file_is_read(tmp_path):
     d = _chat_dir(tmp_path, "llama3")
     _edit_config(d, chat_template=None)
@@ -400,6 +446,39 @@ def test_llm_chat_generates_from_the_rendered_prompt(chat_llm):
     # A refusal names the conversation the caller passed, not the token ids chat() made of it.
     with pytest.raises(InvalidRequestError, match=r"^messages\[0\]: SamplingParams\.stop_token_ids"):
         chat_llm.chat(CONVERSATIONS, SamplingParams(stop_token_ids=[100000]))
+
+
+def test_llm_chat_continues_the_final_message(chat_llm):
+    chat_llm, d = chat_llm
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    conv = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A ripe"}]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = chat_llm.chat(conv, params, add_generation_prompt=False, continue_final_message=True)[0]
+    ids = theirs.apply_chat_template(conv, continue_final_message=True, return_dict=False)
+    assert out.prompt_token_ids == ids and out.prompt.endswith("A ripe")
+    assert out.token_ids == chat_llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(continue_final_message=True), r"pass add_generation_prompt=False"),
+        (dict(continue_final_message=1, add_generation_prompt=False), r"continue_final_message must be True or False"),
+        (dict(chat_template_kwargs=["x"]), r"chat_template_kwargs must be a dict"),
+        (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
+    ],
+)
+def test_llm_chat_refuses_bad_options(chat_llm, kwargs, message):
+    chat_llm, _ = chat_llm
+    with pytest.raises(InvalidRequestError, match=message):
+        chat_llm.chat(CONVERSATIONS[0], **kwargs)
+
+
+def test_continue_final_message_needs_the_text_in_the_rendering(chat_llm):
+    chat_llm, _ = chat_llm
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "   "}]
+    with pytest.raises(InvalidRequestError, match="the final message has no text to continue"):
+        chat_llm.chat(conv, add_generation_prompt=False, continue_final_message=True)
 
 
 @pytest.mark.parametrize(
