@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -57,18 +58,19 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = N
     if isinstance(spec, str):
         sizes: dict[str, int] = {}
         for part in spec.split(","):
-            name, sep, value = part.strip().partition("=")
-            if not sep or not value.strip().lstrip("-").isdigit():
+            name, sep, value = (x.strip() for x in part.partition("="))
+            if not sep or not name:
                 raise InvalidRequestError(f"mesh must look like 'data=2,model=4', got {spec!r}")
-            if name.strip() in sizes:
-                raise InvalidRequestError(f"mesh names axis {name.strip()!r} twice in {spec!r}")
-            sizes[name.strip()] = int(value)
+            if name in sizes:
+                raise InvalidRequestError(f"mesh names axis {name!r} twice in {spec!r}")
+            # ASCII digits only: str.isdigit() also takes '²', which int() then refuses.
+            sizes[name] = int(value) if re.fullmatch(r"-?[0-9]+", value) else value
     else:
         sizes = dict(spec)
     for name, size in sizes.items():
         if name not in MESH_AXES:
             raise InvalidRequestError(f"mesh axis {name!r} is not one of {MESH_AXES}")
-        if not isinstance(size, int) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise InvalidRequestError(f"mesh axis {name!r} must be a positive integer, got {size!r}")
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     total = math.prod(sizes.values())

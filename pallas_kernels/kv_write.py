@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -108,10 +109,28 @@ def kv_write(k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, int
     quantized = k_pages.dtype == jnp.int8
     if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
         raise ValueError("int8 pools need k_scales and v_scales ([K, P, S] float32); other pools take none")
-    nk, _, _, h = k_pages.shape
-    if k.shape[-2:] != (nk, h) or v.shape != k.shape or slots.shape != k.shape[:2]:
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"v_pages must match k_pages ({k_pages.dtype} {k_pages.shape}), got {v_pages.dtype} {v_pages.shape}"
+        )
+    nk, num_pages, page_size, h = k_pages.shape
+    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
+        raise ValueError(
+            f"k_scales/v_scales must have shape {k_pages.shape[:3]}, got {k_scales.shape} and {v_scales.shape}"
+        )
+    if k.ndim != 4 or k.shape[-2:] != (nk, h) or v.shape != k.shape or slots.shape != k.shape[:2]:
         raise ValueError(
             f"k and v must be [B, T, {nk}, {h}] with slots [B, T]; got k {k.shape}, v {v.shape}, slots {slots.shape}"
         )
+    if not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must hold integers, got {slots.dtype}")
+    if not isinstance(slots, jax.core.Tracer):  # inside a jit the kernel clamps instead (never out of the pools)
+        flat = np.asarray(slots).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= num_pages * page_size):
+            i = int(np.argwhere((flat < 0) | (flat >= num_pages * page_size))[0, 0])
+            raise ValueError(
+                f"slots[{i // slots.shape[1]}, {i % slots.shape[1]}] = {flat[i]} is outside "
+                f"[0, {num_pages * page_size}) (pages x page_size)"
+            )
     pools = (k_pages, v_pages, k_scales, v_scales) if quantized else (k_pages, v_pages)
     return _write(pools, k.reshape(-1, nk, h), v.reshape(-1, nk, h), slots.reshape(-1), interpret=interpret)

@@ -156,10 +156,35 @@ def check_inputs(page_table, kv_lens, q_lens, *, num_pages: int, page_size: int,
         raise ValueError(f"q_lens[{i}] = {ql[i]} is outside [0, min(kv_lens[{i}] = {kl[i]}, {num_query_tokens})]")
 
 
-def check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_scales=None) -> None:
-    """What every kernel wrapper checks before tracing: static scale, head counts, int8 pools with
-    their scales, and (when the arrays are concrete) indices that would read out of bounds."""
+def check_call(
+    q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_scales=None, *, window=None, soft_cap=None
+) -> None:
+    """What every kernel wrapper checks before tracing: shapes and dtypes that agree (a pool or a
+    length vector of the wrong size would be read out of bounds: the in-jit clamps only know k_pages'
+    page count), static scale, window and soft-cap, int8 pools with their scales, and (when the
+    arrays are concrete) indices that would read out of bounds."""
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, S, H], got {q.shape} and {k_pages.shape}")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"v_pages must match k_pages ({k_pages.dtype} {k_pages.shape}), got {v_pages.dtype} {v_pages.shape}"
+        )
+    b = q.shape[0]
+    if b == 0 or q.shape[1] == 0:
+        raise ValueError(f"q must hold at least one row and one token, got shape {q.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] == 0:
+        raise ValueError(f"page_table must be [B={b}, pages per row >= 1], got shape {page_table.shape}")
+    for name, x in (("kv_lens", kv_lens), ("q_lens", q_lens)):
+        if x.shape != (b,):
+            raise ValueError(f"{name} must have shape [B] = ({b},), got {x.shape}")
+    for name, x in (("page_table", page_table), ("kv_lens", kv_lens), ("q_lens", q_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integers, got {x.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
     quantized = k_pages.dtype == jnp.int8
+    if not quantized and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ValueError(f"pools must be floating point or int8, got {k_pages.dtype}")
     if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
         raise ValueError("int8 pools need k_scales and v_scales ([K, P, S] float32); other pools take none")
     if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
@@ -169,6 +194,14 @@ def check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_
         )
     if not isinstance(scale, float):
         raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
+
+    def positive(x) -> bool:  # a static Python number in (0, inf): it is compiled in, never traced
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+    if window is not None and not (isinstance(window, int) and positive(window)):
+        raise ValueError(f"window must be a positive int (keys closer than it are seen) or None, got {window!r}")
+    if soft_cap is not None and not positive(soft_cap):
+        raise ValueError(f"soft_cap must be a positive finite Python number or None, got {soft_cap!r}")
     n, nk = q.shape[2], k_pages.shape[0]
     if n % nk:
         raise ValueError(f"query heads ({n}) must be a multiple of KV heads ({nk})")
@@ -304,7 +337,9 @@ def ragged_paged_attention(
     Returns:
         [B, T, N, H] in q's dtype; rows past q_lens, and padding rows, are zeros or don't-care.
     """
-    check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales)
+    check_call(
+        q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales, window=window, soft_cap=soft_cap
+    )
     if pages_per_block is not None and (not isinstance(pages_per_block, int) or pages_per_block < 1):
         raise ValueError(f"pages_per_block must be a positive int or None, got {pages_per_block!r}")
     return _ragged_paged_attention(

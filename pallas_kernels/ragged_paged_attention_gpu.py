@@ -324,7 +324,9 @@ def ragged_paged_attention_gpu(
     The block sizes default to `blocks_for`'s table; `pages_per_step`, `rows_per_block`,
     `kv_splits`, `num_warps` and `num_stages` override single entries.
     """
-    check_call(q, k_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales)
+    check_call(
+        q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales, window=window, soft_cap=soft_cap
+    )
     b, t, n, h = q.shape
     nk, page_size = k_pages.shape[0], k_pages.shape[2]
     rows = _pow2_at_least(t * n // nk, 16)

@@ -81,3 +81,14 @@ def test_kv_write_refuses_mismatched_inputs():
     q = _pools(rng, "int8")[0]
     with pytest.raises(ValueError, match="int8 pools need k_scales and v_scales"):
         kv_write(q.values, q.values, k, k, jnp.zeros((1, 2), jnp.int32), interpret=True)
+    # A smaller v pool was written out of bounds; slots outside the pools were clamped onto its last
+    # slot (or, at -1, its first) instead of refused.
+    with pytest.raises(ValueError, match="v_pages must match k_pages"):
+        kv_write(k_pages, v_pages[:, :3], k, k, jnp.zeros((1, 2), jnp.int32), interpret=True)
+    slots_total = k_pages.shape[1] * k_pages.shape[2]
+    for bad in (slots_total, -1, 10**6):
+        slots = jnp.asarray([[0, bad]], jnp.int32)
+        with pytest.raises(ValueError, match=rf"slots\[0, 1\] = {bad} is outside \[0, {slots_total}\)"):
+            kv_write(k_pages, v_pages, k, k, slots, interpret=True)
+    with pytest.raises(ValueError, match="slots must hold integers"):
+        kv_write(k_pages, v_pages, k, k, jnp.zeros((1, 2), jnp.float32), interpret=True)

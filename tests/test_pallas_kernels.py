@@ -116,6 +116,41 @@ def test_out_of_range_inputs_are_refused():
         ragged_paged_attention_gpu(q, k, v, table.at[1, 2].set(POOL), kv, ql, scale=0.125, interpret=True)
 
 
+@pytest.mark.parametrize("kernel", [ragged_paged_attention, ragged_paged_attention_gpu])
+def test_inputs_of_the_wrong_shape_or_kind_are_refused(kernel):
+    """Shapes the in-jit clamps cannot save: they only know k_pages' page count, so a shorter v pool or
+    length vector, or a page table with fewer rows, was read out of bounds (seen with Pallas' strict
+    TPU interpreter, and as NaN from the GPU kernel's)."""
+    rng = np.random.default_rng(0)
+    q, k, v, table, kv, ql = random_batch(rng, Static(group=2, head_dim=64, t=2))
+
+    def call(**kw):
+        args = dict(q=q, k=k, v=v, table=table, kv=kv, ql=ql)
+        static = {key: kw.pop(key) for key in ("window", "soft_cap") if key in kw}
+        args.update(kw)
+        a = args
+        return kernel(a["q"], a["k"], a["v"], a["table"], a["kv"], a["ql"], scale=0.125, interpret=True, **static)
+
+    for kw, message in [
+        (dict(v=v[:, : POOL // 2]), r"v_pages must match k_pages"),
+        (dict(v=v[:1]), r"v_pages must match k_pages"),
+        (dict(v=v.astype(jnp.bfloat16)), r"v_pages must match k_pages"),
+        (dict(kv=kv[:1]), r"kv_lens must have shape \[B\] = \(4,\), got \(1,\)"),
+        (dict(ql=jnp.concatenate([ql, ql])), r"q_lens must have shape \[B\] = \(4,\)"),
+        (dict(table=table[:2]), r"page_table must be \[B=4, pages per row >= 1\], got shape \(2, 4\)"),
+        (dict(table=table[0]), r"page_table must be \[B=4"),
+        (dict(kv=kv.astype(jnp.float32)), r"kv_lens must hold integers, got float32"),
+        (dict(q=q.astype(jnp.int32)), r"q must be floating point"),
+        (dict(q=q[:0], table=table[:0], kv=kv[:0], ql=ql[:0]), r"q must hold at least one row"),
+        (dict(window=0), r"window must be a positive int"),
+        (dict(window=2.0), r"window must be a positive int"),
+        (dict(soft_cap=0.0), r"soft_cap must be a positive finite Python number"),
+        (dict(soft_cap=float("nan")), r"soft_cap must be a positive finite"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+
+
 def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
     from pallas_kernels.ragged_paged_attention import pages_per_block_for
     from pallas_kernels.ragged_paged_attention_gpu import blocks_for

@@ -137,6 +137,10 @@ def test_bad_meshes_are_refused_by_name():
         parse_mesh({"model": 0, "data": 8})
     with pytest.raises(InvalidRequestError, match="names axis 'model' twice"):
         parse_mesh("model=4,model=2")
+    # Were raw ValueError / TypeError from int() and the device grid:
+    for bad in ("model=--4", "model=²", "model=2.5", {"model": True}):
+        with pytest.raises(InvalidRequestError, match="mesh axis 'model' must be a positive integer"):
+            parse_mesh(bad)
     assert parse_mesh("model=8") == {"data": 1, "model": 8}
     with pytest.raises(InvalidRequestError, match="has 9 devices"):
         LLM(mesh="data=3,model=3")
