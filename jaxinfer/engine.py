@@ -374,6 +374,12 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError (naming the field and limit) if the request cannot run."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
+            raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt_ids):
+            raise InvalidRequestError("prompt_ids must hold integers")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: it must hold at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -408,6 +414,9 @@ class Engine:
         """Queues a request. `arrival_time` (time.perf_counter()): when it arrived, if earlier than now
         (a server that received it while a step ran); latency metrics count from it."""
         self.validate(prompt_ids, params)
+        prompt_ids = [int(t) for t in prompt_ids]
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")

@@ -532,11 +532,14 @@ class LLM:
         )
         req = self._start(ids[0], params[0])
         mine = self._updates[req.request_id]
+        ended = set()  # samples whose finish_reason has been yielded
         try:
             while True:
                 while mine:
                     u = mine.pop(0)
                     if u.token_ids or u.text or u.finish_reason:
+                        if u.finish_reason:
+                            ended.add(u.seq.index)
                         yield StreamDelta(
                             token_ids=u.token_ids,
                             text=u.text,
@@ -545,6 +548,10 @@ class LLM:
                             stop_reason=u.seq.stop_reason if u.finish_reason else None,
                         )
                 if req.finished:
+                    # Ended without an update filed here: aborted through llm.engine.abort() directly.
+                    for s in req.seqs:
+                        if s.index not in ended:
+                            yield StreamDelta(token_ids=[], text="", finish_reason=s.finish_reason, index=s.index)
                     return
                 self._step()
         finally:

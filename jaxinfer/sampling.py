@@ -3,7 +3,10 @@
 Every parameter is a per-row array, so one batch can mix greedy and stochastic requests with
 different settings. Randomness is keyed per request: row b draws from
 fold_in(key(seed_b), step_b), where step_b counts the tokens that request has generated. A
-request's samples therefore do not depend on which other requests share its batch.
+request's random draws therefore do not depend on which other requests share its batch. Its logits
+can, in their last bits, on XLA CPU (matrix kernels round differently at different row counts; see
+WORKSPACE.md, "Batch invariance"), so a seeded draw that falls within rounding of a boundary
+between two tokens can still pick the other one in another batch.
 """
 
 from __future__ import annotations
@@ -138,6 +141,12 @@ class SamplingParams:
             bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
+        # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
+        for field in ("max_tokens", "top_k", "seed", "logprobs", "n"):
+            if (v := getattr(self, field)) is not None:
+                object.__setattr__(self, field, int(v))
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, field, float(getattr(self, field)))
 
     @property
     def has_penalties(self) -> bool:

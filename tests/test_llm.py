@@ -47,6 +47,44 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert batch[1].token_ids == alone
 
 
+def test_numpy_numbers_in_sampling_params_act_as_python_ones(llm):
+    """A np.uint32 seed passed validation, then overflowed in the engine (seed + sample index, mod 2**32)."""
+    want = llm.generate(prompt_token_ids=[[1, 50]], sampling_params=SamplingParams(temperature=1.0, seed=5, n=2))
+    for seed in (np.uint32(5), np.int32(5), np.int64(5)):
+        p = SamplingParams(temperature=np.float32(1.0), seed=seed, n=np.int32(2), max_tokens=np.uint8(16))
+        assert type(p.seed) is int and type(p.temperature) is float and type(p.n) is int
+        got = llm.generate(prompt_token_ids=[[1, 50]], sampling_params=p)
+        assert [o.token_ids for o in got[0].outputs] == [o.token_ids for o in want[0].outputs]
+
+
+def test_engine_add_request_refuses_what_llm_would(llm):
+    e = llm.engine
+    for prompt, params, message in [
+        (np.array([3, 4]), GREEDY, "prompt_ids must be a list of token ids, got ndarray"),
+        ([3, 4], None, "params must be a SamplingParams, got NoneType"),
+        ([3, 4.5], GREEDY, "prompt_ids must hold integers"),
+        ("34", GREEDY, "prompt_ids must be a list"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            e.add_request(prompt, params)
+    with pytest.raises(InvalidRequestError, match="request_id must be a string, got int"):
+        e.add_request([3, 4], GREEDY, request_id=7)
+    assert not e.requests
+
+
+def test_a_stream_aborted_through_the_engine_ends_with_abort(llm):
+    """engine.abort() hands its updates to its caller: the open stream used to end with no finish_reason."""
+    gen = llm.stream(prompt_token_ids=[1, 40], sampling_params=SamplingParams(max_tokens=30, n=2, ignore_eos=True))
+    next(gen)
+    (rid,) = llm.engine.requests
+    llm.engine.abort(rid)
+    rest = list(gen)
+    assert sorted(d.index for d in rest if d.finish_reason == "abort") == [0, 1]
+    assert all(d.finish_reason is None for d in rest[:-2])
+    stats = llm.stats()
+    assert stats["running"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 def test_unseeded_requests_leave_numpy_global_random_state_alone(llm):
     """Unseeded requests draw their seeds from the engine's own generator: generate() does not advance
     the user's np.random stream, and seeding that stream does not make unseeded samples repeat."""
