@@ -237,26 +237,38 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def _drive(engine, prompts, params) -> tuple[float, list]:
-    """Submits all requests at once and steps until done; returns (wall seconds, sequences)."""
+def _drive(engine, prompts, params) -> tuple[float, list, list]:
+    """Submits all requests at once and steps until done; returns (wall seconds, sequences, the gaps
+    between consecutive tokens of each sequence)."""
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    last, gaps = {}, []
     while engine.has_unfinished():
-        engine.step()
+        updates = engine.step()
+        now = time.perf_counter()  # the step's tokens are on the host
+        for u in updates:
+            if u.token_ids:
+                if u.seq.seq_id in last:
+                    gaps.append(now - last[u.seq.seq_id])
+                last[u.seq.seq_id] = now
     wall = time.perf_counter() - t0
     for r in reqs:
         engine.release(r.request_id)
-    return wall, [s for r in reqs for s in r.seqs]
+    return wall, [s for r in reqs for s in r.seqs], gaps
 
 
-def _latencies(seqs) -> dict:
+def _latencies(seqs, gaps) -> dict:
+    """TTFT per request; ITL per token (every gap between two tokens of a sequence); TPOT per
+    request (its mean time per output token after the first, what vLLM's benchmarks call TPOT)."""
     ttft = [s.first_token_time - s.arrival_time for s in seqs]
-    itl = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
+    tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
     return {
         "ttft_p50_s": _pct(ttft, 50),
         "ttft_p99_s": _pct(ttft, 99),
-        "itl_p50_s": _pct(itl, 50),
-        "itl_p99_s": _pct(itl, 99),
+        "itl_p50_s": _pct(gaps, 50),
+        "itl_p99_s": _pct(gaps, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
     }
 
 
@@ -318,15 +330,16 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     )
 
     k = min(args.baseline_requests or args.num_requests, args.num_requests)
-    base_wall, base_seqs = 0.0, []
+    base_wall, base_seqs, base_gaps = 0.0, [], []
     t0 = _phase_totals(llm.engine)
     for p, sp in zip(prompts[:k], params[:k]):
-        wall, seqs = _drive(llm.engine, [p], [sp])
+        wall, seqs, gaps = _drive(llm.engine, [p], [sp])
         base_wall += wall
         base_seqs += seqs
+        base_gaps += gaps
     base_tokens = sum(len(s.output_ids) for s in base_seqs)
     t1 = _phase_totals(llm.engine)
-    cb_wall, cb_seqs = _drive(llm.engine, prompts, params)
+    cb_wall, cb_seqs, cb_gaps = _drive(llm.engine, prompts, params)
     cb_tokens = sum(len(s.output_ids) for s in cb_seqs)
     t2 = _phase_totals(llm.engine)
     stats = llm.stats()
@@ -336,7 +349,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             "wall_s": base_wall,
             "output_tokens_per_s": base_tokens / base_wall,
             "requests_per_s": k / base_wall,
-            **_latencies(base_seqs),
+            **_latencies(base_seqs, base_gaps),
             **_phases(t0, t1, base_wall),
         },
         "continuous": {
@@ -344,20 +357,21 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             "wall_s": cb_wall,
             "output_tokens_per_s": cb_tokens / cb_wall,
             "requests_per_s": args.num_requests / cb_wall,
-            **_latencies(cb_seqs),
+            **_latencies(cb_seqs, cb_gaps),
             **_phases(t1, t2, cb_wall),
         },
     }
     ratio = rows["continuous"]["output_tokens_per_s"] / rows["one_at_a_time"]["output_tokens_per_s"]
     print(
         f"\n{'mode':>14} {'requests':>9} {'wall s':>8} {'out tok/s':>10} {'req/s':>7} "
-        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8} {'TPOT p99':>8}"
     )
     for name, r in rows.items():
         print(
             f"{name:>14} {r['requests']:>9} {r['wall_s']:>8.1f} {r['output_tokens_per_s']:>10.1f} "
             f"{r['requests_per_s']:>7.2f} {r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p99_s'] * 1e3:>7.0f}ms "
-            f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms"
+            f"{r['itl_p50_s'] * 1e3:>6.1f}ms {r['itl_p99_s'] * 1e3:>6.1f}ms "
+            f"{r['tpot_p50_s'] * 1e3:>6.1f}ms {r['tpot_p99_s'] * 1e3:>6.1f}ms"
         )
     print(
         f"\nwhere the time went (a jitted call counts until its tokens are on the host; other = host work)"
@@ -396,7 +410,7 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         dtype=args.dtype,
         max_model_len=max_len,
         max_num_seqs=max_seqs,
-        max_num_batched_tokens=max(max(args.prompt_lens), max_seqs * args.context),
+        max_num_batched_tokens=max(16, max(args.prompt_lens), max_seqs * args.context),  # 16: the engine's least
         # Every timing repeats the same prompts: a warm prefix cache would skip the prefill we time.
         enable_prefix_caching=False,
     )
@@ -438,31 +452,43 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         prompt = rng.integers(low, cfg.vocab_size, n).tolist()
         llm.generate(prompt_token_ids=[prompt], sampling_params=greedy1)  # compile this bucket
         t = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=greedy1), args.repeats)
-        flops = 2 * (cfg.num_params - cfg.vocab_size * cfg.hidden_size) * n
+        # Matmul FLOPs: every body weight once per prompt token (norm weights too: <0.2%), the LM head
+        # once (logits only for the last token); the embedding table is a lookup; attention's own not counted.
+        head = cfg.vocab_size * cfg.hidden_size
+        body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)
+        flops = 2 * body * n + 2 * head
         print(f"{n:>8} {t * 1e3:>10.1f} {flops / t / 1e9:>10.1f}")
-        report["ttft"].append({"prompt_len": n, "ttft_s": t, "gflops": flops / t / 1e9})
+        report["ttft"].append({"prompt_len": n, "ttft_s": t, "flops": flops, "gflops": flops / t / 1e9})
 
-    print(f"\ndecode: prompt {args.context}, {args.new_tokens} new tokens per sequence")
-    print(f"{'batch':>6} {'step ms':>9} {'tok/s':>9} {'GB/s':>8} {'MBU':>6}")
+    print(
+        f"\ndecode: prompt {args.context}, {args.new_tokens} new tokens per sequence "
+        "(rows: mean rows per step once every row decodes; rows prefilled earlier finish earlier)"
+    )
+    print(f"{'batch':>6} {'rows':>6} {'step ms':>9} {'tok/s':>9} {'GB/s':>8} {'MBU':>6}")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     for b in args.batch_sizes:
         prompts = [rng.integers(low, cfg.vocab_size, args.context).tolist() for _ in range(b)]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)  # compile every bucket on the way
         runs = [_decode_once(llm, prompts, params) for _ in range(args.repeats)]
         step = statistics.median(r[0] for r in runs)
+        rows = statistics.median(r[2] for r in runs)
         mean_ctx = args.context + args.new_tokens / 2
-        step_bytes = streamed_bytes + b * cfg.kv_bytes_read(mean_ctx)
+        step_bytes = streamed_bytes + rows * cfg.kv_bytes_read(mean_ctx)
         achieved = step_bytes / step
         row = {
             "batch": b,
+            "rows_per_step": rows,
             "step_s": step,
-            "tokens_per_s": b / step,
+            "tokens_per_s": rows / step,
             "GBps": achieved / 1e9,
             "mbu": achieved / ceiling,
             "total_s": statistics.median(r[1] for r in runs),
         }
         report["decode"].append(row)
-        print(f"{b:>6} {step * 1e3:>9.2f} {b / step:>9.1f} {achieved / 1e9:>8.1f} {achieved / ceiling:>6.0%}")
+        print(
+            f"{b:>6} {rows:>6.1f} {step * 1e3:>9.2f} {rows / step:>9.1f} "
+            f"{achieved / 1e9:>8.1f} {achieved / ceiling:>6.0%}"
+        )
 
     if args.profile:
         b = args.batch_sizes[0]
@@ -582,17 +608,28 @@ def _print_profile(rows: list[dict], what: str) -> None:
         print(f"{r['program'][:16]:>16} {r['runs']:>5} {r['wall_ms']:>8.2f} {r['op_ms']:>8.2f}  {ops}")
 
 
-def _decode_once(llm, prompts, params) -> tuple[float, float]:
-    """(decode step time, prefill + decode time) of one batch through the engine, from the
-    first- and last-token timestamps of every sequence."""
+def _decode_once(llm, prompts, params) -> tuple[float, float, float]:
+    """(seconds per decode step, prefill + decode time, mean rows per decode step) of one batch
+    through the engine.
+
+    The decode window runs from the step that gave the last row its first token to the last step.
+    Rows whose prompts were prefilled in earlier calls are ahead and finish first, so the window's
+    last steps carry fewer rows than the batch: the tokens are counted, not assumed (a batch of 64
+    with prompts up to 512 tokens averaged 56 rows per step), and tok/s is rows / step time.
+    """
     t0 = time.perf_counter()
     reqs = [llm.engine.add_request(p, params) for p in prompts]
+    steps = []  # (time the step's tokens were on the host, tokens it generated)
     while llm.engine.has_unfinished():
-        llm.engine.step()
-    seqs = [s for r in reqs for s in r.seqs]
-    start = max(s.first_token_time for s in seqs)
-    end = max(s.last_token_time for s in seqs)
-    return (end - start) / (params.max_tokens - 1), end - t0
+        updates = llm.engine.step()
+        steps.append((time.perf_counter(), sum(len(u.token_ids) for u in updates)))
+    start = max(s.first_token_time for r in reqs for s in r.seqs)
+    k = next(i for i, (t, _) in enumerate(steps) if t >= start)  # the step that started the last row
+    window = steps[k + 1 :]
+    if not window:
+        raise ValueError("no decode step after the last row's first token: use at least 2 new tokens")
+    seconds = steps[-1][0] - steps[k][0]
+    return seconds / len(window), steps[-1][0] - t0, sum(n for _, n in window) / len(window)
 
 
 class _TokenTimestamps:
@@ -671,20 +708,22 @@ def _vs_hf(args, model_dir, llm, report, rng, low) -> list[dict]:
         tn = statistics.median(t[1] for t in theirs)
         our_step = statistics.median(m[0] for m in mine)
         our_total = statistics.median(m[1] for m in mine)
+        our_rate = statistics.median(m[2] for m in mine) / our_step  # HF runs all b rows every step
         rows.append(
             {
                 "batch": b,
                 "hf_step_s": step,
                 "hf_tokens_per_s": b / step,
                 "ours_step_s": our_step,
-                "ratio": step / our_step,
+                "ours_tokens_per_s": our_rate,
+                "ratio": our_rate / (b / step),
                 "hf_total_s": tn,
                 "ours_total_s": our_total,
                 "total_ratio": tn / our_total,
             }
         )
         print(
-            f"{b:>6} {step * 1e3:>11.2f} {b / step:>9.1f} {b / our_step:>11.1f} {step / our_step:>12.2f}x "
+            f"{b:>6} {step * 1e3:>11.2f} {b / step:>9.1f} {our_rate:>11.1f} {our_rate / (b / step):>12.2f}x "
             f"{tn:>11.2f} {our_total:>13.2f} {tn / our_total:>11.2f}x"
         )
     return rows

@@ -34,9 +34,12 @@ import numpy as np
 
 def _ints(s: str) -> list[int]:
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
+    return out
 
 
 _BLOCK_FIELDS = ("pages_per_step", "rows_per_block", "kv_splits", "num_warps", "num_stages")
@@ -242,11 +245,14 @@ def run(args) -> list[dict]:
     simulated_kernels = platform == "cpu"
     if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
         raise SystemExit("error: --heads takes N,K with N a multiple of K")
-    if min(args.batch, args.head_dim, args.page_size, args.repeats, args.layers, *args.contexts, args.window or 1) < 1:
+    window = 1 if args.window is None else args.window  # None: global
+    if min(args.batch, args.head_dim, args.page_size, args.repeats, args.layers, *args.contexts, window) < 1:
         raise SystemExit(
             "error: --batch, --head-dim, --page-size, --repeats, --layers, --contexts and --window must be positive"
         )
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants:
+        raise SystemExit("error: --variants names none; pick from copy, reference, xla, ours, upstream")
     unknown = set(variants) - {"copy", "reference", "xla", "ours", "upstream"}
     if unknown:
         raise SystemExit(f"error: unknown --variants {sorted(unknown)}")

@@ -32,6 +32,7 @@ from jaxinfer.sampling import SamplingParams
 @dataclasses.dataclass
 class Outcome:
     sent: float
+    arrival: float = float("nan")  # when the workload says it arrives (TTFT counts from here)
     first: float | None = None
     done: float | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -44,6 +45,11 @@ def _pct(values, q):
 
 def workload(args, vocab_size: int, seed: int = 0):
     """(prompts, params, arrival offsets in seconds): the same every run for the same arguments."""
+    if args.vs_offline and args.request_rate != float("inf"):
+        raise SystemExit(
+            "error: --vs-offline compares throughput on the same work, and the offline engine takes every "
+            "request at once: use --request-rate inf (the default) with it"
+        )
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
     lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
     rng = np.random.default_rng(seed)
@@ -72,7 +78,7 @@ async def drive(address: str, prompts, params, arrivals, *, concurrency: int, du
         async def one(i):
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             async with sem:
-                o = outcomes[i] = Outcome(sent=time.perf_counter())
+                o = outcomes[i] = Outcome(sent=time.perf_counter(), arrival=start + arrivals[i])
                 try:
                     async for d in client.stream(prompt_token_ids=prompts[i], sampling_params=params[i]):
                         if d.token_ids and o.first is None:
@@ -96,8 +102,11 @@ async def drive(address: str, prompts, params, arrivals, *, concurrency: int, du
 
 
 def summarize(outcomes, wall: float) -> dict:
+    """Throughput, and TTFT / TPOT percentiles of the successful requests. TTFT counts from the
+    request's arrival (its Poisson time, or the start), so time spent waiting for one of the
+    client's `--concurrency` slots is in it, as the offline engine's TTFT includes its queue."""
     ok = [o for o in outcomes if o.code == "OK"]
-    ttft = [o.first - o.sent for o in ok if o.first is not None]
+    ttft = [o.first - o.arrival for o in ok if o.first is not None]
     tpot = [(o.done - o.first) / (len(o.tokens) - 1) for o in ok if len(o.tokens) > 1]
     tokens = sum(len(o.tokens) for o in ok)
     return {
@@ -259,11 +268,18 @@ def _offline_llm(args, model_dir, max_model_len, served_model: str):
         model_dir,
         dtype=args.dtype,
         max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
+        # The served side never has more than --concurrency requests in flight: neither may this one.
+        max_num_seqs=min(args.max_num_seqs, args.concurrency),
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.prefix_caching,
         warmup=True,
     )
+    if args.concurrency < args.max_num_seqs:
+        print(
+            f"offline engine: max_num_seqs {args.concurrency} (= --concurrency: the served side runs at most "
+            "that many requests at once)",
+            file=sys.stderr,
+        )
     if llm.cfg.name != served_model:
         raise SystemExit(f"error: the server runs {served_model!r}, --vs-offline loaded {llm.cfg.name!r}: pass --model")
     return llm

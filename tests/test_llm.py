@@ -372,7 +372,15 @@ def test_bench_runs_and_reports(capsys, tmp_path):
     assert "TTFT" in out and "MBU" in out and "ratio" in out
     assert [r["batch"] for r in report["decode"]] == [1, 2]
     assert all(r["step_s"] > 0 and 0 < r["mbu"] for r in report["decode"])
+    assert all(r["tokens_per_s"] == pytest.approx(r["rows_per_step"] / r["step_s"]) for r in report["decode"])
     assert all(r["hf_tokens_per_s"] > 0 for r in report["hf"])
+    # Prefill FLOPs, counted by hand for llama-tiny (D 128, F 384, 2 layers, 4 heads / 2 KV heads of
+    # 32, V 512): the projections per prompt token, the untied LM head once (only the last token's
+    # logits are computed). It charged the head to every token (1.16x too many here, 1.36x at 150M).
+    per_token = 2 * (128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384)
+    for row in report["ttft"]:
+        assert row["flops"] == pytest.approx(2 * per_token * row["prompt_len"] + 2 * 512 * 128, rel=3e-3)
+        assert row["gflops"] == pytest.approx(row["flops"] / row["ttft_s"] / 1e9)
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
     assert "sampler" in out and [r["batch"] for r in report["sampler"]] == [1, 2]
     assert all(r[name] > 0 for r in report["sampler"] for name in bench.SAMPLER_SETTINGS)
@@ -457,6 +465,25 @@ def test_cli_stream_n_and_capacity_flags(capsys):
     assert [x["index"] for x in lines] == [0, 1] and all(len(x["logprobs"]) == len(x["token_ids"]) for x in lines)
 
 
+def test_decode_timing_counts_the_rows_each_step_really_ran():
+    """Prompts prefilled in different calls start decoding steps apart and finish steps apart, so the
+    last steps of a 'batch 4' run carry fewer rows: tok/s must count them (it assumed 4)."""
+    from jaxinfer.bench import _decode_once
+
+    llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=64, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [[1] + [7 + i] * 15 for i in range(4)]  # 16 tokens each: one prompt per step
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    step, total, rows = _decode_once(llm, prompts, params)
+    assert 0 < step < total and 1 < rows < 4
+
+
+def test_bench_serve_vs_offline_refuses_a_paced_workload():
+    from jaxinfer import bench
+
+    with pytest.raises(SystemExit, match="--vs-offline compares throughput on the same work"):
+        bench.run(_bench_args(["serve", "--vs-offline", "--request-rate", "4"]))
+
+
 def test_bench_throughput_runs_and_reports(capsys):
     from jaxinfer import bench
 
@@ -482,6 +509,9 @@ def test_bench_throughput_runs_and_reports(capsys):
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
     assert report["continuous"]["requests"] == report["one_at_a_time"]["requests"] == 8
     assert report["ratio"] > 0 and report["continuous"]["ttft_p99_s"] >= report["continuous"]["ttft_p50_s"]
+    for r in (report["continuous"], report["one_at_a_time"]):  # ITL per token, TPOT per request
+        assert 0 < r["itl_p50_s"] <= r["itl_p99_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p99_s"]
+        assert r["itl_p99_s"] >= r["tpot_p50_s"]  # a request's mean gap is never above the largest gaps
     # Where the time went: both modes computed the same prompt tokens and decode rows (no prefix cache).
     assert "where the time went" in out
     base, cb = report["one_at_a_time"], report["continuous"]

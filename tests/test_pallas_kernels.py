@@ -279,6 +279,35 @@ def test_kernel_bench_smoke(capsys):
     ]
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--heads", "0,0"], "--heads: expected comma-separated positive integers"),  # was a ZeroDivisionError
+        (["--heads", "4,-2"], "--heads: expected comma-separated positive integers"),
+        (["--contexts", ","], "--contexts: expected comma-separated positive integers"),  # an empty table, exit 0
+    ],
+)
+def test_kernel_bench_flags_are_usage_errors(capsys, argv, message):
+    from pallas_kernels import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_kernel_bench_refuses_a_zero_window_and_no_variants():
+    from pallas_kernels import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    with pytest.raises(SystemExit, match="--window must be positive"):  # ran as a 0-byte, 0.1% MBU row
+        bench.run(p.parse_args(["--window", "0"]))
+    with pytest.raises(SystemExit, match="--variants names none"):
+        bench.run(p.parse_args(["--variants", ""]))
+
+
 @pytest.mark.parametrize("model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True)])
 def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8):
     """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output."""
