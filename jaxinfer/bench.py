@@ -453,10 +453,12 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         llm.generate(prompt_token_ids=[prompt], sampling_params=greedy1)  # compile this bucket
         t = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=greedy1), args.repeats)
         # Matmul FLOPs: every body weight once per prompt token (norm weights too: <0.2%), the LM head
-        # once (logits only for the last token); the embedding table is a lookup; attention's own not counted.
+        # once (logits only for the last token; the embedding table is a lookup), and attention's QK^T
+        # and PV over the causal triangle (as notebooks/anatomy_of_inference.ipynb counts them).
         head = cfg.vocab_size * cfg.hidden_size
         body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)
-        flops = 2 * body * n + 2 * head
+        attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) // 2
+        flops = 2 * body * n + 2 * head + attention
         print(f"{n:>8} {t * 1e3:>10.1f} {flops / t / 1e9:>10.1f}")
         report["ttft"].append({"prompt_len": n, "ttft_s": t, "flops": flops, "gflops": flops / t / 1e9})
 

@@ -379,7 +379,9 @@ def test_bench_runs_and_reports(capsys, tmp_path):
     # logits are computed). It charged the head to every token (1.16x too many here, 1.36x at 150M).
     per_token = 2 * (128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384)
     for row in report["ttft"]:
-        assert row["flops"] == pytest.approx(2 * per_token * row["prompt_len"] + 2 * 512 * 128, rel=3e-3)
+        n = row["prompt_len"]
+        attention = 2 * 2 * 2 * 4 * 32 * n * (n + 1) / 2  # QK^T and PV, causal, 2 layers x 4 heads of 32
+        assert row["flops"] == pytest.approx(2 * per_token * n + 2 * 512 * 128 + attention, rel=3e-3)
         assert row["gflops"] == pytest.approx(row["flops"] / row["ttft_s"] / 1e9)
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
     assert "sampler" in out and [r["batch"] for r in report["sampler"]] == [1, 2]
