@@ -28,6 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.ragged_paged_attention import check_pools
+
 
 def _kernel(slots_ref, *refs, page_size: int, quantized: bool):
     n_pools = 4 if quantized else 2
@@ -106,18 +108,9 @@ def kv_write(k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, int
     Returns:
         (k_pages, v_pages) for float pools; (k_pages, v_pages, k_scales, v_scales) for int8 ones.
     """
+    check_pools(k_pages, v_pages, k_scales, v_scales)
     quantized = k_pages.dtype == jnp.int8
-    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-        raise ValueError("int8 pools need k_scales and v_scales ([K, P, S] float32); other pools take none")
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(
-            f"v_pages must match k_pages ({k_pages.dtype} {k_pages.shape}), got {v_pages.dtype} {v_pages.shape}"
-        )
     nk, num_pages, page_size, h = k_pages.shape
-    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
-        raise ValueError(
-            f"k_scales/v_scales must have shape {k_pages.shape[:3]}, got {k_scales.shape} and {v_scales.shape}"
-        )
     if k.ndim != 4 or k.shape[-2:] != (nk, h) or v.shape != k.shape or slots.shape != k.shape[:2]:
         raise ValueError(
             f"k and v must be [B, T, {nk}, {h}] with slots [B, T]; got k {k.shape}, v {v.shape}, slots {slots.shape}"

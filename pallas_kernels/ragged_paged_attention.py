@@ -156,19 +156,38 @@ def check_inputs(page_table, kv_lens, q_lens, *, num_pages: int, page_size: int,
         raise ValueError(f"q_lens[{i}] = {ql[i]} is outside [0, min(kv_lens[{i}] = {kl[i]}, {num_query_tokens})]")
 
 
-def check_call(
-    q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_scales=None, *, window=None, soft_cap=None
-) -> None:
-    """What every kernel wrapper checks before tracing: shapes and dtypes that agree (a pool or a
-    length vector of the wrong size would be read out of bounds: the in-jit clamps only know k_pages'
-    page count), static scale, window and soft-cap, int8 pools with their scales, and (when the
-    arrays are concrete) indices that would read out of bounds."""
-    if q.ndim != 4 or k_pages.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, S, H], got {q.shape} and {k_pages.shape}")
+def check_pools(k_pages, v_pages, k_scales=None, v_scales=None) -> None:
+    """A layer's K/V pools as every kernel needs them: [K, P, S, H], V like K (the in-jit clamps
+    only know k_pages' page count, so a smaller v pool would be read or written out of bounds),
+    float or int8, and int8 pools with their [K, P, S] scales."""
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [K, P, S, H], got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(
             f"v_pages must match k_pages ({k_pages.dtype} {k_pages.shape}), got {v_pages.dtype} {v_pages.shape}"
         )
+    quantized = k_pages.dtype == jnp.int8
+    if not quantized and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ValueError(f"pools must be floating point or int8, got {k_pages.dtype}")
+    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("int8 pools need k_scales and v_scales ([K, P, S] float32); other pools take none")
+    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
+        raise ValueError(
+            f"k_scales/v_scales must have shape {k_pages.shape[:3]} (pool [K, P, S]), got "
+            f"{k_scales.shape} and {v_scales.shape}"
+        )
+
+
+def check_call(
+    q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales=None, v_scales=None, *, window=None, soft_cap=None
+) -> None:
+    """What every attention kernel wrapper checks before tracing: the pools (`check_pools`), shapes
+    and dtypes that agree with q (a length vector or page table of the wrong size would be read out
+    of bounds), static scale, window and soft-cap, and (when the arrays are concrete) indices that
+    would read out of bounds."""
+    check_pools(k_pages, v_pages, k_scales, v_scales)
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H], got shape {q.shape}")
     b = q.shape[0]
     if b == 0 or q.shape[1] == 0:
         raise ValueError(f"q must hold at least one row and one token, got shape {q.shape}")
@@ -182,16 +201,6 @@ def check_call(
             raise ValueError(f"{name} must hold integers, got {x.dtype}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point, got {q.dtype}")
-    quantized = k_pages.dtype == jnp.int8
-    if not quantized and not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        raise ValueError(f"pools must be floating point or int8, got {k_pages.dtype}")
-    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-        raise ValueError("int8 pools need k_scales and v_scales ([K, P, S] float32); other pools take none")
-    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
-        raise ValueError(
-            f"k_scales/v_scales must have shape {k_pages.shape[:3]} (pool [K, P, S]), got "
-            f"{k_scales.shape} and {v_scales.shape}"
-        )
     if not isinstance(scale, float):
         raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
 

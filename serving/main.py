@@ -12,6 +12,7 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jaxinfer.cli import add_engine_arguments
+    from jaxinfer.llm import GENERATION_CONFIG_CHOICES
 
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--generation-config",
         default="auto",
-        choices=["auto", "none"],
+        choices=GENERATION_CONFIG_CHOICES,
         help="auto: sampling fields a request leaves unset take the model's generation_config.json values "
         "(as in vLLM); none: SamplingParams' defaults",
     )
