@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--server", metavar="HOST:PORT", help="generate on a running `jaxinfer serve` instead of locally")
+    g.add_argument("--timeout", type=float, default=None, help="with --server: each call's deadline in seconds")
+    # What --server makes meaningless (the server's model and engine serve the request): refused if set.
+    g.set_defaults(local_defaults={a.dest: a.default for a in g._actions if a.dest in _LOCAL_ONLY})
 
     from serving import main as serve_main
 
@@ -125,10 +128,36 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LOCAL_ONLY = (
+    "model",
+    "dtype",
+    "max_model_len",
+    "page_size",
+    "num_kv_pages",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "no_prefix_caching",
+    "attention_backend",
+    "mesh",
+    "kv_cache_dtype",
+)
+
+
 def _generate(args) -> int:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.errors import InvalidRequestError
 
+    if args.server is not None:
+        if not args.server.strip():
+            raise InvalidRequestError("--server must be HOST:PORT, got an empty string")
+        given = [f"--{k.replace('_', '-')}" for k, v in args.local_defaults.items() if getattr(args, k) != v]
+        if given:
+            raise InvalidRequestError(
+                f"{', '.join(given)}: the server's model and engine settings apply with --server; "
+                "set them on `jaxinfer serve`"
+            )
+    elif args.timeout is not None:
+        raise InvalidRequestError("--timeout applies to --server calls only")
     if bool(args.prompt) == bool(args.prompt_ids):
         raise InvalidRequestError("give prompt text or --prompt-ids (not both, not neither)")
     if args.stream and (len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1):
@@ -169,19 +198,22 @@ def _generate(args) -> int:
 def _generate_remote(args, params) -> int:
     from jaxinfer.client import Client
 
-    with Client(args.server) as client:
+    with Client(args.server, timeout=args.timeout) as client:
+        # The arguments are checked (by the client) before the first RPC; the model info says whether
+        # the server's model has a tokenizer: without one, its token ids are printed, as locally.
         if args.stream:
             if args.prompt:
                 deltas = client.stream(args.prompt[0], params)
             else:
                 deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
-            _print_stream(args, deltas)
+            _print_stream(args, deltas, has_text=client.model_info()["has_tokenizer"])
             return 0
         if args.prompt:
             outs = [client.generate(p, params) for p in args.prompt]
         else:
             outs = [client.generate(prompt_token_ids=p, sampling_params=params) for p in args.prompt_ids]
-        _print_outputs(args, client.model_info()["model_name"], outs)
+        info = client.model_info()
+        _print_outputs(args, info["model_name"], outs, has_text=info["has_tokenizer"])
     return 0
 
 

@@ -8,7 +8,10 @@ Both speak jaxinfer.v1 and return the types of the offline API - `RequestOutput`
         print(c.generate("In the beginning", SamplingParams(max_tokens=32)).text)
 
 A refused or failed call raises `ServerError` with the gRPC status code and the server's message.
-Leaving a `stream` early cancels the RPC, which aborts the request on the server.
+Leaving a `stream` early cancels the RPC, which aborts the request on the server. A server that
+stops answering (its process frozen, its host gone) is noticed by HTTP/2 keepalive pings: the call
+fails with UNAVAILABLE within about twice `keepalive` seconds, instead of waiting forever when no
+`timeout` was given. A closed client raises `ClientClosedError`.
 
 Arguments are checked before any RPC, by the functions both clients share (`_request`, `_seconds`,
 `_text`): what the wire cannot carry (an id past int32, a lone surrogate in a string) or what the
@@ -18,6 +21,7 @@ naming the argument or field, as `LLM` does, never protobuf's or gRPC's own exce
 
 from __future__ import annotations
 
+import asyncio
 import math
 import reprlib
 import time
@@ -46,6 +50,10 @@ class ServerError(JaxinferError):
         super().__init__(f"{code.name}: {details}")
         self.code = code.name
         self.details = details
+
+
+class ClientClosedError(JaxinferError):
+    """A call on a client after its close()."""
 
 
 def _server_error(e: grpc.RpcError) -> ServerError:
@@ -218,6 +226,29 @@ def _model_info(msg: pb.ModelInfo) -> dict:
 # gRPC refuses messages over 4 MiB by default; a valid answer can be larger (n = 64 samples with 20
 # logprobs each is ~5 MB), and would otherwise fail only after all its compute was spent.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+# The shortest keepalive interval a client may ask for; `jaxinfer serve` accepts pings this often.
+MIN_KEEPALIVE = 1.0
+
+
+def _channel_options(keepalive: float | None) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS, plus keepalive pings every `keepalive` seconds while a call is open (also when
+    no data flows: a unary call waiting for its answer), each to be answered within as long."""
+    if keepalive is None:
+        return list(CHANNEL_OPTIONS)
+    ms = int(keepalive * 1000)
+    return CHANNEL_OPTIONS + [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),  # keepalive_timeout alone left the wait for an ack at 60 s
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_time_between_pings_ms", ms),
+    ]
+
+
+def _keepalive(value) -> float | None:
+    if value is not None and _is_number(value) and value < MIN_KEEPALIVE:
+        raise InvalidRequestError(f"keepalive must be at least {MIN_KEEPALIVE} s (or None), got {_show(value)}")
+    return _seconds(value, "keepalive")
 
 
 def _check_target(target: str) -> str:
@@ -233,14 +264,16 @@ def _check_target(target: str) -> str:
 
 
 class Client:
-    """A blocking client. `target` is "host:port"; `timeout` (seconds) is each call's deadline."""
+    """A blocking client. `target` is "host:port"; `timeout` (seconds) is each call's deadline (None:
+    none); `keepalive` (seconds, None: off) how often an open call checks that the server answers."""
 
-    def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
+    def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None, keepalive: float | None = 30.0):
         self.target = _check_target(target)
         self.timeout = _seconds(timeout, "timeout")
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.InferenceServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.keepalive = _keepalive(keepalive)
+        self._channel = grpc.insecure_channel(target, options=_channel_options(self.keepalive))
+        self._stubs = (pb_grpc.InferenceServiceStub(self._channel), health_pb2_grpc.HealthStub(self._channel))
+        self._closed = False
 
     def __enter__(self):
         return self
@@ -249,7 +282,22 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
+
+    def _open(self):
+        """(inference stub, health stub); ClientClosedError after close()."""
+        if self._closed:
+            raise ClientClosedError(f"this Client of {self.target} is closed")
+        return self._stubs
+
+    @property
+    def _stub(self):
+        return self._open()[0]
+
+    @property
+    def _health(self):
+        return self._open()[1]
 
     def generate(
         self,
@@ -281,10 +329,11 @@ class Client:
         at the first `next`."""
         req = _request(prompt, sampling_params, prompt_token_ids, request_id)
         timeout = _seconds(timeout, "timeout", default=self.timeout)
-        return self._stream(req, timeout)
+        return self._stream(self._stub, req, timeout)
 
-    def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamDelta]:
-        call = self._stub.GenerateStream(req, timeout=timeout)
+    @staticmethod
+    def _stream(stub, req: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamDelta]:
+        call = stub.GenerateStream(req, timeout=timeout)
         try:
             for msg in call:
                 yield _delta(msg)
@@ -326,14 +375,17 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio twin of `Client` (create and use it inside a running event loop)."""
+    """The asyncio twin of `Client`. Its channel opens at the first call, in that call's event loop,
+    and belongs to that loop: a call from another loop raises InvalidRequestError (make one client
+    per loop)."""
 
-    def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None):
+    def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None, keepalive: float | None = 30.0):
         self.target = _check_target(target)
         self.timeout = _seconds(timeout, "timeout")
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.InferenceServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.keepalive = _keepalive(keepalive)
+        self._channel = None
+        self._loop = None
+        self._closed = False
 
     async def __aenter__(self):
         return self
@@ -342,7 +394,33 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        self._closed = True
+        if self._channel is not None and self._loop is asyncio.get_running_loop():
+            await self._channel.close()
+
+    def _open(self):
+        """(inference stub, health stub) of this loop's channel, opened at the first call."""
+        if self._closed:
+            raise ClientClosedError(f"this AsyncClient of {self.target} is closed")
+        loop = asyncio.get_running_loop()
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options(self.keepalive))
+            self._loop = loop
+            self._stubs = (pb_grpc.InferenceServiceStub(self._channel), health_pb2_grpc.HealthStub(self._channel))
+        elif loop is not self._loop:
+            raise InvalidRequestError(
+                f"this AsyncClient of {self.target} belongs to the event loop of its first call; "
+                "make a new AsyncClient in each event loop (e.g. in each asyncio.run)"
+            )
+        return self._stubs
+
+    @property
+    def _stub(self):
+        return self._open()[0]
+
+    @property
+    def _health(self):
+        return self._open()[1]
 
     async def generate(
         self,
@@ -377,7 +455,7 @@ class AsyncClient:
         return self._stream(req, timeout)
 
     async def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[StreamDelta]:
-        call = self._stub.GenerateStream(req, timeout=timeout)
+        call = self._stub.GenerateStream(req, timeout=timeout)  # at the first step: inside the loop
         try:
             async for msg in call:
                 yield _delta(msg)
@@ -409,8 +487,6 @@ class AsyncClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
-        import asyncio
-
         deadline = time.monotonic() + _seconds(timeout, "timeout", optional=False)
         while await self.health() != "SERVING":
             if time.monotonic() > deadline:

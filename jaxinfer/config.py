@@ -239,6 +239,19 @@ class ModelConfig:
         return None
 
     @property
+    def hybrid_window(self) -> int | None:
+        """Hybrid models (Gemma 2/3: global layers interleaved with sliding-window layers): the widest
+        window of the windowed layers. Their K/V then live in pools of their own (`in_window_pool`)
+        that keep only each sequence's window. None when all layers are alike (see kv_window)."""
+        kinds = [self.attention_kind(i) for i in range(self.num_layers)]
+        windows = [k.window for k in kinds if isinstance(k, SlidingWindow)]
+        return max(windows) if windows and len(windows) < len(kinds) else None
+
+    def in_window_pool(self, layer: int) -> bool:
+        """Whether this layer's K/V go to the sliding-window pools of a hybrid model."""
+        return self.hybrid_window is not None and isinstance(self.attention_kind(layer), SlidingWindow)
+
+    @property
     def attention_scale(self) -> float:
         """Softmax scale of the attention logits (a Python float: it is compiled in)."""
         base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar

@@ -84,29 +84,35 @@ class StepChannel:
 
     def send_step(self, batch: Batch, t: int) -> None:
         b, mp = batch.page_table.shape
-        arrays = tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, batch.page_table))
-        self._send([OP_STEP, b, t, mp], arrays)
+        tables = (batch.page_table,) if batch.window_page_table is None else (batch.page_table, batch.window_page_table)
+        arrays = tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, *tables))
+        self._send([OP_STEP, b, t, mp, len(tables)], arrays)
 
-    def send_poison(self, pages: np.ndarray) -> None:
-        self._send([OP_POISON, len(pages)], (np.asarray(pages, np.int32),))
+    def send_poison(self, pages: np.ndarray, group: int) -> None:
+        self._send([OP_POISON, len(pages), group], (np.asarray(pages, np.int32),))
 
     def send_stop(self) -> None:
         self._send([OP_STOP], ())
 
     def recv(self):
-        """(op, payload) on a follower: (OP_STEP, (Batch, t)), (OP_POISON, pages) or (OP_STOP, None)."""
+        """(op, payload) on a follower: (OP_STEP, (Batch, t)), (OP_POISON, (pages, group)) or
+        (OP_STOP, None)."""
         head = np.asarray(self._broadcast(np.zeros(_HEADER, np.int32)))
         op = int(head[0])
         if op == OP_STEP:
-            b, t, mp = (int(x) for x in head[1:4])
-            shapes = ((b, t), (b,), (b,), (b, mp))
-            tokens, q_lens, kv_lens, table = (
+            b, t, mp, num_tables = (int(x) for x in head[1:5])
+            shapes = ((b, t), (b,), (b,)) + ((b, mp),) * num_tables
+            tokens, q_lens, kv_lens, *tables = (
                 np.asarray(x) for x in self._broadcast(tuple(np.zeros(s, np.int32) for s in shapes))
             )
-            return op, (Batch(tokens=tokens, q_lens=q_lens, kv_lens=kv_lens, page_table=table), t)
+            window_table = tables[1] if num_tables > 1 else None
+            batch = Batch(
+                tokens=tokens, q_lens=q_lens, kv_lens=kv_lens, page_table=tables[0], window_page_table=window_table
+            )
+            return op, (batch, t)
         if op == OP_POISON:
             (pages,) = self._broadcast((np.zeros(int(head[1]), np.int32),))
-            return op, np.asarray(pages)
+            return op, (np.asarray(pages), int(head[2]))
         if op == OP_STOP:
             return op, None
         raise PeerFailureError(f"unknown step op {op} from the leader")
@@ -128,6 +134,6 @@ def run_follower(engine, channel: StepChannel) -> int:
             if op == OP_STEP:
                 jax.block_until_ready(engine._run_step(*payload))
             elif op == OP_POISON:
-                engine._run_poison(payload)
+                engine._run_poison(*payload)
         except Exception as e:
             raise PeerFailureError(f"a step across the processes failed: {type(e).__name__}: {e}") from e

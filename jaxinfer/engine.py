@@ -30,7 +30,7 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, QuantizedPages, pages_needed
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, sample
-from jaxinfer.scheduler import Chunk, Scheduler, Sequence, bucket
+from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
 from jaxinfer.tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------------------------
@@ -58,16 +58,20 @@ def num_compiles() -> int:
     return _compile_count
 
 
-def _poison_pages(cache: KVCache, pages: jax.Array) -> KVCache:
-    def poison(pool):  # an int8 pool cannot hold NaN: its scales can, and every read multiplies by them
+def _poison_pages(cache: KVCache, pages: jax.Array, layers: tuple[int, ...]) -> KVCache:
+    """Fills `pages` of the given layers' pools with NaN (the layers of one page group)."""
+
+    def poison(i, pool):  # an int8 pool cannot hold NaN: its scales can, and every read multiplies by them
+        if i not in layers:
+            return pool
         if isinstance(pool, QuantizedPages):
             return QuantizedPages(values=pool.values, scales=pool.scales.at[:, pages].set(jnp.nan))
         return pool.at[:, pages].set(jnp.asarray(jnp.nan, pool.dtype))
 
-    return KVCache(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)))
+    return KVCache(k=tuple(map(poison, *zip(*enumerate(cache.k)))), v=tuple(map(poison, *zip(*enumerate(cache.v)))))
 
 
-_poison = jax.jit(_poison_pages)
+_poison = jax.jit(_poison_pages, static_argnames=("layers",))
 
 
 def _pow2_floor(n: int) -> int:
@@ -119,6 +123,33 @@ def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tok
         raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
 
 
+def prefill_token_limit(max_num_batched_tokens: int, max_model_len: int) -> int:
+    """Padded tokens of one prompt-chunk call at most (rows bucket x length bucket)."""
+    return min(_pow2_floor(max_num_batched_tokens), bucket(max_model_len, minimum=16))
+
+
+def default_window_kv_pages(cfg, *, max_model_len, page_size, max_num_seqs, max_num_batched_tokens) -> int | None:
+    """A hybrid model's sliding-window pool by default: the most pages max_num_seqs sequences hold
+    there at once, plus scratch (None: the model is not hybrid)."""
+    if cfg.hybrid_window is None:
+        return None
+    held = most_pages_held(
+        max_model_len,
+        window=cfg.hybrid_window,
+        page_size=page_size,
+        max_prefill_tokens=prefill_token_limit(max_num_batched_tokens, max_model_len),
+    )
+    return max_num_seqs * held + 1
+
+
+def kv_cache_bytes(cfg, *, num_kv_pages: int, num_window_kv_pages: int | None, page_size: int) -> int:
+    """Bytes of the KV cache the engine creates: a hybrid model's window layers take
+    num_window_kv_pages pages where that is the smaller (see Engine), every other layer num_kv_pages."""
+    split = num_window_kv_pages is not None and num_window_kv_pages < num_kv_pages
+    pages = [num_window_kv_pages if split and cfg.in_window_pool(i) else num_kv_pages for i in range(cfg.num_layers)]
+    return cfg.kv_bytes_per_token // cfg.num_layers * page_size * sum(pages)
+
+
 # The longest sequence the engine runs (16M tokens): per-row host arrays (page tables, token history)
 # are sized by it, so a config claiming an absurd context must not size them.
 MAX_MODEL_LEN_LIMIT = 2**24
@@ -156,7 +187,10 @@ class Engine:
         tokenizer: for text output and stop strings; None for token-ids-only use.
         max_model_len: longest sequence (prompt + output).
         page_size: tokens per KV page (a power of two).
-        num_kv_pages: pages in the cache (one is scratch).
+        num_kv_pages: pages in the cache (one is scratch). A hybrid model's (`cfg.hybrid_window`)
+            sliding-window layers have pools of their own, of num_window_kv_pages pages.
+        num_window_kv_pages: None: what max_num_seqs sequences hold at most inside their windows
+            (when that is fewer than num_kv_pages; else one pool size for all layers).
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share cached prompt pages between requests.
@@ -185,6 +219,7 @@ class Engine:
         poison_reused_pages: bool = False,
         mesh=None,
         channel=None,
+        num_window_kv_pages: int | None = None,
     ):
         check_capacity(
             page_size=page_size,
@@ -201,16 +236,40 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = pages_needed(max_model_len, page_size)
-        self.max_prefill_tokens = min(_pow2_floor(max_num_batched_tokens), bucket(max_model_len, minimum=16))
+        self.max_prefill_tokens = prefill_token_limit(max_num_batched_tokens, max_model_len)
         self.poison_reused_pages = poison_reused_pages
         self.pool = PagePool(num_kv_pages, enable_prefix_cache=enable_prefix_caching)
+        groups = [PageGroup(self.pool, cfg.kv_window)]
+        self.window_pool = None  # a hybrid model's sliding-window layers' own pages (see kv_cache)
+        window = cfg.hybrid_window
+        if window is not None:
+            if num_window_kv_pages is None:
+                num_window_kv_pages = default_window_kv_pages(
+                    cfg,
+                    max_model_len=max_model_len,
+                    page_size=page_size,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                )
+            value = num_window_kv_pages
+            if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 2**31 - 1:
+                raise InvalidRequestError(f"num_window_kv_pages must be an integer in [2, {2**31 - 1}], got {value!r}")
+            if num_window_kv_pages < num_kv_pages:
+                self.window_pool = PagePool(num_window_kv_pages, enable_prefix_cache=enable_prefix_caching)
+                groups.append(PageGroup(self.window_pool, window))
+        num_window_pages = None if self.window_pool is None else self.window_pool.num_pages
+        # The layers whose pools each group's pages index.
+        self._group_layers = [tuple(i for i in range(cfg.num_layers) if not cfg.in_window_pool(i))]
+        if self.window_pool is not None:
+            self._group_layers.append(tuple(i for i in range(cfg.num_layers) if cfg.in_window_pool(i)))
+        else:
+            self._group_layers[0] = tuple(range(cfg.num_layers))
         self.scheduler = Scheduler(
-            pool=self.pool,
+            groups=groups,
             page_size=page_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_tokens=self.max_prefill_tokens,
-            window=cfg.kv_window,
         )
         self.mesh = mesh
         self.channel = channel
@@ -226,7 +285,9 @@ class Engine:
             # cache would make the first warm-up shape compile a second time in service.
             leaf = next(iter(jax.tree.leaves(params)), None)
             device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
-            create = functools.partial(KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size)
+            create = functools.partial(
+                KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages
+            )
             self.cache = jax.jit(create, out_shardings=jax.sharding.SingleDeviceSharding(device))()
         else:
             from jaxinfer import sharding
@@ -235,7 +296,9 @@ class Engine:
             # sharding.kv_head_copies): the engine's cfg then counts the copies.
             cfg, self.params = sharding.place_params(cfg, params, mesh)
             self.cfg = cfg
-            create = functools.partial(KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size)
+            create = functools.partial(
+                KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages
+            )
             cache_sh = sharding.cache_shardings(jax.eval_shape(create), mesh)
             self.cache = jax.jit(create, out_shardings=cache_sh)()
             # The steps pin their outputs: logits replicated (the sampler wants whole rows), the
@@ -244,8 +307,12 @@ class Engine:
             outs = (sharding.replicated(mesh), cache_sh)
             jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
-            self._sharded_poison = jax.jit(_poison_pages, out_shardings=cache_sh)
-        self.metrics = EngineMetrics(kv_pages_total=self.pool.capacity, kv_cache_bytes=self.cache.nbytes)
+            self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
+        self.metrics = EngineMetrics(
+            kv_pages_total=self.pool.capacity,
+            kv_cache_bytes=self.cache.nbytes,
+            kv_window_pages_total=None if self.window_pool is None else self.window_pool.capacity,
+        )
         self._memory_per_device = self._measure_memory_per_device()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -292,11 +359,13 @@ class Engine:
         before = num_compiles()
         step_logits = {}  # rows -> logits exactly as a step returns them
         for b, t, mp in self.decode_shapes() + self.prefill_shapes():
+            table = np.full((b, mp), SCRATCH_PAGE, np.int32)
             batch = Batch(
                 tokens=np.zeros((b, t), np.int32),
                 q_lens=np.zeros(b, np.int32),
                 kv_lens=np.zeros(b, np.int32),
-                page_table=np.full((b, mp), SCRATCH_PAGE, np.int32),
+                page_table=table,
+                window_page_table=None if self.window_pool is None else table.copy(),
             )
             step_logits[b] = self._run_step(batch, t)
         if not sampler:
@@ -312,10 +381,11 @@ class Engine:
         jax.block_until_ready(self.cache)
         if self.poison_reused_pages and self.channel is None:
             # A step hands out any number of pages, padded to a power of two: one program per size.
-            n = 1
-            while n <= bucket(self.pool.capacity):
-                self._poison(np.zeros(n, np.int32))  # page 0: the scratch page
-                n *= 2
+            for g, group in enumerate(self.scheduler.groups):
+                n = 1
+                while n <= bucket(group.pool.capacity):
+                    self._poison(np.zeros(n, np.int32), g)  # page 0: the scratch page
+                    n *= 2
         return num_compiles() - before
 
     def _model_step(self, batch: Batch, t: int) -> jax.Array:
@@ -354,21 +424,23 @@ class Engine:
             logits, self.cache = self._sharded_steps[t == 1](self.params, self.cache, batch, cfg=self.cfg)
         return logits
 
-    def _poison(self, pages: np.ndarray) -> None:
+    def _poison(self, pages: np.ndarray, group: int) -> None:
+        """Fills pages of one page group's pools with NaN."""
         if self.channel is not None:
             from jaxinfer.distributed import PeerFailureError
 
             try:
-                self.channel.send_poison(pages)
+                self.channel.send_poison(pages, group)
             except Exception as e:
                 raise PeerFailureError(f"broadcasting freed pages failed (a follower died?): {e}") from e
-        self._run_poison(pages)
+        self._run_poison(pages, group)
 
-    def _run_poison(self, pages: np.ndarray) -> None:
+    def _run_poison(self, pages: np.ndarray, group: int) -> None:
+        layers = self._group_layers[group]
         if self.mesh is None:
-            self.cache = _poison(self.cache, pages)
+            self.cache = _poison(self.cache, pages, layers)
         else:
-            self.cache = self._sharded_poison(self.cache, pages)
+            self.cache = self._sharded_poison(self.cache, pages, layers)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -394,12 +466,14 @@ class Engine:
             raise InvalidRequestError(
                 f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
             )
-        need = self.scheduler.most_pages_held(min(len(prompt_ids) + params.max_tokens, self.max_model_len))
-        if need > self.pool.capacity:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages; "
-                f"the cache has {self.pool.capacity}: lower max_tokens or raise num_kv_pages"
-            )
+        length = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        for group, name in zip(self.scheduler.groups, ("num_kv_pages", "num_window_kv_pages")):
+            need = self.scheduler.most_pages_held(length, group)
+            if need > group.pool.capacity:
+                raise InvalidRequestError(
+                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages; "
+                    f"the cache has {group.pool.capacity}: lower max_tokens or raise {name}"
+                )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model has none")
 
@@ -524,15 +598,17 @@ class Engine:
         tok = np.zeros((b, t), np.int32)
         q = np.zeros(b, np.int32)
         kv = np.zeros(b, np.int32)
-        table = np.full((b, mp), SCRATCH_PAGE, np.int32)
+        tables = [np.full((b, mp), SCRATCH_PAGE, np.int32) for _ in self.scheduler.groups]
         rows = []
         for i, c in enumerate(chunks):
             seq = c.seq
             tok[i, : c.length] = seq.tokens[c.start : c.start + c.length]
             q[i], kv[i] = c.length, c.start + c.length
-            table[i, : len(seq.pages)] = seq.pages
+            for table, held in zip(tables, seq.groups):
+                table[i, : len(held.pages)] = held.pages
             rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, seq.tokens, seq.prompt_len))
-        batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=table)
+        window_table = tables[1] if len(tables) > 1 else None
+        batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=tables[0], window_page_table=window_table)
         logits = self._model_step(batch, t)
         # The token history is only sent (and only as wide as needed) when some row has a penalty.
         width = history_width(rows, maximum=self.max_model_len)
@@ -600,17 +676,21 @@ class Engine:
         """Pages handed to sequences by this step's schedule(); with poison_reused_pages, fills them
         with NaN now, after scheduling and before the step's dispatch: before their new owner writes."""
         s = self.scheduler
-        if s.new_pages and self.poison_reused_pages:
-            pages = np.asarray(sorted(set(s.new_pages)), np.int32)
-            pad = bucket(len(pages)) - len(pages)
-            self._poison(np.pad(pages, (0, pad), constant_values=SCRATCH_PAGE))
-        s.new_pages = []
+        for g, new in enumerate(s.new_pages):
+            if new and self.poison_reused_pages:
+                pages = np.asarray(sorted(set(new)), np.int32)
+                pad = bucket(len(pages)) - len(pages)
+                self._poison(np.pad(pages, (0, pad), constant_values=SCRATCH_PAGE), g)
+            new.clear()
 
     def _after_step(self) -> None:
         s = self.scheduler
         m = self.metrics
         m.kv_pages_free.set(self.pool.num_free)
         m.kv_pages_used.set(self.pool.capacity - self.pool.num_free)
+        if self.window_pool is not None:
+            m.kv_window_pages_free.set(self.window_pool.num_free)
+            m.kv_window_pages_used.set(self.window_pool.capacity - self.window_pool.num_free)
         m.running.set(len(s.running))
         m.waiting.set(len(s.waiting))
         m.compiles.set(num_compiles())
@@ -636,6 +716,15 @@ class Engine:
             "kv_pages_total": self.pool.capacity,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_cached": self.pool.num_cached,
+            # A hybrid model's sliding-window layers' pools (see kv_cache): their own page count.
+            **(
+                {}
+                if self.window_pool is None
+                else {
+                    "kv_window_pages_total": self.window_pool.capacity,
+                    "kv_window_pages_free": self.window_pool.num_free,
+                }
+            ),
             "kv_cache_bytes": self.cache.nbytes,
             "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
             **self.memory_per_device(),

@@ -8,6 +8,12 @@ row of the page table, in order: token at position p sits in page `page_table[p 
 entries point there, so no write ever lands in a page another sequence owns. It is never handed
 out by the allocator and never read unmasked.
 
+Hybrid models (`ModelConfig.hybrid_window`: Gemma 2/3) keep their sliding-window layers' K/V in
+pools of their own, usually far smaller: a sequence holds there only the pages its window reaches,
+listed in a second table (`Batch.window_page_table`) laid out like the first (entry i: the page of
+positions [i * S, (i + 1) * S), the scratch page once it has left the window). Page ids of the two
+kinds of pools are unrelated; each has its own allocator.
+
 The cache holds no lengths or positions: those are per-step facts owned by the host scheduler and
 travel in `Batch`. The cache is only ever replaced by the output of a jitted function.
 """
@@ -79,7 +85,8 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        """Pages of the largest pools (a hybrid model's global layers)."""
+        return max(pool.shape[1] for pool in self.k)
 
     @property
     def page_size(self) -> int:
@@ -90,15 +97,21 @@ class KVCache:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.k, self.v)))
 
     @classmethod
-    def create(cls, cfg: ModelConfig, *, num_pages: int, page_size: int) -> KVCache:
-        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    def create(
+        cls, cfg: ModelConfig, *, num_pages: int, page_size: int, num_window_pages: int | None = None
+    ) -> KVCache:
+        """Zeroed pools of num_pages pages; with num_window_pages, a hybrid model's sliding-window
+        layers get pools of that many pages instead (addressed by `Batch.window_page_table`)."""
 
-        def pool() -> Pool:
+        def pool(layer: int) -> Pool:
+            pages = num_window_pages if num_window_pages is not None and cfg.in_window_pool(layer) else num_pages
+            shape = (cfg.num_kv_heads, pages, page_size, cfg.head_dim)
             if cfg.kv_cache_dtype == "int8":
                 return QuantizedPages(values=jnp.zeros(shape, jnp.int8), scales=jnp.zeros(shape[:3], jnp.float32))
             return jnp.zeros(shape, jnp.dtype(cfg.dtype))
 
-        return cls(k=tuple(pool() for _ in range(cfg.num_layers)), v=tuple(pool() for _ in range(cfg.num_layers)))
+        layers = range(cfg.num_layers)
+        return cls(k=tuple(pool(i) for i in layers), v=tuple(pool(i) for i in layers))
 
 
 @struct.dataclass
@@ -113,6 +126,9 @@ class Batch:
     q_lens: jax.Array  # [B] int32; new tokens in this row (0 for a padding row)
     kv_lens: jax.Array  # [B] int32; context length after this step, new tokens included
     page_table: jax.Array  # [B, MP] int32; pages of each row in order, SCRATCH_PAGE past the end
+    # [B, MP] int32: the same for a hybrid model's sliding-window pools (None: those layers use
+    # page_table, their pools being as large as the others).
+    window_page_table: jax.Array | None = None
 
     def positions(self) -> jax.Array:
         """[B, T] absolute position of every token slot (meaningless where not valid())."""
@@ -124,12 +140,14 @@ class Batch:
         t = jnp.arange(self.tokens.shape[1], dtype=jnp.int32)
         return t[None, :] < self.q_lens[:, None]
 
-    def slots(self, page_size: int) -> jax.Array:
-        """[B, T] flat cache slot (page * S + offset) each new token is written to."""
+    def slots(self, page_size: int, table: jax.Array | None = None) -> jax.Array:
+        """[B, T] flat cache slot (page * S + offset) each new token is written to, by `table`
+        (default: page_table)."""
+        table = self.page_table if table is None else table
         pos = self.positions()
         valid = self.valid()
-        col = jnp.clip(pos // page_size, 0, self.page_table.shape[1] - 1)
-        page = jnp.take_along_axis(self.page_table, col, axis=1)
+        col = jnp.clip(pos // page_size, 0, table.shape[1] - 1)
+        page = jnp.take_along_axis(table, col, axis=1)
         slot = page * page_size + pos % page_size
         return jnp.where(valid, slot, SCRATCH_PAGE * page_size)
 

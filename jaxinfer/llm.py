@@ -13,7 +13,16 @@ import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine import Engine, Logprob, Request, check_capacity, check_max_model_len, default_max_model_len
+from jaxinfer.engine import (
+    Engine,
+    Logprob,
+    Request,
+    check_capacity,
+    check_max_model_len,
+    default_max_model_len,
+    default_window_kv_pages,
+    kv_cache_bytes,
+)
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
 from jaxinfer.sampling import SamplingParams, generation_defaults
@@ -115,17 +124,24 @@ def _free_device_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size) -> int:
-    """Enough pages for every slot at full length, capped at a quarter of free memory."""
+def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pages) -> int:
+    """Enough pages for every slot at full length, capped at a quarter of free memory (less what a
+    hybrid model's sliding-window pools take: `window_pages` pages of those layers)."""
     want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
-    budget = int(_free_device_bytes() * 0.25) // (cfg.kv_bytes_per_token * page_size)
-    return max(2, min(want, budget))
+    layer_page = cfg.kv_bytes_per_token // cfg.num_layers * page_size  # one layer's K and V of one page
+    budget, layers = int(_free_device_bytes() * 0.25), cfg.num_layers
+    if window_pages is not None and window_pages < want:
+        windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
+        budget -= windowed * window_pages * layer_page
+        layers -= windowed
+    return max(2, min(want, budget // (layers * layer_page)))
 
 
-def _check_cache_fits(cfg, *, num_kv_pages: int, page_size: int) -> None:
+def _check_cache_fits(cfg, *, num_kv_pages: int, page_size: int, window_pages: int | None) -> None:
     """A KV cache larger than the device's free memory is refused here, by name, not by the
     allocator (an out-of-memory error deep in JAX, or the process killed)."""
-    need, free = num_kv_pages * page_size * cfg.kv_bytes_per_token, _free_device_bytes()
+    need = kv_cache_bytes(cfg, num_kv_pages=num_kv_pages, num_window_kv_pages=window_pages, page_size=page_size)
+    free = _free_device_bytes()
     if need > free:
         raise InvalidRequestError(
             f"num_kv_pages x page_size = {num_kv_pages} x {page_size} tokens: the KV cache would take "
@@ -296,12 +312,23 @@ class LLM:
         if max_model_len is None:
             max_model_len = default_max_model_len(cfg)
         check_max_model_len(cfg, max_model_len)  # before it sizes the default page count
+        window_pages = default_window_kv_pages(
+            cfg,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         if num_kv_pages is None:
             num_kv_pages = _default_num_pages(
-                cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
+                cfg,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                page_size=page_size,
+                window_pages=window_pages,
             )
         if device_mesh is None:  # on a mesh the cache is split over devices: each checks its own share
-            _check_cache_fits(cfg, num_kv_pages=num_kv_pages, page_size=page_size)
+            _check_cache_fits(cfg, num_kv_pages=num_kv_pages, page_size=page_size, window_pages=window_pages)
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer

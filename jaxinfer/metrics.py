@@ -85,7 +85,7 @@ class LatencyHistogram:
 
 
 class EngineMetrics:
-    def __init__(self, *, kv_pages_total: int, kv_cache_bytes: int):
+    def __init__(self, *, kv_pages_total: int, kv_cache_bytes: int, kv_window_pages_total: int | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.kv_pages_total = kv_pages_total
@@ -96,6 +96,19 @@ class EngineMetrics:
             "jaxinfer_kv_pages_free", "KV pages free or held only by the prefix cache", registry=r
         )
         self.kv_pages_used = Gauge("jaxinfer_kv_pages_used", "KV pages held by sequences", registry=r)
+        self.kv_window_pages_free = self.kv_window_pages_used = None
+        if kv_window_pages_total is not None:  # a hybrid model's sliding-window layers' own pools
+            Gauge(
+                "jaxinfer_kv_window_pages_total",
+                "Pages of the sliding-window layers' pools (hybrid models) that can be allocated",
+                registry=r,
+            ).set(kv_window_pages_total)
+            self.kv_window_pages_free = Gauge(
+                "jaxinfer_kv_window_pages_free", "Window-pool pages free or held only by the prefix cache", registry=r
+            )
+            self.kv_window_pages_used = Gauge(
+                "jaxinfer_kv_window_pages_used", "Window-pool pages held by sequences", registry=r
+            )
         self.running = Gauge("jaxinfer_running_sequences", "Sequences being computed", registry=r)
         self.waiting = Gauge("jaxinfer_waiting_sequences", "Sequences queued", registry=r)
         self.preemptions = Counter("jaxinfer_preemptions", "Sequences preempted for lack of KV pages", registry=r)

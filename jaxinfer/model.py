@@ -83,7 +83,7 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, batch: Batch, slots, k_pages, v_pages):
+    def __call__(self, x, cos, sin, batch: Batch, table, slots, k_pages, v_pages):
         cfg = self.cfg
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         wq = _param(self, "wq", (d, n, h), ("embed", "q_heads", "head_dim"))
@@ -110,7 +110,7 @@ class Attention(nn.Module):
             q,
             k_pages,
             v_pages,
-            batch.page_table,
+            table,
             batch.positions(),
             batch.kv_lens,
             scale=cfg.attention_scale,
@@ -163,11 +163,11 @@ class DecoderLayer(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, batch, slots, k_pages, v_pages):
+    def __call__(self, x, cos, sin, batch, table, slots, k_pages, v_pages):
         d = self.cfg.hidden_size
         with jax.named_scope("attention"):
             h, k_pages, v_pages = Attention(self.cfg, self.layer, name="attn")(
-                RMSNorm(self.cfg, d, name="attn_norm")(x), cos, sin, batch, slots, k_pages, v_pages
+                RMSNorm(self.cfg, d, name="attn_norm")(x), cos, sin, batch, table, slots, k_pages, v_pages
             )
             if self.cfg.post_norms:
                 h = RMSNorm(self.cfg, d, name="attn_post_norm")(h)
@@ -195,13 +195,20 @@ class Transformer(nn.Module):
         rope = rope_tables(cfg, batch.positions())
         local = cfg.local_rope_theta is not None and any(cfg.uses_local_rope(i) for i in range(cfg.num_layers))
         local_rope = rope_tables(cfg, batch.positions(), local=True) if local else rope
-        slots = batch.slots(cache.page_size)  # computed once, shared by every layer
+        # Write slots: computed once, shared by every layer of a pool kind (see kv_cache: a hybrid
+        # model's sliding-window layers may have pools and a page table of their own).
+        tables = {False: (batch.page_table, batch.slots(cache.page_size))}
+        windowed = batch.window_page_table
+        tables[True] = tables[False] if windowed is None else (windowed, batch.slots(cache.page_size, windowed))
 
         ks, vs = list(cache.k), list(cache.v)
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer_{i}"):
                 cos, sin = local_rope if cfg.uses_local_rope(i) else rope
-                x, ks[i], vs[i] = DecoderLayer(cfg, i, name=f"layer_{i}")(x, cos, sin, batch, slots, ks[i], vs[i])
+                table, slots = tables[cfg.in_window_pool(i)]
+                x, ks[i], vs[i] = DecoderLayer(cfg, i, name=f"layer_{i}")(
+                    x, cos, sin, batch, table, slots, ks[i], vs[i]
+                )
 
         # Only each row's last new token needs logits: gather before the norm and LM head.
         last = jnp.maximum(batch.q_lens - 1, 0)

@@ -24,6 +24,12 @@ goes back to the pool (or, if the prefix cache holds it, becomes evictable) and 
 sequence's table becomes the scratch page, which attention masks: a long windowed sequence holds
 about W / page_size + 1 pages, not one per page of its length.
 
+Hybrid models (global layers interleaved with sliding-window ones: Gemma 2/3) have two page groups,
+each with its own pool: the global layers' pages are kept for the sequence's life, the windowed
+layers' pages are given back as above. A sequence holds pages in every group; growing it takes
+pages from each (or none, if any is short), a prefix hit needs its pages cached in each (the
+windowed group: only the ones its window reaches), and preemption frees them all.
+
 The output is a `StepPlan`: plain host data. The engine turns it into device arrays; on several
 hosts the leader broadcasts it so every process runs the same step.
 """
@@ -35,7 +41,7 @@ import dataclasses
 import enum
 import time
 
-from jaxinfer.kv_cache import SCRATCH_PAGE, OutOfPagesError, PagePool, page_hash, pages_needed
+from jaxinfer.kv_cache import SCRATCH_PAGE, PagePool, page_hash, pages_needed
 from jaxinfer.sampling import SamplingParams
 
 # Padding a prompt chunk may carry before it is cut to the bucket below: about what one more call
@@ -47,6 +53,22 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class PageGroup:
+    """Layers whose K/V share one page pool, and how far back they attend (None: the whole context)."""
+
+    pool: PagePool
+    window: int | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class GroupPages:
+    """A sequence's pages in one group's pool: entry i holds positions [i * S, (i + 1) * S)."""
+
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_dropped: int = 0  # leading pages given back as they left the sliding window (entries: scratch)
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,10 +84,9 @@ class Sequence:
     prompt_len: int
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     status: SeqStatus = SeqStatus.WAITING
-    pages: list[int] = dataclasses.field(default_factory=list)
+    groups: list[GroupPages] = dataclasses.field(default_factory=list)  # one per page group (Scheduler.add)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_keyed: int = 0  # leading pages it holds that are in the prefix cache (taken from it or registered)
-    num_dropped: int = 0  # leading pages given back as they left the sliding window (entries: scratch)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its tokens' full pages
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
@@ -75,6 +96,15 @@ class Sequence:
     detok: object = None  # IncrementalDetokenizer, owned by the engine
     logprobs: list | None = None  # Logprob per output token, when asked for
     siblings: list = dataclasses.field(default_factory=list)  # the request's n samples (this one included)
+
+    @property
+    def pages(self) -> list[int]:
+        """Its pages in the first group's pool (every layer's, unless the model is hybrid)."""
+        return self.groups[0].pages
+
+    @property
+    def num_dropped(self) -> int:
+        return self.groups[0].num_dropped
 
     @property
     def output_ids(self) -> list[int]:
@@ -110,61 +140,78 @@ class StepPlan:
 
 
 class Scheduler:
+    """Args:
+    groups: the page groups (one pool each); or `pool` and `window` for a model with one group.
+    """
+
     def __init__(
         self,
         *,
-        pool: PagePool,
+        pool: PagePool | None = None,
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_tokens: int,
         window: int | None = None,
+        groups: list[PageGroup] | None = None,
     ):
-        self.pool = pool
+        if (groups is None) == (pool is None):
+            raise ValueError("give either pool (and window) or groups")
+        self.groups = groups if groups is not None else [PageGroup(pool, window)]
+        self.pool = self.groups[0].pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Padded tokens of one prefill call at most (rows bucket x length bucket).
         self.max_prefill_tokens = max_prefill_tokens
-        self.window = window  # every layer attends to at most this many keys (None: some layer to all)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
-        self.new_pages: list[int] = []  # pages handed to a sequence since the engine last looked (poisoning)
+        # Per group: pages handed to a sequence since the engine last looked (poisoning).
+        self.new_pages: list[list[int]] = [[] for _ in self.groups]
+
+    @property
+    def window(self) -> int | None:
+        """How far back every layer attends (None: some layer to all): the first group's window."""
+        return self.groups[0].window
 
     def add(self, seq: Sequence) -> None:
+        if not seq.groups:
+            seq.groups = [GroupPages() for _ in self.groups]
         self.waiting.append(seq)
 
     # -- pages ------------------------------------------------------------------------------
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.release(seq.pages[seq.num_dropped :])
-        seq.pages = []
+        for group, held in zip(self.groups, seq.groups):
+            group.pool.release(held.pages[held.num_dropped :])
+            held.pages, held.num_dropped = [], 0
         seq.num_keyed = 0
-        seq.num_dropped = 0
 
     def _drop_out_of_window(self, seq: Sequence) -> None:
         """Gives back seq's pages that lie wholly before the window of its next token to compute."""
-        if self.window is None:
-            return
-        end = min(self._window_start(seq.num_computed), len(seq.pages))
-        if end > seq.num_dropped:
-            self.pool.release(seq.pages[seq.num_dropped : end])
-            seq.pages[seq.num_dropped : end] = [SCRATCH_PAGE] * (end - seq.num_dropped)
-            seq.num_dropped = end
+        for group, held in zip(self.groups, seq.groups):
+            if group.window is None:
+                continue
+            end = min(self._window_start(group, seq.num_computed), len(held.pages))
+            if end > held.num_dropped:
+                group.pool.release(held.pages[held.num_dropped : end])
+                held.pages[held.num_dropped : end] = [SCRATCH_PAGE] * (end - held.num_dropped)
+                held.num_dropped = end
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Gives `seq` enough pages for `num_tokens` tokens; False if the pool is short."""
-        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        try:
-            pages = self.pool.allocate(need)
-        except OutOfPagesError:
+        """Gives `seq` enough pages in every group for `num_tokens` tokens; False (and none taken) if
+        any group's pool is short."""
+        want = pages_needed(num_tokens, self.page_size)
+        needs = [want - len(held.pages) for held in seq.groups]
+        if any(need > group.pool.num_free for group, need in zip(self.groups, needs)):
             return False
-        seq.pages += pages
-        self.new_pages += pages
+        for group, held, need, new in zip(self.groups, seq.groups, needs, self.new_pages):
+            if need > 0:
+                pages = group.pool.allocate(need)
+                held.pages += pages
+                new += pages
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -182,39 +229,45 @@ class Scheduler:
         the first k pages needs pages (k * S - W + 1) // S .. k - 1 cached, not the ones before (the
         digests chain every earlier token, so a hit still means the whole prefix matched). That
         matters because a windowed sequence gives its earliest pages back first, so they are also
-        the first evicted."""
+        the first evicted. With several groups, a hit needs its pages in every group's pool."""
         s = self.page_size
         # Always leave at least one token to compute: it produces the logits to sample from.
-        max_pages = (len(seq.tokens) - 1) // s
-        if self.window is None or not self.pool.enable_prefix_cache:
-            first, hit = 0, 0
-            while hit < max_pages and self.pool.contains(self._digest(seq, hit)):
-                hit += 1
-        else:
-            cached = [self.pool.contains(self._digest(seq, i)) for i in range(max_pages)]
-            hit, first = max_pages, 0
-            while hit > 0:
-                first = min(self._window_start(hit * s), hit - 1)  # page hit - 1 at least: it proves the match
-                if all(cached[first:hit]):
-                    break
-                hit, first = hit - 1, 0
-        seq.pages = [SCRATCH_PAGE] * first + [self.pool.lookup(self._digest(seq, i)) for i in range(first, hit)]
-        seq.num_dropped = first
+        hit = (len(seq.tokens) - 1) // s if self.pool.enable_prefix_cache else 0
+        for group in self.groups:  # the whole-context groups: their longest cached run from page 0
+            if group.window is None:
+                n = 0
+                while n < hit and group.pool.contains(self._digest(seq, n)):
+                    n += 1
+                hit = n
+        windowed = [g for g in self.groups if g.window is not None]
+        cached = [[g.pool.contains(self._digest(seq, i)) for i in range(hit)] for g in windowed]
+        while hit > 0 and not all(all(c[self._first_needed(g, hit) : hit]) for g, c in zip(windowed, cached)):
+            hit -= 1
+        for group, held in zip(self.groups, seq.groups):
+            first = self._first_needed(group, hit) if hit else 0
+            held.pages = [SCRATCH_PAGE] * first + [group.pool.lookup(self._digest(seq, i)) for i in range(first, hit)]
+            held.num_dropped = first
         seq.num_keyed = hit
         seq.num_computed = hit * s
         self.prefix_cache_hit_tokens += seq.num_computed
 
-    def most_pages_held(self, num_tokens: int) -> int:
-        """The most pages a sequence of num_tokens tokens holds at once: all of them, or with a sliding
-        window those from its window's start to the end of its largest chunk."""
-        need = pages_needed(num_tokens, self.page_size)
-        if self.window is None:
-            return need
-        return min(need, (self.window - 1 + self.max_prefill_tokens) // self.page_size + 2)
+    def _first_needed(self, group: PageGroup, hit: int) -> int:
+        """The first of a hit's `hit` pages a group needs: its window's start (page hit - 1 at least:
+        it proves the match), or 0."""
+        return min(self._window_start(group, hit * self.page_size), hit - 1) if group.window is not None else 0
 
-    def _window_start(self, position: int) -> int:
-        """The first page the window of the token at `position` reaches (0 without a window)."""
-        return 0 if self.window is None else max(position - self.window + 1, 0) // self.page_size
+    def most_pages_held(self, num_tokens: int, group: PageGroup | None = None) -> int:
+        """The most pages a sequence of num_tokens tokens holds at once in a group (default: the
+        first): all of them, or with a sliding window those from its window's start to the end of
+        its largest chunk."""
+        group = self.groups[0] if group is None else group
+        return most_pages_held(
+            num_tokens, window=group.window, page_size=self.page_size, max_prefill_tokens=self.max_prefill_tokens
+        )
+
+    def _window_start(self, group: PageGroup, position: int) -> int:
+        """The first page the group's window of the token at `position` reaches (0 without a window)."""
+        return 0 if group.window is None else max(position - group.window + 1, 0) // self.page_size
 
     def _sibling_computing_prefix(self, seq: Sequence) -> bool:
         """True while another sample of seq's request is computing prompt pages seq could share."""
@@ -225,9 +278,11 @@ class Scheduler:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: offers the sequence's newly completed full pages to the prefix cache."""
-        for i in range(max(seq.num_keyed, seq.num_dropped), seq.num_computed // self.page_size):
-            self.pool.register(seq.pages[i], self._digest(seq, i))
-        seq.num_keyed = max(seq.num_keyed, seq.num_computed // self.page_size)
+        full = seq.num_computed // self.page_size
+        for group, held in zip(self.groups, seq.groups):
+            for i in range(max(seq.num_keyed, held.num_dropped), full):
+                group.pool.register(held.pages[i], self._digest(seq, i))
+        seq.num_keyed = max(seq.num_keyed, full)
 
     def _digest(self, seq: Sequence, i: int) -> bytes:
         """Prefix-cache key of seq's page i (full). Tokens are only ever appended, so a sequence's keys
@@ -269,7 +324,7 @@ class Scheduler:
         # Waiting sequences, first come first served; none in a step that had to preempt.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed == 0 and not seq.pages:
+            if seq.num_computed == 0 and not seq.groups[0].pages:
                 if self._sibling_computing_prefix(seq):
                     break
                 self._reuse_prefix(seq)
@@ -330,6 +385,15 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self._release(seq)
+
+
+def most_pages_held(num_tokens: int, *, window: int | None, page_size: int, max_prefill_tokens: int) -> int:
+    """The most pages a sequence of num_tokens tokens holds at once: all of them, or with a sliding
+    window of W keys those from its window's start to the end of its largest chunk."""
+    need = pages_needed(num_tokens, page_size)
+    if window is None:
+        return need
+    return min(need, (window - 1 + max_prefill_tokens) // page_size + 2)
 
 
 def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 import jaxinfer
+from jaxinfer.client import MIN_KEEPALIVE
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.sampling import SamplingParams
@@ -117,7 +118,16 @@ class Server:
         # the process exits, and a started one cannot be left behind (its finalizer needs the loop).
         self._start_metrics()
         try:
-            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            # Clients' keepalive pings (jaxinfer.client: every 30 s by default, 1 s at least) are
+            # welcome even while a call waits for its first byte: gRPC's default policy answers a
+            # second ping within 5 minutes without data with GOAWAY, failing the call.
+            server = grpc.aio.server(
+                options=[
+                    ("grpc.so_reuseport", 0),
+                    ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE * 1000)),
+                    ("grpc.http2.max_ping_strikes", 0),
+                ]
+            )
             names = (SERVICE, JETSTREAM_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
             server.add_generic_rpc_handlers(
                 (
@@ -471,7 +481,7 @@ class Server:
         for c, t in zip(comps, texts):
             c.text = "".join(t)
         return pb.GenerateResponse(
-            request_id=stream.request_id,
+            request_id=info["cid"] or stream.request_id,
             prompt_token_ids=stream.prompt_ids,
             completions=comps,
             usage=self._usage(stream),
@@ -486,7 +496,7 @@ class Server:
                     continue
                 finished += d.finish_reason is not None
                 msg = pb.GenerateStreamResponse(
-                    request_id=stream.request_id,
+                    request_id=info["cid"] or stream.request_id,
                     index=d.index,
                     token_ids=d.token_ids,
                     text=d.text,

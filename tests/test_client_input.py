@@ -15,7 +15,7 @@ import socket
 import numpy as np
 import pytest
 
-from jaxinfer.client import AsyncClient, Client, ServerError
+from jaxinfer.client import AsyncClient, Client, ClientClosedError, ServerError
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 
@@ -315,3 +315,44 @@ def test_cli_generate_server_names_the_bad_field(address, capsys):
         err = capsys.readouterr().err
         assert re.search(pattern, err), err
         assert "Traceback" not in err and "unexpected" not in err
+
+
+def test_a_closed_client_says_so(address):
+    """After close(), calls raise ClientClosedError (a JaxinferError), not gRPC's own exceptions."""
+    c = Client(address, timeout=TIMEOUT)
+    c.close()
+    c.close()  # twice is fine
+    for call in (lambda: c.generate("hi"), lambda: c.stream("hi"), c.model_info, lambda: c.tokenize("hi"), c.health):
+        with pytest.raises(ClientClosedError, match="is closed"):
+            call()
+
+    async def closed_async():
+        a = AsyncClient(address, timeout=TIMEOUT)
+        await a.close()
+        with pytest.raises(ClientClosedError, match="is closed"):
+            await a.generate("hi")
+        with pytest.raises(ClientClosedError, match="is closed"):
+            await a.health()
+
+    asyncio.run(closed_async())
+
+
+def test_an_async_client_belongs_to_the_loop_of_its_first_call(address):
+    """Made outside any loop, it works in the loop of its first call; from another loop it says to
+    make a client per loop (gRPC's own error named neither the client nor the fix)."""
+    a = AsyncClient(address, timeout=TIMEOUT)
+
+    async def call():
+        with pytest.raises(ServerError, match="UNAVAILABLE"):  # reached the wire: nothing listens there
+            await a.generate("hi")
+
+    asyncio.run(call())
+    with pytest.raises(InvalidRequestError, match="make a new AsyncClient in each event loop"):
+        asyncio.run(call())
+
+
+def test_keepalive_is_checked(address):
+    with pytest.raises(InvalidRequestError, match=r"keepalive must be at least 1.0 s"):
+        Client(address, keepalive=0.1)
+    with pytest.raises(InvalidRequestError, match="keepalive must be a positive number"):
+        AsyncClient(address, keepalive="30")

@@ -297,7 +297,7 @@ def test_a_windowed_model_gives_back_pages_that_leave_the_window(params):
         return Engine(cfg, params, max_model_len=256, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, **kw)
 
     keeps_all = engine(num_kv_pages=256, enable_prefix_caching=False)
-    keeps_all.scheduler.window = None
+    keeps_all.scheduler.groups[0].window = None
     want = [run(keeps_all, [p], [sp])[0][0] for p, sp in zip(prompts, sps)]
 
     e = engine(num_kv_pages=9, poison_reused_pages=True)
@@ -326,7 +326,7 @@ def test_a_windowed_prefix_hit_needs_only_the_pages_in_its_window(params):
     cfg = dataclasses.replace(CFG, layer_attention=(SlidingWindow(12),) * 2)
     small = Engine(cfg, params, max_model_len=256, page_size=8, num_kv_pages=7, max_num_batched_tokens=16)
     keeps_all = Engine(cfg, params, max_model_len=256, page_size=8, num_kv_pages=64, max_num_batched_tokens=16)
-    keeps_all.scheduler.window = None
+    keeps_all.scheduler.groups[0].window = None
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     first = np.random.default_rng(4).integers(3, 128, 80).tolist()
     (out,), _ = run(small, [first], [sp])
@@ -336,3 +336,100 @@ def test_a_windowed_prefix_hit_needs_only_the_pages_in_its_window(params):
     assert run(small, [again], [sp])[0] == run(keeps_all, [again], [sp])[0]
     assert small.stats()["prefix_cache_hit_tokens"] - hits == 13 * 8
     assert small.stats()["kv_pages_free"] == small.stats()["kv_pages_total"]
+
+
+HYBRID = dataclasses.replace(CFG, num_layers=3)  # layers 0 and 2 see 12 keys, layer 1 the whole context
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    from jaxinfer.config import GlobalAttention, SlidingWindow
+
+    cfg = dataclasses.replace(HYBRID, layer_attention=(SlidingWindow(12), GlobalAttention(), SlidingWindow(12)))
+    p = jax.tree.map(lambda x: x * 6 if x.ndim >= 2 else x, init_params(cfg, seed=11))
+    return cfg, p
+
+
+def test_a_hybrid_model_keeps_only_the_window_in_its_window_pools(hybrid):
+    """Gemma 2/3-style: the windowed layers' K/V live in pools of their own where a sequence holds only
+    the pages its window reaches. With 8 such pages for 4 sequences they preempt each other; outputs
+    equal an engine with one pool size for all layers, every handed-out page is poisoned with NaN
+    first (a layer reading the wrong table, or a dropped page, would turn up as NaN or other
+    tokens), and every page of both kinds comes back."""
+    cfg, p = hybrid
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 128, 40).tolist()
+    prompts = [shared + rng.integers(3, 128, 5).tolist(), rng.integers(3, 128, 70).tolist()]
+    prompts += [shared + rng.integers(3, 128, 30).tolist(), rng.integers(3, 128, 9).tolist()]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (60, 50, 20, 40)]
+
+    def engine(**kw):
+        return Engine(cfg, p, max_model_len=256, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, **kw)
+
+    one_size = engine(num_kv_pages=256, num_window_kv_pages=256, enable_prefix_caching=False)
+    assert one_size.window_pool is None and "kv_window_pages_total" not in one_size.stats()
+    want = [run(one_size, [q], [sp])[0][0] for q, sp in zip(prompts, sps)]
+
+    e = engine(num_kv_pages=64, num_window_kv_pages=9, poison_reused_pages=True)
+    assert [pool.shape[1] for pool in e.cache.k] == [9, 64, 9]
+    reqs = [e.add_request(q, sp) for q, sp in zip(prompts, sps)]
+    held = 0
+    while e.has_unfinished():
+        e.step()
+        held = max([held] + [len(s.groups[1].pages) - s.groups[1].num_dropped for s in e.scheduler.running])
+    assert [r.seqs[0].output_ids for r in reqs] == want
+    assert held <= (12 - 1 + 16) // 8 + 2
+    stats = e.stats()
+    assert stats["num_preemptions"] > 0  # the window pools ran short, not the global ones (63 pages)
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] == 63
+    assert stats["kv_window_pages_free"] == stats["kv_window_pages_total"] == 8
+    assert e.metrics.registry.get_sample_value("jaxinfer_kv_window_pages_free") == 8
+    assert e.metrics.registry.get_sample_value("jaxinfer_kv_window_pages_used") == 0
+
+    # By default the window pools hold what max_num_seqs sequences can hold at once: 4 x 5 + scratch.
+    auto = engine(num_kv_pages=64)
+    assert auto.window_pool.num_pages == 4 * ((12 - 1 + 16) // 8 + 2) + 1
+    assert run(auto, prompts, sps)[0] == want
+    with pytest.raises(InvalidRequestError, match="num_window_kv_pages must be an integer in"):
+        engine(num_kv_pages=64, num_window_kv_pages=1)
+
+
+def test_a_hybrid_prefix_hit_needs_its_pages_in_both_pools(hybrid):
+    """A repeated prompt reuses the global layers' pages from page 0 and the window layers' pages its
+    window reaches; its output equals the uncached one. When the window pools have evicted the pages
+    that window needs, the hit shrinks to what both pools still hold."""
+    from jaxinfer.kv_cache import page_hash
+
+    cfg, p = hybrid
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first = np.random.default_rng(4).integers(3, 128, 80).tolist()
+    cold = Engine(cfg, p, max_model_len=256, page_size=8, num_kv_pages=64, enable_prefix_caching=False)
+    want = run(cold, [first + [5, 6, 7]], [sp])[0]
+
+    e = Engine(
+        cfg,
+        p,
+        max_model_len=256,
+        page_size=8,
+        num_kv_pages=64,
+        num_window_kv_pages=8,
+        max_num_batched_tokens=16,
+        poison_reused_pages=True,
+    )
+    run(e, [first], [sp])
+    hits = e.stats()["prefix_cache_hit_tokens"]
+    assert run(e, [first + [5, 6, 7]], [sp])[0] == want
+    assert e.stats()["prefix_cache_hit_tokens"] - hits == 10 * 8  # all 10 full pages of the 83-token prompt
+
+    # Another long request evicts the window pools' cached pages; the global pool keeps them all.
+    run(e, [np.random.default_rng(5).integers(3, 128, 90).tolist()], [sp])
+    digests = [page_hash(b"", first[:8])]
+    for i in range(1, 10):
+        digests.append(page_hash(digests[-1], first[i * 8 : (i + 1) * 8]))
+    assert all(e.pool.contains(d) for d in digests)
+    assert not all(e.window_pool.contains(d) for d in digests[8:10])
+    hits = e.stats()["prefix_cache_hit_tokens"]
+    assert run(e, [first + [5, 6, 7]], [sp])[0] == want
+    assert e.stats()["prefix_cache_hit_tokens"] - hits < 10 * 8
+    assert e.stats()["kv_window_pages_free"] == e.stats()["kv_window_pages_total"]

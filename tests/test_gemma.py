@@ -65,6 +65,23 @@ def test_logits_and_greedy_match_transformers(family, tmp_path):
     assert out.token_ids == hf_tokens
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_window_pools_of_a_hybrid_model_match_transformers(family, tmp_path):
+    """With few sequences and small chunks the sliding-window layers get pools of their own (7 pages
+    per sequence at most, against up to 16 for the global layers); two prompts several windows
+    long, in one batch, still continue exactly as transformers continues each."""
+    hf = _load_family(family, tmp_path)
+    prompts = [PROMPT, (PROMPT * 3)[5:50]]
+    want = [_hf_greedy(hf, q, NEW) for q in prompts]
+    llm = LLM(str(tmp_path), page_size=PAGE_SIZE, num_kv_pages=64, max_num_seqs=2, max_num_batched_tokens=16)
+    stats = llm.stats()
+    assert stats["kv_window_pages_total"] == 2 * ((6 - 1 + 16) // PAGE_SIZE + 2)
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)] == want
+    stats = llm.stats()
+    assert stats["kv_window_pages_free"] == stats["kv_window_pages_total"]
+
+
 def _eager_logits(cfg, params, tokens):
     """Last-position logits of one prefill, op by op: no whole-model compile per variant."""
     n = len(tokens)
@@ -300,11 +317,21 @@ def test_bfloat16_compute_close_to_transformers(tmp_path):
 
 
 def test_pallas_backend_greedy_equals_reference(tmp_path):
-    """Soft cap, window and query_pre_attn_scalar reach the Pallas kernel too (interpret mode on CPU)."""
+    """Soft cap, window and query_pre_attn_scalar reach the Pallas kernel too (interpret mode on CPU),
+    and so does the window layers' own page table (2 sequences x 7 pages: smaller than 32)."""
     save_hf_model(make_hf_gemma("gemma2"), tmp_path)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
     for backend in ("reference", "pallas"):
-        llm = LLM(str(tmp_path), page_size=PAGE_SIZE, num_kv_pages=32, max_model_len=64, attention_backend=backend)
+        llm = LLM(
+            str(tmp_path),
+            page_size=PAGE_SIZE,
+            num_kv_pages=32,
+            max_model_len=64,
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            attention_backend=backend,
+        )
+        assert llm.stats()["kv_window_pages_total"] == 2 * 7
         outs[backend] = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].token_ids
     assert outs["pallas"] == outs["reference"]

@@ -93,18 +93,21 @@ class Job:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A random-weight Llama written by transformers: 8 query heads, 2 KV heads (fewer than model=8,
-    so the KV cache is replicated across both processes' devices while the heads split)."""
-    from hf_models import make_hf_model, save_hf_model
+    """A random-weight Gemma 2 written by transformers: 8 query heads, 2 KV heads (fewer than model=8,
+    so the KV cache is replicated across both processes' devices while the heads split). Its
+    sliding-window layer gets pools and a page table of its own (4 sequences x 6 pages < 48), so
+    every step broadcasts both tables."""
+    from hf_models import make_hf_gemma, save_hf_model
 
     path = tmp_path_factory.mktemp("mh-model")
-    save_hf_model(make_hf_model("llama3.1", num_attention_heads=8, num_key_value_heads=2), path)
+    save_hf_model(make_hf_gemma("gemma2", num_attention_heads=8, num_key_value_heads=2), path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
     llm = LLM(model_dir, max_model_len=64, page_size=8, num_kv_pages=48, max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.stats()["kv_window_pages_total"] == 4 * 6
     out = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
     assert len({tuple(o) for o in out}) == len(out)  # varied, so agreement means something
     return out

@@ -171,6 +171,8 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
         got = c.generate("over the lazy dog", p, request_id="client-42")
         by_ids = c.generate(prompt_token_ids=llm.tokenizer.encode("over the lazy dog"), sampling_params=p)
     ref = llm.generate("over the lazy dog", p)[0]
+    assert got.request_id == "client-42"  # the caller's id comes back; without one, the server's own
+    assert by_ids.request_id and by_ids.request_id != "client-42"
     assert len(got.outputs) == 3
     for a, b, r in zip(got.outputs, by_ids.outputs, ref.outputs):
         assert a.token_ids == r.token_ids == b.token_ids
@@ -181,9 +183,10 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
     assert got.prompt_token_ids == ref.prompt_token_ids
 
 
-def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_the_wire(tmp_path):
+def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_the_wire(tmp_path, capsys):
     """A request's unset sampling fields take the checkpoint's generation_config.json values (as vLLM's
-    server does); set ones win. ModelInfo shows the defaults; stop_reason reaches the client."""
+    server does); set ones win. ModelInfo shows the defaults; stop_reason reaches the client. The
+    model has no tokenizer: `jaxinfer generate --server` prints its token ids, as it does locally."""
     from tests.hf_models import make_hf_model, save_hf_model
 
     save_hf_model(make_hf_model("llama2"), tmp_path)
@@ -220,6 +223,16 @@ def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_t
             deltas = list(c.stream(prompt_token_ids=prompt, sampling_params=p))
             assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop_at
             assert offline.generate(prompt_token_ids=[prompt], sampling_params=p)[0].stop_reason == stop_at
+        from jaxinfer import cli
+
+        capsys.readouterr()
+        for stream in ([], ["--stream"]):
+            argv = ["generate", "--server", s.address, "--prompt-ids", "1,17,33,9", "--max-tokens", "5", *stream]
+            assert cli.main(argv) == 0
+            out = capsys.readouterr().out.strip().strip(",")
+            greedy = SamplingParams(max_tokens=5, temperature=0)
+            want = offline.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids
+            assert out == ",".join(map(str, want)), stream
     finally:
         s.stop()
 
@@ -536,6 +549,16 @@ def test_cli_generate_against_server(server, llm, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "INVALID_ARGUMENT" in err and "empty" in err
 
+    # The server's model and engine serve a --server call: local-only flags are refused by name, and
+    # an empty --server (an unset $SERVER) does not quietly generate locally.
+    rc = cli.main(["generate", "--server", server.address, "hi", "--model", "/elsewhere", "--max-num-seqs", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--model, --max-num-seqs: the server's model and engine settings apply" in err
+    assert cli.main(["generate", "--server", "", "hi"]) == 2
+    assert "--server must be HOST:PORT" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--timeout", "5"]) == 2
+    assert "--timeout applies to --server calls only" in capsys.readouterr().err
+
 
 def _serve(*args: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -565,6 +588,18 @@ def test_serve_cli_metrics_and_sigterm_drain():
                 assert e.value.code == "UNAVAILABLE" and "loading" in e.value.details
             c.wait_ready(timeout=240)
             assert c.generate("hello", SamplingParams(max_tokens=3)).outputs[0].token_ids
+            # A server that stops answering (here: its process frozen) fails the call by keepalive,
+            # with no deadline set, instead of leaving it waiting forever.
+            with Client(address, keepalive=1) as frozen:
+                assert frozen.health() == "SERVING"  # connected
+                proc.send_signal(signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    with pytest.raises(ServerError) as e:
+                        frozen.generate("anyone there?", SamplingParams(max_tokens=3))
+                    assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 30, e.value
+                finally:
+                    proc.send_signal(signal.SIGCONT)
             body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
             assert 'jaxinfer_requests_total{code="OK",method="Generate"} 1.0' in body
             stream = c.stream("drain me", _long(40))
