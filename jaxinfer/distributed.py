@@ -19,9 +19,15 @@ without arguments lets `jax.distributed.initialize` detect TPU pods and SLURM by
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import socket
+
 import jax
 import numpy as np
 
+from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import Batch
 
 _HEADER = 6
@@ -48,9 +54,16 @@ def initialize(
     """
     if (coordinator_address is None) != (num_processes is None) or (num_processes is None) != (process_id is None):
         raise ValueError("give --coordinator-address, --num-processes and --process-id together, or none of them")
+    bind = None
     if num_processes is not None:
-        if num_processes < 1 or not 0 <= process_id < num_processes:
+        if num_processes < 1:
+            raise ValueError(f"--num-processes must be at least 1, got {num_processes}")
+        if not 0 <= process_id < num_processes:
             raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+        host, port = _coordinator(coordinator_address)
+        if process_id == 0:
+            _check_can_listen(host, port, coordinator_address)
+            bind = coordinator_address  # only there: JAX's default listens on every interface
     jax.config.update("jax_enable_recoverability", True)
     if jax.config.jax_platforms in (None, "", "cpu") or str(jax.config.jax_platforms).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -59,7 +72,89 @@ def initialize(
         num_processes=num_processes,
         process_id=process_id,
         initialization_timeout=initialization_timeout,
+        coordinator_bind_address=bind,
     )
+
+
+def _coordinator(address) -> tuple[str, int]:
+    """HOST and PORT of --coordinator-address, checked: JAX indexes into a malformed one (IndexError),
+    wraps a port past 65535, or dies in its gRPC layer."""
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator-address must be HOST:PORT with a port in [1, 65535], got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _check_can_listen(host: str, port: int, address: str) -> None:
+    """Process 0 runs the coordinator: a port already taken (another job's leader, or a second
+    process 0) is refused here by name; JAX's runtime crashed on it now and then, or both waited
+    out the join timeout."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"--coordinator-address {address}: process 0 cannot listen there ({e.strerror})") from None
+
+
+def leader_value(value: int) -> int:
+    """The leader's `value` (an int32), on every process."""
+    from jax.experimental import multihost_utils
+
+    return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([value], np.int32)))[0])
+
+
+class JobMismatchError(InvalidRequestError):
+    """The processes of one job were started with different models or engine settings."""
+
+
+def check_same_job(settings: dict) -> None:
+    """Every process must run the same model and engine, step for step: a different page count or
+    weights would go unnoticed (the collectives only need equal shapes) and give wrong tokens. Each
+    process shares a digest per setting; any difference raises JobMismatchError on every process,
+    naming the settings, the processes, and this process's values."""
+    from jax.experimental import multihost_utils
+
+    names = sorted(settings)
+    blobs = [json.dumps(settings[k], sort_keys=True, default=str) for k in names]
+    mine = np.asarray(
+        [int.from_bytes(hashlib.blake2b(b.encode(), digest_size=4).digest(), "little", signed=True) for b in blobs],
+        np.int32,
+    )
+    everyone = np.asarray(multihost_utils.process_allgather(mine))  # [processes, settings]
+    differ = [i for i in range(len(names)) if len(set(everyone[:, i].tolist())) > 1]
+    if differ:
+        own = jax.process_index()
+        parts = []
+        for i in differ:
+            others = [p for p in range(len(everyone)) if everyone[p, i] != everyone[0, i]]
+            parts.append(
+                f"{names[i]} (processes {others} differ from process 0; here, on process {own}: {blobs[i][:200]})"
+            )
+        raise JobMismatchError(
+            f"the processes of this job run different settings: {'; '.join(parts)}. "
+            "Start every process with the same model and flags"
+        )
+
+
+def model_fingerprint(model: str | None) -> str:
+    """What identifies a model's files without reading them whole: for a directory, every file's
+    relative name, size and digest of its first and last 64 KiB (paths and dates may differ per host)."""
+    if model is None or not os.path.isdir(str(model)):
+        return str(model)
+    h = hashlib.blake2b(digest_size=16)
+    for root, dirs, files in os.walk(model):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            h.update(f"{os.path.relpath(path, model)}:{size};".encode())
+            with open(path, "rb") as f:
+                h.update(f.read(65536))
+                if size > 65536:
+                    f.seek(max(size - 65536, 65536))
+                    h.update(f.read())
+    return h.hexdigest()
 
 
 def is_leader() -> bool:

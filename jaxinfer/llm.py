@@ -114,9 +114,10 @@ def _token_ids(p, field: str) -> list[int]:
 
 
 def _free_device_bytes() -> int:
-    """Free memory of the first device (the host's available RAM where the backend cannot say)."""
+    """Free memory of this process's first device (the host's available RAM where the backend cannot
+    say). Multi-host: its own device; jax.devices()[0] may be another process's, whose stats it cannot read."""
     try:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     except Exception:  # memory_stats is unimplemented on some backends
@@ -306,6 +307,26 @@ class LLM:
             num_kv_pages=num_kv_pages,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        multi_process = jax.process_count() > 1
+        if multi_process:  # before loading: a different model or mesh would fail there, unnamed
+            from jaxinfer import distributed
+
+            distributed.check_same_job(
+                {
+                    "model (files)": distributed.model_fingerprint(model),
+                    "dtype": dtype,
+                    "mesh": mesh,
+                    "max_model_len": max_model_len,
+                    "page_size": page_size,
+                    "num_kv_pages": num_kv_pages,
+                    "max_num_seqs": max_num_seqs,
+                    "max_num_batched_tokens": max_num_batched_tokens,
+                    "enable_prefix_caching": enable_prefix_caching,
+                    "attention_backend": attention_backend,
+                    "kv_cache_dtype": kv_cache_dtype,
+                    "processes": jax.process_count(),
+                }
+            )
         device_mesh = None if mesh is None else make_mesh(mesh)
         cfg, params, tokenizer = _load(model, dtype, device_mesh)
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
@@ -327,6 +348,8 @@ class LLM:
                 page_size=page_size,
                 window_pages=window_pages,
             )
+            if multi_process:  # each process measured its own free memory: all take the leader's count
+                num_kv_pages = distributed.leader_value(num_kv_pages)
         if device_mesh is None:  # on a mesh the cache is split over devices: each checks its own share
             _check_cache_fits(cfg, num_kv_pages=num_kv_pages, page_size=page_size, window_pages=window_pages)
         self.cfg = cfg

@@ -27,7 +27,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.client import Client, ServerError
 
 # Small capacity: fewer step shapes, so each process compiles little during warm-up.
-ENGINE = ["--max-model-len", "64", "--page-size", "8", "--num-kv-pages", "48", "--max-num-seqs", "4"]
+ENGINE = ["--max-model-len", "64", "--page-size", "8", "--max-num-seqs", "4"]
 ENGINE += ["--max-num-batched-tokens", "32", "--no-prefix-caching"]
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 8, 90, 100, 3, 4], [1, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -43,7 +43,7 @@ def _free_port() -> int:
 class Job:
     """Leader + follower subprocesses; logs to files under tmp_path; always killed at the end."""
 
-    def __init__(self, tmp_path, model: str, mesh: str, *extra: str):
+    def __init__(self, tmp_path, model: str, mesh: str, *extra: str, follower_extra=(), wait: bool = True):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
         coordinator = f"127.0.0.1:{_free_port()}"
@@ -55,10 +55,12 @@ class Job:
             out = open(tmp_path / f"{role}.out", "w+")
             err = open(tmp_path / f"{role}.err", "w+")
             self.logs[role] = (out, err)
-            port = ["--port", "0"] if pid == 0 else []
+            own = ["--port", "0"] if pid == 0 else list(follower_extra)
             self.procs[role] = subprocess.Popen(
-                [*common, "--process-id", str(pid), *port], stdout=out, stderr=err, env=env, cwd=tmp_path
+                [*common, "--process-id", str(pid), *own], stdout=out, stderr=err, env=env, cwd=tmp_path
             )
+        if not wait:
+            return
         self.port = self._wait_for(r"listening on 127\.0\.0\.1:(\d+)", 120)
         self._wait_for(r"ready \(", READY_TIMEOUT)
         self.address = f"127.0.0.1:{self.port}"
@@ -131,7 +133,7 @@ def _stream_until_error(client: Client, after_tokens: int, act) -> tuple[int, fl
 
 
 def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, model_dir, reference):
-    job = Job(tmp_path, model_dir, "data=1,model=8")
+    job = Job(tmp_path, model_dir, "data=1,model=8", "--num-kv-pages", "48")
     try:
         client = Client(job.address)
         info = client.model_info()
@@ -173,7 +175,9 @@ def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, m
 
 
 def test_a_hung_follower_is_caught_by_the_peer_timeout(tmp_path):
-    """SIGSTOP: the follower's sockets stay open, so no collective fails; only the watchdog can tell."""
+    """SIGSTOP: the follower's sockets stay open, so no collective fails; only the watchdog can tell.
+    (No --num-kv-pages: each process sizes the cache from its own free memory, and all take the
+    leader's count.)"""
     job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", "--peer-timeout", "4")
     try:
         client = Client(job.address)
@@ -199,3 +203,48 @@ def test_a_hung_follower_is_caught_by_the_peer_timeout(tmp_path):
     finally:
         job.procs["follower"].send_signal(signal.SIGCONT)
         job.close()
+
+
+def test_processes_started_with_different_settings_are_refused_by_name(tmp_path, model_dir):
+    """A follower with another page count would run every step on a cache of another size (the
+    collectives only need equal shapes) and return wrong tokens; both processes now refuse to start,
+    naming the setting."""
+    job = Job(
+        tmp_path,
+        model_dir,
+        "data=1,model=8",
+        "--num-kv-pages",
+        "48",
+        follower_extra=["--num-kv-pages", "40"],
+        wait=False,
+    )
+    try:
+        codes = {role: p.wait(timeout=READY_TIMEOUT) for role, p in job.procs.items()}
+        assert codes == {"leader": 2, "follower": 2}, (codes, job.log("leader")[-2000:], job.log("follower")[-2000:])
+        for role, value in (("leader", 48), ("follower", 40)):
+            log = job.log(role)
+            assert "num_kv_pages (processes [1] differ from process 0" in log, log[-2000:]
+            assert f"here, on process {int(role == 'follower')}: {value})" in log
+            assert "max_num_seqs" not in log  # only what differs
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:abc", "nonsense", "127.0.0.1:70000", ":8476", "127.0.0.1:"])
+def test_bad_coordinator_addresses_are_refused_by_name(address):
+    from jaxinfer import distributed
+
+    with pytest.raises(ValueError, match="--coordinator-address must be HOST:PORT with a port in"):
+        distributed.initialize(address, 2, 1)
+
+
+def test_bad_process_counts_and_a_taken_coordinator_port_are_refused():
+    from jaxinfer import distributed
+
+    with pytest.raises(ValueError, match="--num-processes must be at least 1, got 0"):
+        distributed.initialize("127.0.0.1:8476", 0, 0)
+    with socket.socket() as s:  # another job's coordinator, or a second process 0
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ValueError, match=r"--coordinator-address 127\.0\.0\.1:\d+: process 0 cannot listen"):
+            distributed.initialize(f"127.0.0.1:{s.getsockname()[1]}", 2, 0)
