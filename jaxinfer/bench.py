@@ -761,3 +761,95 @@ def mesh_memory(model, meshes: list[str], *, dtype: str = "float32", num_kv_page
         )
         del llm
     return rows
+
+
+def window_pools(
+    *,
+    num_requests: int = 32,
+    prompt_len: int = 768,
+    output_len: int = 256,
+    window: int = 128,
+    one_size_pages: int = 400,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 128,
+    page_size: int = 16,
+) -> list[dict]:
+    """A hybrid model's window pools against one pool size for all layers, in the same KV-cache bytes.
+
+    A Gemma-3-shaped random model (5 layers with a `window`-key sliding window, 1 global; 23M-class
+    shapes kept small for the CPU) runs the same greedy requests twice: once with every layer's pool
+    at `one_size_pages`, once with the window layers' pools at the engine's default and the global
+    layers given what that frees from the same bytes. Both runs must give the same tokens.
+    Returns one dict per run (wall time, output tok/s, preemptions, sequences running per step).
+    """
+    from jaxinfer import SamplingParams
+    from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
+    from jaxinfer.engine import Engine, default_window_kv_pages, kv_cache_bytes
+    from jaxinfer.model import init_params
+
+    cfg = ModelConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=prompt_len + output_len,
+        eos_token_ids=(2,),
+        layer_attention=(SlidingWindow(window),) * 5 + (GlobalAttention(),),
+    )
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, prompt_len).tolist() for _ in range(num_requests)]
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    common = dict(
+        max_model_len=prompt_len + output_len,
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=False,  # random prompts: nothing to share; keeps the two runs alike
+    )
+    budget = kv_cache_bytes(cfg, num_kv_pages=one_size_pages, num_window_kv_pages=None, page_size=page_size)
+    window_pages = default_window_kv_pages(cfg, **{k: v for k, v in common.items() if k != "enable_prefix_caching"})
+    layer_page = budget // (cfg.num_layers * one_size_pages)  # one layer's K and V of one page
+    global_pages = (budget - 5 * window_pages * layer_page) // layer_page
+    if global_pages <= one_size_pages:
+        raise ValueError(
+            f"the window pools ({window_pages} pages x 5 layers) leave the global layer no more than "
+            f"{one_size_pages} pages: raise one_size_pages or lower max_num_seqs"
+        )
+    rows, outputs = [], []
+    for name, pages, wpages in (
+        ("one pool size", one_size_pages, one_size_pages),
+        ("window pools", global_pages, window_pages),
+    ):
+        engine = Engine(cfg, params, num_kv_pages=pages, num_window_kv_pages=wpages, **common)
+        assert engine.cache.nbytes <= budget
+        engine.warmup()
+        t0 = time.perf_counter()
+        reqs = [engine.add_request(p, sp) for p in prompts]
+        running = []
+        while engine.has_unfinished():
+            engine.step()
+            running.append(len(engine.scheduler.running))
+        wall = time.perf_counter() - t0
+        stats = engine.stats()
+        outputs.append([r.seqs[0].output_ids for r in reqs])
+        rows.append(
+            {
+                "run": name,
+                "kv_cache_bytes": engine.cache.nbytes,
+                "global_pages": stats["kv_pages_total"],
+                "window_pages": stats.get("kv_window_pages_total"),
+                "wall_s": wall,
+                "output_tok_s": num_requests * output_len / wall,
+                "preemptions": stats["num_preemptions"],
+                "mean_running": float(np.mean(running)),
+                "max_running": max(running),
+            }
+        )
+        del engine
+    if outputs[0] != outputs[1]:
+        raise AssertionError("the two runs gave different tokens")
+    return rows

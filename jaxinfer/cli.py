@@ -298,6 +298,56 @@ def _bench_load(argv: list[str]) -> int:
     return 0
 
 
+def _bench_window_pools(argv: list[str]) -> int:
+    from jaxinfer import bench
+    from jaxinfer.errors import JaxinferError
+
+    p = argparse.ArgumentParser(
+        prog="jaxinfer bench window-pools",
+        description="A Gemma-3-shaped model (5 sliding-window layers + 1 global), the same KV-cache bytes: "
+        "every layer's pool at one size, against the window layers in pools of their own and the global "
+        "layer given the bytes that frees. Same requests, same tokens (checked); prints throughput and "
+        "preemptions side by side.",
+    )
+    for flag, default in (
+        ("--num-requests", 32),
+        ("--prompt-len", 768),
+        ("--output-len", 256),
+        ("--window", 128),
+        ("--one-size-pages", 400),
+        ("--max-num-seqs", 16),
+        ("--max-num-batched-tokens", 128),
+    ):
+        p.add_argument(flag, type=bench._positive_int, default=default)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        rows = bench.window_pools(
+            num_requests=args.num_requests,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            window=args.window,
+            one_size_pages=args.one_size_pages,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    except (JaxinferError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        window = "" if r["window_pages"] is None else f" + {r['window_pages']} window pages"
+        print(
+            f"{r['run']:>14}: {r['kv_cache_bytes'] / 2**20:.1f} MiB KV, {r['global_pages']} pages{window}; "
+            f"{r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s, {r['preemptions']} preemptions, "
+            f"{r['mean_running']:.1f} sequences running per step (max {r['max_running']})"
+        )
+    print(f"window pools / one pool size: {rows[1]['output_tok_s'] / rows[0]['output_tok_s']:.2f}x output tok/s")
+    return 0
+
+
 def _bench_mesh(argv: list[str]) -> int:
     import os
 
@@ -375,6 +425,8 @@ def _main(argv: list[str]) -> int:
         return _bench_load(argv[2:])
     if argv[:2] == ["bench", "mesh"]:  # bytes per device per mesh: see jaxinfer.bench.mesh_memory
         return _bench_mesh(argv[2:])
+    if argv[:2] == ["bench", "window-pools"]:  # hybrid models' pools: see jaxinfer.bench.window_pools
+        return _bench_window_pools(argv[2:])
     args = _parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)

@@ -1,6 +1,7 @@
 """The continuous-batching engine: batch invariance, preemption, isolation, prefix reuse, recompiles."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -433,3 +434,18 @@ def test_a_hybrid_prefix_hit_needs_its_pages_in_both_pools(hybrid):
     assert run(e, [first + [5, 6, 7]], [sp])[0] == want
     assert e.stats()["prefix_cache_hit_tokens"] - hits < 10 * 8
     assert e.stats()["kv_window_pages_free"] == e.stats()["kv_window_pages_total"]
+
+
+def test_window_pools_bench_runs_both_layouts_in_the_same_bytes(capsys):
+    """`jaxinfer bench window-pools`, small: both runs fit the same KV bytes and give the same tokens
+    (the bench raises otherwise); the window pools leave the global layer more pages."""
+    from jaxinfer import cli
+
+    argv = ["bench", "window-pools", "--num-requests", "4", "--prompt-len", "40", "--output-len", "24"]
+    argv += ["--window", "16", "--one-size-pages", "24", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"]
+    argv += ["--json"]
+    assert cli.main(argv) == 0
+    one, pools = json.loads(capsys.readouterr().out)
+    assert one["kv_cache_bytes"] >= pools["kv_cache_bytes"]
+    assert pools["global_pages"] > one["global_pages"] and pools["window_pages"] < one["global_pages"]
+    assert pools["preemptions"] <= one["preemptions"]
