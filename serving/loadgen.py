@@ -43,13 +43,17 @@ def _pct(values, q):
     return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
-def workload(args, vocab_size: int, seed: int = 0):
-    """(prompts, params, arrival offsets in seconds): the same every run for the same arguments."""
+def _check(args) -> None:
     if args.vs_offline and args.request_rate != float("inf"):
         raise SystemExit(
             "error: --vs-offline compares throughput on the same work, and the offline engine takes every "
             "request at once: use --request-rate inf (the default) with it"
         )
+
+
+def workload(args, vocab_size: int, seed: int = 0):
+    """(prompts, params, arrival offsets in seconds): the same every run for the same arguments."""
+    _check(args)
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
     lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
     rng = np.random.default_rng(seed)
@@ -144,6 +148,7 @@ def run(args, model_dir: str | None) -> dict:
     """Drives the server; with `--vs-offline`, in rounds against an offline engine (see `_compare`)."""
     from jaxinfer.client import Client
 
+    _check(args)  # before minutes of starting a server
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
     lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
     max_model_len = hi_p + hi_o + 1
