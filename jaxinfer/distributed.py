@@ -62,8 +62,12 @@ def initialize(
             raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
         host, port = _coordinator(coordinator_address)
         if process_id == 0:
-            _check_can_listen(host, port, coordinator_address)
-            bind = coordinator_address  # only there: JAX's default listens on every interface
+            # A loopback coordinator listens there only (JAX's default is every interface, with no
+            # authentication); any other address keeps the default: a cluster name may resolve to
+            # an address that is not this machine's own (a Kubernetes service's).
+            loopback = host in ("localhost", "::1") or host.startswith("127.")
+            _check_can_listen(host if loopback else "", port, coordinator_address)
+            bind = coordinator_address if loopback else None
     jax.config.update("jax_enable_recoverability", True)
     if jax.config.jax_platforms in (None, "", "cpu") or str(jax.config.jax_platforms).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -90,7 +94,7 @@ def _check_can_listen(host: str, port: int, address: str) -> None:
     process 0) is refused here by name; JAX's runtime crashed on it now and then, or both waited
     out the join timeout."""
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        family = socket.AF_INET6 if host == "::1" else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host, port))
     except OSError as e:
