@@ -69,17 +69,29 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate from one or more prompts (text or token ids).",
     )
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run as one batch)")
-    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
+    g.add_argument(
+        "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
+    )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    # Sampling flags left out take the checkpoint's generation_config.json values (locally, unless
+    # --generation-config none), else the command's own defaults (_SAMPLING_DEFAULTS: greedy, 32 tokens).
+    unset = "default: the checkpoint's generation_config.json, else %s"
+    g.add_argument("--max-tokens", type=int, default=None, help=unset % _SAMPLING_DEFAULTS["max_tokens"])
+    g.add_argument("--temperature", type=float, default=None, help=unset % "0 (greedy)")
+    g.add_argument("--top-k", type=int, default=None, help=unset % "0 (off)")
+    g.add_argument("--top-p", type=float, default=None, help=unset % _SAMPLING_DEFAULTS["top_p"])
+    g.add_argument("--min-p", type=float, default=None, help=unset % _SAMPLING_DEFAULTS["min_p"])
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=None, help="default: 0")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="default: 0")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=unset % "1 (off)")
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: sampling flags left out take the checkpoint's generation_config.json values (with "
+        "--server: the command's own defaults); none: always the command's own",
+    )
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--logprobs", type=int, default=None, help="top-n log-probabilities per token (JSON output)")
@@ -128,9 +140,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What `generate` samples with where neither a flag nor the checkpoint's generation_config.json says.
+_SAMPLING_DEFAULTS = dict(
+    max_tokens=32,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    repetition_penalty=1.0,
+)
+
 _LOCAL_ONLY = (
     "model",
     "dtype",
+    "generation_config",
     "max_model_len",
     "page_size",
     "num_kv_pages",
@@ -162,24 +187,17 @@ def _generate(args) -> int:
         raise InvalidRequestError("give prompt text or --prompt-ids (not both, not neither)")
     if args.stream and (len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1):
         raise InvalidRequestError("--stream takes exactly one prompt and --n 1")
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        stop=args.stop,
-        n=args.n,
-        logprobs=args.logprobs,
-    )
+    given = {k: getattr(args, k) for k in _SAMPLING_DEFAULTS if getattr(args, k) is not None}
+    fixed = dict(seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop, n=args.n, logprobs=args.logprobs)
+    params = SamplingParams(**{**_SAMPLING_DEFAULTS, **given}, **fixed)  # checked before anything loads
     if args.server:
         return _generate_remote(args, params)
-    llm = LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
+    if args.generation_config == "auto" and args.model is not None and os.path.isdir(args.model):
+        from jaxinfer.sampling import generation_defaults
+
+        recommended = {k: v for k, v in generation_defaults(args.model).items() if k in _SAMPLING_DEFAULTS}
+        params = SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
     if args.stream:
         if args.prompt:
             deltas = llm.stream(args.prompt[0], params)

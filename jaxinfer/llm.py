@@ -575,6 +575,11 @@ class LLM:
         lost leading space, never any part of a stop string. Closing the generator early aborts the
         request and frees its pages.
         """
+        if isinstance(prompt, (list, tuple)):  # else the wrapping below blames "prompts[0]", a string
+            raise InvalidRequestError(
+                f"stream takes one prompt (a string or a prompt dict), got a {type(prompt).__name__}; "
+                "generate takes several"
+            )
         texts, ids, params = self._prompts(
             None if prompt is None else [prompt],
             sampling_params,

@@ -249,9 +249,34 @@ def test_generation_config_sets_the_default_sampling_params(tmp_path, capsys):
     assert defaults.min_p == 0.0 and defaults.repetition_penalty == 1.0  # not in the file: SamplingParams'
     out = llm.generate(prompt_token_ids=[[1, 5, 6]])[0]
     assert len(out.token_ids) == 5 or out.finish_reason == "stop"
-    assert len(llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=SamplingParams())[0].token_ids) > 5
+    # Explicit SamplingParams are used as given: 16 tokens, not the file's 5 (EOS ignored: the draw is
+    # unseeded, and an early EOS made this flaky).
+    explicit = SamplingParams(ignore_eos=True)
+    assert len(llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=explicit)[0].token_ids) == 16
     plain = LLM(str(d), num_kv_pages=16, generation_config="none")
     assert plain.get_default_sampling_params() == SamplingParams()
+
+    # `jaxinfer generate`: flags left out take the file's values (5 tokens, sampled), given ones win,
+    # and --generation-config none falls back to the command's own defaults (greedy, 32 tokens).
+    from jaxinfer import cli
+
+    def cli_tokens(*flags):
+        argv = ["generate", "--model", str(d), "--prompt-ids", "1,5,6", "--num-kv-pages", "16", "--json", *flags]
+        assert cli.main([*argv, "--ignore-eos"]) == 0
+        return json.loads(capsys.readouterr().out)["token_ids"]
+
+    assert len(cli_tokens("--seed", "3")) == 5
+    seeded = SamplingParams(**{**vars(defaults), "seed": 3, "ignore_eos": True})
+    assert cli_tokens("--seed", "3") == llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=seeded)[0].token_ids
+    assert len(cli_tokens("--max-tokens", "7")) == 7
+    greedy = cli_tokens("--generation-config", "none")
+    assert (
+        len(greedy) == 32
+        and greedy
+        == llm.generate(
+            prompt_token_ids=[[1, 5, 6]], sampling_params=SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        )[0].token_ids
+    )
 
 
 @pytest.mark.parametrize(

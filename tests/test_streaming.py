@@ -5,7 +5,7 @@ import time
 import pytest
 from hf_models import train_sentencepiece
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, InvalidRequestError, SamplingParams
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
@@ -102,6 +102,9 @@ def test_stream_matches_generate(llm):
     assert [t for d in deltas for t in d.token_ids] == full.token_ids
     assert "".join(d.text for d in deltas) == full.text
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    # A list of prompts is a natural slip: named as such (it used to blame "prompts[0]", a string).
+    with pytest.raises(InvalidRequestError, match="stream takes one prompt .* got a list; generate takes several"):
+        next(llm.stream(["a", "b"], sp))
 
 
 def test_interleaved_streams_and_a_generate_meanwhile_lose_nothing(llm):
