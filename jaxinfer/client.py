@@ -263,7 +263,19 @@ def _check_target(target: str) -> str:
     return target
 
 
-class Client:
+class _Stubs:
+    """The stubs of a client's channel, through its `_open()` (which refuses a closed client)."""
+
+    @property
+    def _stub(self):
+        return self._open()[0]
+
+    @property
+    def _health(self):
+        return self._open()[1]
+
+
+class Client(_Stubs):
     """A blocking client. `target` is "host:port"; `timeout` (seconds) is each call's deadline (None:
     none); `keepalive` (seconds, None: off) how often an open call checks that the server answers."""
 
@@ -290,14 +302,6 @@ class Client:
         if self._closed:
             raise ClientClosedError(f"this Client of {self.target} is closed")
         return self._stubs
-
-    @property
-    def _stub(self):
-        return self._open()[0]
-
-    @property
-    def _health(self):
-        return self._open()[1]
 
     def generate(
         self,
@@ -374,7 +378,7 @@ class Client:
             time.sleep(0.2)
 
 
-class AsyncClient:
+class AsyncClient(_Stubs):
     """The asyncio twin of `Client`. Its channel opens at the first call, in that call's event loop,
     and belongs to that loop: a call from another loop raises InvalidRequestError (make one client
     per loop)."""
@@ -413,14 +417,6 @@ class AsyncClient:
                 "make a new AsyncClient in each event loop (e.g. in each asyncio.run)"
             )
         return self._stubs
-
-    @property
-    def _stub(self):
-        return self._open()[0]
-
-    @property
-    def _health(self):
-        return self._open()[1]
 
     async def generate(
         self,

@@ -279,6 +279,17 @@ def test_prompt_chunks_are_cut_to_their_padded_shape():
     assert steps[3] == [(2, 14), (0, 1), (1, 1)]
 
 
+def windowed_workload():
+    """Four requests up to 15 pages long (at page size 8), two sharing a 40-token prefix: longer than
+    a 12-key window by far, so pages leave it while the requests run."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 128, 40).tolist()
+    prompts = [shared + rng.integers(3, 128, 5).tolist(), rng.integers(3, 128, 70).tolist()]
+    prompts += [shared + rng.integers(3, 128, 30).tolist(), rng.integers(3, 128, 9).tolist()]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (60, 50, 20, 40)]
+    return prompts, sps
+
+
 def test_a_windowed_model_gives_back_pages_that_leave_the_window(params):
     """Every layer attends to 12 keys: a sequence holds at most the pages from its window's start to
     the end of its chunk, so sequences 15 pages long run in a cache of 8, preempting each other, with
@@ -288,11 +299,7 @@ def test_a_windowed_model_gives_back_pages_that_leave_the_window(params):
     from jaxinfer.config import SlidingWindow
 
     cfg = dataclasses.replace(CFG, layer_attention=(SlidingWindow(12),) * 2)
-    rng = np.random.default_rng(3)
-    shared = rng.integers(3, 128, 40).tolist()
-    prompts = [shared + rng.integers(3, 128, 5).tolist(), rng.integers(3, 128, 70).tolist()]
-    prompts += [shared + rng.integers(3, 128, 30).tolist(), rng.integers(3, 128, 9).tolist()]
-    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (60, 50, 20, 40)]
+    prompts, sps = windowed_workload()
 
     def engine(**kw):
         return Engine(cfg, params, max_model_len=256, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, **kw)
@@ -358,11 +365,7 @@ def test_a_hybrid_model_keeps_only_the_window_in_its_window_pools(hybrid):
     first (a layer reading the wrong table, or a dropped page, would turn up as NaN or other
     tokens), and every page of both kinds comes back."""
     cfg, p = hybrid
-    rng = np.random.default_rng(3)
-    shared = rng.integers(3, 128, 40).tolist()
-    prompts = [shared + rng.integers(3, 128, 5).tolist(), rng.integers(3, 128, 70).tolist()]
-    prompts += [shared + rng.integers(3, 128, 30).tolist(), rng.integers(3, 128, 9).tolist()]
-    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (60, 50, 20, 40)]
+    prompts, sps = windowed_workload()
 
     def engine(**kw):
         return Engine(cfg, p, max_model_len=256, page_size=8, max_num_seqs=4, max_num_batched_tokens=16, **kw)
