@@ -530,6 +530,7 @@ class Server:
                 else f"{format_mesh(dict(eng.mesh.shape))} over {eng.mesh.size} {dev.platform} devices"
             ),
             kv_pages_total=eng.pool.capacity,
+            kv_window_pages_total=0 if eng.window_pool is None else eng.window_pool.capacity,
             page_size=eng.page_size,
             kv_cache_bytes=eng.cache.nbytes,
             kv_bytes_per_token=eng.cfg.kv_bytes_per_token,  # KV-head copies on a mesh included

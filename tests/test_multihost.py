@@ -138,6 +138,7 @@ def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, m
         client = Client(job.address)
         info = client.model_info()
         assert info["mesh"] == "data=1,model=8 over 8 cpu devices"
+        assert (info["kv_pages_total"], info["kv_window_pages_total"]) == (47, 4 * 6)  # Gemma 2: two pool sizes
         # Concurrent unary and streaming requests through the leader == one process, token for token.
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             unary = [pool.submit(client.generate, prompt_token_ids=p, sampling_params=GREEDY) for p in PROMPTS]

@@ -134,7 +134,7 @@ def test_health_reflection_and_model_info(server):
         assert info["model_name"] == server.server.llm.cfg.name
         assert info["max_model_len"] == ENGINE["max_model_len"]
         assert info["vocab_size"] == server.server.llm.cfg.vocab_size
-        assert info["kv_pages_total"] == ENGINE["num_kv_pages"] - 1
+        assert info["kv_pages_total"] == ENGINE["num_kv_pages"] - 1 and info["kv_window_pages_total"] == 0
         assert info["kv_cache_bytes"] == server.server.llm.engine.cache.nbytes
         assert c.tokenize("fox") == server.server.llm.tokenizer.encode("fox")
     channel.close()
