@@ -784,7 +784,7 @@ def window_pools(
     """
     from jaxinfer import SamplingParams
     from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
-    from jaxinfer.engine import Engine, default_window_kv_pages, kv_cache_bytes
+    from jaxinfer.engine import Engine, default_window_kv_pages, kv_cache_bytes, layer_page_bytes
     from jaxinfer.model import init_params
 
     cfg = ModelConfig(
@@ -812,11 +812,12 @@ def window_pools(
     )
     budget = kv_cache_bytes(cfg, num_kv_pages=one_size_pages, num_window_kv_pages=None, page_size=page_size)
     window_pages = default_window_kv_pages(cfg, **{k: v for k, v in common.items() if k != "enable_prefix_caching"})
-    layer_page = budget // (cfg.num_layers * one_size_pages)  # one layer's K and V of one page
-    global_pages = (budget - 5 * window_pages * layer_page) // layer_page
+    layer_page = layer_page_bytes(cfg, page_size)
+    windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
+    global_pages = (budget - windowed * window_pages * layer_page) // layer_page
     if global_pages <= one_size_pages:
         raise ValueError(
-            f"the window pools ({window_pages} pages x 5 layers) leave the global layer no more than "
+            f"the window pools ({window_pages} pages x {windowed} layers) leave the global layer no more than "
             f"{one_size_pages} pages: raise one_size_pages or lower max_num_seqs"
         )
     rows, outputs = [], []

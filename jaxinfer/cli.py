@@ -60,6 +60,8 @@ def engine_kwargs(args) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxinfer.llm import GENERATION_CONFIG_CHOICES
+
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -88,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--generation-config",
         default="auto",
-        choices=["auto", "none"],
+        choices=GENERATION_CONFIG_CHOICES,
         help="auto: sampling flags left out take the checkpoint's generation_config.json values (with "
         "--server: the command's own defaults); none: always the command's own",
     )
@@ -193,10 +195,8 @@ def _generate(args) -> int:
     if args.server:
         return _generate_remote(args, params)
     llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
-    if args.generation_config == "auto" and args.model is not None and os.path.isdir(args.model):
-        from jaxinfer.sampling import generation_defaults
-
-        recommended = {k: v for k, v in generation_defaults(args.model).items() if k in _SAMPLING_DEFAULTS}
+    recommended = {k: v for k, v in llm._generation_overrides.items() if k in _SAMPLING_DEFAULTS}
+    if recommended:
         params = SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
     if args.stream:
         if args.prompt:

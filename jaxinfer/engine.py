@@ -68,7 +68,9 @@ def _poison_pages(cache: KVCache, pages: jax.Array, layers: tuple[int, ...]) -> 
             return QuantizedPages(values=pool.values, scales=pool.scales.at[:, pages].set(jnp.nan))
         return pool.at[:, pages].set(jnp.asarray(jnp.nan, pool.dtype))
 
-    return KVCache(k=tuple(map(poison, *zip(*enumerate(cache.k)))), v=tuple(map(poison, *zip(*enumerate(cache.v)))))
+    return KVCache(
+        k=tuple(poison(i, p) for i, p in enumerate(cache.k)), v=tuple(poison(i, p) for i, p in enumerate(cache.v))
+    )
 
 
 _poison = jax.jit(_poison_pages, static_argnames=("layers",))
@@ -107,15 +109,16 @@ class SeqUpdate:
     finish_reason: str | None
 
 
-def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens) -> None:
+def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, num_window_kv_pages=None) -> None:
     """Raises InvalidRequestError naming the first capacity setting out of range (None: not given)."""
     for name, value, lo, hi in (
         ("page_size", page_size, 1, 2**16),
         ("max_num_seqs", max_num_seqs, 1, 2**14),  # warm-up compiles a decode shape per bucket up to it
         ("num_kv_pages", num_kv_pages, 2, 2**31 - 1),
         ("max_num_batched_tokens", max_num_batched_tokens, 16, 2**20),
+        ("num_window_kv_pages", num_window_kv_pages, 2, 2**31 - 1),
     ):
-        if value is None and name == "num_kv_pages":
+        if value is None and name in ("num_kv_pages", "num_window_kv_pages"):
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
             raise InvalidRequestError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
@@ -142,12 +145,17 @@ def default_window_kv_pages(cfg, *, max_model_len, page_size, max_num_seqs, max_
     return max_num_seqs * held + 1
 
 
+def layer_page_bytes(cfg, page_size: int) -> int:
+    """Bytes of one layer's K and V for one page (int8: with its scales)."""
+    return cfg.kv_bytes_per_token // cfg.num_layers * page_size
+
+
 def kv_cache_bytes(cfg, *, num_kv_pages: int, num_window_kv_pages: int | None, page_size: int) -> int:
     """Bytes of the KV cache the engine creates: a hybrid model's window layers take
     num_window_kv_pages pages where that is the smaller (see Engine), every other layer num_kv_pages."""
     split = num_window_kv_pages is not None and num_window_kv_pages < num_kv_pages
     pages = [num_window_kv_pages if split and cfg.in_window_pool(i) else num_kv_pages for i in range(cfg.num_layers)]
-    return cfg.kv_bytes_per_token // cfg.num_layers * page_size * sum(pages)
+    return layer_page_bytes(cfg, page_size) * sum(pages)
 
 
 # The longest sequence the engine runs (16M tokens): per-row host arrays (page tables, token history)
@@ -226,6 +234,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             num_kv_pages=num_kv_pages,
             max_num_batched_tokens=max_num_batched_tokens,
+            num_window_kv_pages=num_window_kv_pages,
         )
         check_max_model_len(cfg, max_model_len)
         self.cfg = cfg
@@ -251,19 +260,17 @@ class Engine:
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
                 )
-            value = num_window_kv_pages
-            if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 2**31 - 1:
-                raise InvalidRequestError(f"num_window_kv_pages must be an integer in [2, {2**31 - 1}], got {value!r}")
             if num_window_kv_pages < num_kv_pages:
                 self.window_pool = PagePool(num_window_kv_pages, enable_prefix_cache=enable_prefix_caching)
                 groups.append(PageGroup(self.window_pool, window))
         num_window_pages = None if self.window_pool is None else self.window_pool.num_pages
-        # The layers whose pools each group's pages index.
-        self._group_layers = [tuple(i for i in range(cfg.num_layers) if not cfg.in_window_pool(i))]
-        if self.window_pool is not None:
-            self._group_layers.append(tuple(i for i in range(cfg.num_layers) if cfg.in_window_pool(i)))
+        # The layers whose pools each group's page ids index.
+        layers = range(cfg.num_layers)
+        if self.window_pool is None:
+            self._group_layers = [tuple(layers)]
         else:
-            self._group_layers[0] = tuple(range(cfg.num_layers))
+            self._group_layers = [tuple(i for i in layers if not cfg.in_window_pool(i))]
+            self._group_layers.append(tuple(i for i in layers if cfg.in_window_pool(i)))
         self.scheduler = Scheduler(
             groups=groups,
             page_size=page_size,

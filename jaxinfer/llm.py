@@ -22,6 +22,7 @@ from jaxinfer.engine import (
     default_max_model_len,
     default_window_kv_pages,
     kv_cache_bytes,
+    layer_page_bytes,
 )
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
@@ -129,7 +130,7 @@ def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pa
     """Enough pages for every slot at full length, capped at a quarter of free memory (less what a
     hybrid model's sliding-window pools take: `window_pages` pages of those layers)."""
     want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
-    layer_page = cfg.kv_bytes_per_token // cfg.num_layers * page_size  # one layer's K and V of one page
+    layer_page = layer_page_bytes(cfg, page_size)
     budget, layers = int(_free_device_bytes() * 0.25), cfg.num_layers
     if window_pages is not None and window_pages < want:
         windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
@@ -174,11 +175,11 @@ def _auto_dtype(model) -> str:
 GENERATION_CONFIG_CHOICES = ("auto", "none")
 
 
-def _default_sampling_params(model, generation_config: str) -> SamplingParams:
-    """SamplingParams with the checkpoint's generation_config.json defaults (see `generation_defaults`);
-    says on stderr when they differ from SamplingParams' own, as vLLM does."""
+def _generation_overrides(model, generation_config: str) -> dict:
+    """The checkpoint's generation_config.json defaults (see `generation_defaults`) as SamplingParams
+    fields; says on stderr when there are any, as vLLM does."""
     if generation_config == "none" or (isinstance(model, str) and model in default_model.EMBEDDED):
-        return SamplingParams()
+        return {}
     path = default_model.ASSETS if model is None else os.fspath(model)
     defaults = generation_defaults(path)
     if defaults:
@@ -188,7 +189,7 @@ def _default_sampling_params(model, generation_config: str) -> SamplingParams:
             '(LLM(..., generation_config="none") or --generation-config none to ignore them)',
             file=sys.stderr,
         )
-    return SamplingParams(**defaults)
+    return defaults
 
 
 def _load(model, dtype: str, mesh):
@@ -355,7 +356,9 @@ class LLM:
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
-        self._default_params = _default_sampling_params(model, generation_config)
+        # The fields the checkpoint's generation_config.json sets (`jaxinfer generate` merges them too).
+        self._generation_overrides = _generation_overrides(model, generation_config)
+        self._default_params = SamplingParams(**self._generation_overrides)
         self.engine = Engine(
             cfg,
             params,

@@ -141,24 +141,21 @@ class StepPlan:
 
 class Scheduler:
     """Args:
-    groups: the page groups (one pool each); or `pool` and `window` for a model with one group.
+    groups: the page groups, one pool each: one for most models; a hybrid model's global layers,
+        then its sliding-window layers.
     """
 
     def __init__(
         self,
         *,
-        pool: PagePool | None = None,
+        groups: list[PageGroup],
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_tokens: int,
-        window: int | None = None,
-        groups: list[PageGroup] | None = None,
     ):
-        if (groups is None) == (pool is None):
-            raise ValueError("give either pool (and window) or groups")
-        self.groups = groups if groups is not None else [PageGroup(pool, window)]
-        self.pool = self.groups[0].pool
+        self.groups = groups
+        self.pool = groups[0].pool  # its prefix-cache setting is every group's
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -170,11 +167,6 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         # Per group: pages handed to a sequence since the engine last looked (poisoning).
         self.new_pages: list[list[int]] = [[] for _ in self.groups]
-
-    @property
-    def window(self) -> int | None:
-        """How far back every layer attends (None: some layer to all): the first group's window."""
-        return self.groups[0].window
 
     def add(self, seq: Sequence) -> None:
         if not seq.groups:

@@ -252,10 +252,14 @@ def test_prompt_chunks_are_cut_to_their_padded_shape():
     two below; a second prompt joins a step's call only within the first one's bucket and while the
     call stays >= 3/4 real tokens. (A call costs its padded shape, so this is throughput.)"""
     from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import Scheduler, Sequence
+    from jaxinfer.scheduler import PageGroup, Scheduler, Sequence
 
     sched = Scheduler(
-        pool=PagePool(256), page_size=8, max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=512
+        groups=[PageGroup(PagePool(256))],
+        page_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_prefill_tokens=512,
     )
     sp = SamplingParams(max_tokens=4)
     for i, n in enumerate((200, 120, 30)):
