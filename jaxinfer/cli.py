@@ -75,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
-    # Sampling flags left out take the checkpoint's generation_config.json values (locally, unless
-    # --generation-config none), else the command's own defaults (_SAMPLING_DEFAULTS: greedy, 32 tokens).
+    # Sampling flags left out take the checkpoint's generation_config.json values (with --server, the
+    # served model's; unless --generation-config none), else the command's own defaults
+    # (_SAMPLING_DEFAULTS: greedy, 32 tokens).
     unset = "default: the checkpoint's generation_config.json, else %s"
     g.add_argument("--max-tokens", type=int, default=None, help=unset % _SAMPLING_DEFAULTS["max_tokens"])
     g.add_argument("--temperature", type=float, default=None, help=unset % "0 (greedy)")
@@ -92,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         choices=GENERATION_CONFIG_CHOICES,
         help="auto: sampling flags left out take the checkpoint's generation_config.json values (with "
-        "--server: the command's own defaults); none: always the command's own",
+        "--server: the served model's, as its ModelInfo shows them); none: always the command's own",
     )
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
@@ -157,7 +158,6 @@ _SAMPLING_DEFAULTS = dict(
 _LOCAL_ONLY = (
     "model",
     "dtype",
-    "generation_config",
     "max_model_len",
     "page_size",
     "num_kv_pages",
@@ -191,13 +191,19 @@ def _generate(args) -> int:
         raise InvalidRequestError("--stream takes exactly one prompt and --n 1")
     given = {k: getattr(args, k) for k in _SAMPLING_DEFAULTS if getattr(args, k) is not None}
     fixed = dict(seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop, n=args.n, logprobs=args.logprobs)
-    params = SamplingParams(**{**_SAMPLING_DEFAULTS, **given}, **fixed)  # checked before anything loads
+    SamplingParams(**{**_SAMPLING_DEFAULTS, **given}, **fixed)  # checked before anything loads
+
+    def params_over(recommended: dict) -> SamplingParams:
+        """Flags given, else the model's generation_config.json, else the command's defaults."""
+        if args.generation_config == "none":
+            recommended = {}
+        recommended = {k: v for k, v in recommended.items() if k in _SAMPLING_DEFAULTS}
+        return SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
+
     if args.server:
-        return _generate_remote(args, params)
+        return _generate_remote(args, params_over)
     llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
-    recommended = {k: v for k, v in llm._generation_overrides.items() if k in _SAMPLING_DEFAULTS}
-    if recommended:
-        params = SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
+    params = params_over(llm.generation_overrides)
     if args.stream:
         if args.prompt:
             deltas = llm.stream(args.prompt[0], params)
@@ -213,24 +219,30 @@ def _generate(args) -> int:
     return 0
 
 
-def _generate_remote(args, params) -> int:
-    from jaxinfer.client import Client
+def _generate_remote(args, params_over) -> int:
+    from jaxinfer.client import Client, _request
 
+    # Every request is checked as the client will send it before the first RPC.
+    for prompt in args.prompt:
+        _request(prompt, params_over({}), None, None)
+    for ids in args.prompt_ids or []:
+        _request(None, params_over({}), ids, None)
     with Client(args.server, timeout=args.timeout) as client:
-        # The arguments are checked (by the client) before the first RPC; the model info says whether
-        # the server's model has a tokenizer: without one, its token ids are printed, as locally.
+        # The model info says what the served model recommends for the flags left out, and whether it
+        # has a tokenizer: without one, its token ids are printed, as locally.
+        info = client.model_info()
+        params = params_over(info["default_sampling_overrides"])
         if args.stream:
             if args.prompt:
                 deltas = client.stream(args.prompt[0], params)
             else:
                 deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
-            _print_stream(args, deltas, has_text=client.model_info()["has_tokenizer"])
+            _print_stream(args, deltas, has_text=info["has_tokenizer"])
             return 0
         if args.prompt:
             outs = [client.generate(p, params) for p in args.prompt]
         else:
             outs = [client.generate(prompt_token_ids=p, sampling_params=params) for p in args.prompt_ids]
-        info = client.model_info()
         _print_outputs(args, info["model_name"], outs, has_text=info["has_tokenizer"])
     return 0
 

@@ -214,12 +214,15 @@ def _delta(msg: pb.GenerateStreamResponse) -> StreamDelta:
 
 
 def _model_info(msg: pb.ModelInfo) -> dict:
-    """The server's ModelInfo as a dict; `default_sampling_params` as a SamplingParams."""
+    """The server's ModelInfo as a dict; `default_sampling_params` as a SamplingParams (what a request's
+    unset fields take), and `default_sampling_overrides` the fields of it the model's
+    generation_config.json sets, by name."""
     info = {
         f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
     }
     defaults = {f.name: tuple(v) if f.is_repeated else v for f, v in msg.default_sampling_params.ListFields()}
     info["default_sampling_params"] = SamplingParams(**defaults)
+    info["default_sampling_overrides"] = defaults
     return info
 
 

@@ -390,6 +390,13 @@ class LLM:
         generation_config="none"."""
         return self._default_params
 
+    @property
+    def generation_overrides(self) -> dict:
+        """Just the SamplingParams fields the checkpoint's generation_config.json sets (empty with
+        generation_config="none"): what `get_default_sampling_params` takes over SamplingParams' own
+        defaults, and what the server's ModelInfo.default_sampling_params holds."""
+        return dict(self._generation_overrides)
+
     def _encode(self, text: str, field: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}")

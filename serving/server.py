@@ -539,7 +539,7 @@ class Server:
             eos_token_ids=list(cfg.eos_token_ids),
             has_tokenizer=self.llm.tokenizer is not None,
             version=jaxinfer.__version__,
-            default_sampling_params=wire.sampling_params_proto(self.llm.get_default_sampling_params()),
+            default_sampling_params=wire.sampling_fields_proto(self.llm.generation_overrides),
         )
 
     # -- grpc.health.v1 ---------------------------------------------------------------------------

@@ -111,11 +111,15 @@ def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams | None = No
     )
 
 
-def sampling_params_proto(params: SamplingParams) -> pb.SamplingParams:
-    """SamplingParams as the proto (`ModelInfo.default_sampling_params`); None fields stay unset."""
-    msg = pb.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids)
-    for f in (*_OPTIONAL, *_PLAIN):
-        if (value := getattr(params, f)) is not None:
+def sampling_fields_proto(fields: dict) -> pb.SamplingParams:
+    """Some SamplingParams fields (by name) as the proto, the others unset: ModelInfo's
+    `default_sampling_params` sets just what the checkpoint's generation_config.json sets, so a client
+    can tell the model's recommendations from SamplingParams' own defaults."""
+    msg = pb.SamplingParams()
+    for f, value in fields.items():
+        if f in ("stop", "stop_token_ids"):
+            getattr(msg, f).extend(value)
+        elif value is not None:
             setattr(msg, f, value)
     return msg
 

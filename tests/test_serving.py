@@ -223,16 +223,26 @@ def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_t
             deltas = list(c.stream(prompt_token_ids=prompt, sampling_params=p))
             assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop_at
             assert offline.generate(prompt_token_ids=[prompt], sampling_params=p)[0].stop_reason == stop_at
+            # ModelInfo sets just the file's fields, so a client can tell them from SamplingParams' own.
+            assert c.model_info()["default_sampling_overrides"] == offline.generation_overrides
         from jaxinfer import cli
 
+        # `jaxinfer generate --server` samples as `jaxinfer generate --model` does: flags given, else
+        # the served model's generation_config.json (here its repetition penalty), else greedy.
         capsys.readouterr()
-        for stream in ([], ["--stream"]):
-            argv = ["generate", "--server", s.address, "--prompt-ids", "1,17,33,9", "--max-tokens", "5", *stream]
+        ignore = ["--ignore-eos"]
+        local = ["generate", "--model", str(tmp_path), "--prompt-ids", "1,17,33,9", *ignore]
+        for flags in ([], ["--generation-config", "none"], ["--max-tokens", "5", "--stream"]):
+            argv = ["generate", "--server", s.address, "--prompt-ids", "1,17,33,9", *ignore, *flags]
             assert cli.main(argv) == 0
             out = capsys.readouterr().out.strip().strip(",")
-            greedy = SamplingParams(max_tokens=5, temperature=0)
-            want = offline.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids
-            assert out == ",".join(map(str, want)), stream
+            assert cli.main([*local, *[f for f in flags if f != "--stream"], "--num-kv-pages", "32"]) == 0
+            assert out == capsys.readouterr().out.strip(), flags
+            penalty = 1.0 if "none" in flags else 1.3
+            max_tokens = {(): 4, ("--generation-config", "none"): 32}.get(tuple(flags), 5)
+            p = SamplingParams(max_tokens=max_tokens, temperature=0, repetition_penalty=penalty, ignore_eos=True)
+            want = offline.generate(prompt_token_ids=[prompt], sampling_params=p)[0].token_ids
+            assert out == ",".join(map(str, want)), flags
     finally:
         s.stop()
 
