@@ -89,18 +89,26 @@ def _len_range(s: str) -> list[int]:
     return values
 
 
+# `jaxinfer bench MODE ...` modes that parse their own flags (see cli._main).
+OWN_FLAG_MODES = ("kernels", "load", "mesh", "window-pools")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "mode",
         nargs="?",
         default="latency",
-        choices=["latency", "throughput", "serve"],
+        choices=["latency", "throughput", "serve", *OWN_FLAG_MODES],
         help="latency: TTFT, decode step, MBU (default); throughput: many requests offline, "
         "continuous batching against one request at a time; serve: streaming gRPC clients against "
-        "`jaxinfer serve` (started here unless --server is given). `jaxinfer bench kernels --help`: the "
-        "paged-attention kernels against a measured copy bandwidth",
+        "`jaxinfer serve` (started here unless --server is given). With flags of their own (`jaxinfer bench "
+        "MODE --help`): kernels: the paged-attention kernels against a measured copy bandwidth; load: HF "
+        "safetensors vs orbax load time; mesh: bytes per device on each mesh; window-pools: a hybrid "
+        "model's window pools against one pool size",
     )
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
+    p.add_argument(
+        "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
+    )
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),

@@ -104,7 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prompt-ids", type=_prompt_ids, action="append", help="a prompt as comma-separated token ids (repeatable)"
     )
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per sample (--n of them per prompt); with --stream, one per delta",
+    )
     g.add_argument("--server", metavar="HOST:PORT", help="generate on a running `jaxinfer serve` instead of locally")
     g.add_argument("--timeout", type=float, default=None, help="with --server: each call's deadline in seconds")
     # What --server makes meaningless (the server's model and engine serve the request): refused if set.
@@ -468,7 +472,13 @@ def _main(argv: list[str]) -> int:
         return _convert(args)
     if args.command == "bench":
         from jaxinfer import bench
+        from jaxinfer.errors import InvalidRequestError
 
+        if args.mode in bench.OWN_FLAG_MODES:  # reached only with flags before the mode
+            raise InvalidRequestError(
+                f"`jaxinfer bench {args.mode}` takes flags of its own: put them after the mode "
+                f"(`jaxinfer bench {args.mode} --help`)"
+            )
         bench.run(args)
         return 0
     return 1

@@ -1,7 +1,9 @@
 """Clients of `jaxinfer serve`: `Client` (blocking) and `AsyncClient` (asyncio).
 
 Both speak jaxinfer.v1 and return the types of the offline API - `RequestOutput` from `generate`,
-`StreamDelta`s from `stream` - so code moves between `LLM` and a server by changing one line:
+`StreamDelta`s from `stream` - so code that reads outputs works on either. One difference: a call
+takes one prompt (text, or `prompt_token_ids` as one list of ids) and `generate` returns one
+RequestOutput, not a list; concurrency is the server's job (send calls from several threads or tasks).
 
     from jaxinfer.client import Client
     with Client("127.0.0.1:9000") as c:

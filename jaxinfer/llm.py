@@ -153,13 +153,14 @@ def _check_cache_fits(cfg, *, num_kv_pages: int, page_size: int, window_pages: i
 
 def _auto_dtype(model) -> str:
     """dtype="auto": what the checkpoint stores. A Hugging Face config's `dtype` (`torch_dtype` before
-    transformers 5); a jaxinfer checkpoint's stored dtype; float32 for the embedded models. float16
-    checkpoints compute in bfloat16 (same memory; jaxinfer has no float16 path)."""
+    transformers 5); a jaxinfer checkpoint's stored dtype (the embedded default model's: bfloat16);
+    float32 for the generated embedded models. float16 checkpoints compute in bfloat16 (same memory;
+    jaxinfer has no float16 path)."""
     from jaxinfer import checkpoint
 
-    if model is None or (isinstance(model, str) and model in default_model.EMBEDDED):
+    if isinstance(model, str) and model in default_model.EMBEDDED:
         return "float32"
-    path = os.fspath(model)
+    path = default_model.ASSETS if model is None else os.fspath(model)
     try:
         if checkpoint.is_checkpoint(path):
             return checkpoint.load_config(path).dtype
@@ -235,7 +236,8 @@ class LLM:
     """Loads a model and generates from it.
 
     Args:
-        model: a local Hugging Face checkpoint directory; None for the embedded default model.
+        model: a local Hugging Face checkpoint directory, or one `jaxinfer convert` wrote (orbax);
+            None for the embedded default model; "embedded:tiny-random" for a tiny random-weight one.
         dtype: "float32" or "bfloat16", for parameters, activations and the KV cache; "auto": the
             checkpoint's own (bfloat16 for a bfloat16 or float16 checkpoint, else float32).
         max_model_len: longest sequence (prompt + output); defaults to the model's maximum.
@@ -516,7 +518,7 @@ class LLM:
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping | None = None,
     ) -> list[RequestOutput]:
@@ -526,10 +528,10 @@ class LLM:
             messages: one conversation, a list of {"role": ..., "content": ...} dicts, or a list of
                 conversations.
             sampling_params: one for all conversations, or one per conversation.
-            add_generation_prompt: end the prompt with the template's opening of an assistant turn.
+            add_generation_prompt: end the prompt with the template's opening of an assistant turn;
+                by default True, unless continue_final_message (the two cannot be combined).
             continue_final_message: leave the last message open (cut after its text, before whatever
-                ends a turn) so the model goes on writing it, e.g. a prefilled assistant answer; needs
-                add_generation_prompt=False.
+                ends a turn) so the model goes on writing it, e.g. a prefilled assistant answer.
             chat_template_kwargs: further variables for the template, e.g. {"enable_thinking": False}
                 for Qwen 3.
 
@@ -545,6 +547,8 @@ class LLM:
                 "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
                 "format the prompt yourself and call generate()"
             )
+        if add_generation_prompt is None:
+            add_generation_prompt = continue_final_message is not True
         template_kwargs = check_chat_options(
             chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,

@@ -2,4 +2,11 @@
 
 - ragged_paged_attention: decode and chunked-prefill attention over the paged KV cache, as a TPU
   (Mosaic) kernel that also runs in Pallas' TPU interpret mode, so it is tested on CPU.
+- ragged_paged_attention_gpu: the same contract on GPU (Pallas' Triton lowering); also testable in
+  interpret mode.
+- kv_write: the new tokens' K/V (float or int8 with scales) written into their pages in place (TPU).
+- sharded: both under shard_map over the mesh's KV-head axis.
+
+`jaxinfer.attention.paged_attention` is the one dispatch point that picks them (attention_backend
+"pallas", the default on TPU and GPU); `bench` times them against a measured copy bandwidth.
 """

@@ -57,6 +57,9 @@ def _blocks(s: str) -> dict[str, int]:
     return out
 
 
+VARIANTS = ("copy", "reference", "xla", "ours", "upstream")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="decode rows")
     p.add_argument("--contexts", type=_ints, default=[1024, 4096], help="tokens of context per row")
@@ -84,8 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--variants",
-        default="copy,reference,xla,ours,upstream",
-        help="comma-separated subset of copy,reference,xla,ours,upstream (copy: a plain copy of the same bytes)",
+        default=None,
+        help=f"comma-separated subset of {','.join(VARIANTS)} (copy: a plain copy of the same bytes); "
+        "default all, on CPU all but the interpret-mode kernels (ours, upstream)",
     )
 
 
@@ -246,14 +250,22 @@ def run(args) -> list[dict]:
     if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
         raise SystemExit("error: --heads takes N,K with N a multiple of K")
     window = 1 if args.window is None else args.window  # None: global
-    if min(args.batch, args.head_dim, args.page_size, args.repeats, args.layers, *args.contexts, window) < 1:
-        raise SystemExit(
-            "error: --batch, --head-dim, --page-size, --repeats, --layers, --contexts and --window must be positive"
-        )
+    for flag, value in (
+        ("--batch", args.batch),
+        ("--head-dim", args.head_dim),
+        ("--page-size", args.page_size),
+        ("--repeats", args.repeats),
+        ("--layers", args.layers),
+        ("--window", window),
+    ):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be positive, got {value}")
+    if args.variants is None:  # CPU: the kernels only as a simulation, so only when asked for
+        args.variants = "copy,reference,xla" if simulated_kernels else ",".join(VARIANTS)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants:
-        raise SystemExit("error: --variants names none; pick from copy, reference, xla, ours, upstream")
-    unknown = set(variants) - {"copy", "reference", "xla", "ours", "upstream"}
+        raise SystemExit(f"error: --variants names none; pick from {', '.join(VARIANTS)}")
+    unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"error: unknown --variants {sorted(unknown)}")
     n, nk = args.heads
@@ -266,8 +278,11 @@ def run(args) -> list[dict]:
         + (f"; {args.layers} layers per call, time per layer" if args.layers > 1 else "")
         + (f"; sliding window {args.window} (bytes: the window's K/V)" if args.window else "")
     )
-    if simulated_kernels:
+    if simulated_kernels and {"ours", "upstream"} & set(variants):
         print("  (CPU: 'ours' and 'upstream' run in TPU interpret mode - simulated, not a speed)")
+    elif simulated_kernels:
+        print("  (CPU: the Pallas kernels would run in TPU interpret mode, a simulation taking minutes per shape;")
+        print("   --variants ours,upstream runs them anyway)")
     print(f"{'context':>8} {'variant':>10} {'time':>10} {'MB moved':>9} {'GB/s':>7} {'MBU':>6}")
     rows = []
     rng = np.random.default_rng(0)

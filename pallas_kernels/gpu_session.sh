@@ -9,8 +9,8 @@ $PY -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__
 date -u +%FT%TZ | tee -a "$OUT/env.txt"
 step() { echo "=== $1"; shift; "$@"; echo "=== rc $?"; }
 # Kernel vs reference (float32 at full precision), vs upstream, and a model's greedy tokens end to end.
-step tests env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -n 0 -p no:cacheprovider \
-  tests/test_pallas_kernels.py tests/test_pallas_kernels_gpu.py --timeout 600 -k "gpu_kernel or model_with_the_pallas" 2>&1 \
+step tests timeout 600 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -n 0 -p no:cacheprovider \
+  tests/test_pallas_kernels.py tests/test_pallas_kernels_gpu.py -k "gpu_kernel or model_with_the_pallas" 2>&1 \
   | grep -v "DeprecationWarning\|return rule\|warnings$" | tee "$OUT/tests.log" | tail -15
 bench() { $PY -m pallas_kernels.bench --variants copy,reference,ours,upstream --repeats 20 --layers 8 "$@"; }
 step bench bench --batch 8 --contexts 1024,4096,16384 2>&1 | tee "$OUT/bench.log"

@@ -159,6 +159,11 @@ def run(args, model_dir: str | None) -> dict:
         proc, address = _start_server(args, model_dir, max_model_len)
     try:
         with Client(address) as c:
+            status = c.health()
+            if status == "UNREACHABLE" and proc is None:  # `jaxinfer serve` listens while it loads
+                raise SystemExit(f"error: --server {address}: nothing answers there (is `jaxinfer serve` running?)")
+            if status != "SERVING":
+                print(f"waiting up to {args.duration_limit:g} s for {address} to report SERVING", file=sys.stderr)
             c.wait_ready(timeout=args.duration_limit)
             info = c.model_info()
         rate = "all at once" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"

@@ -14,7 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from jaxinfer.cli import add_engine_arguments
     from jaxinfer.llm import GENERATION_CONFIG_CHOICES
 
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the embedded default model)")
+    p.add_argument(
+        "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=9000, help="gRPC port (0: any free port, printed at start)")
@@ -63,10 +65,15 @@ def run(args) -> int:
     from jaxinfer.cli import engine_kwargs
     from serving.server import Server, ServerConfig
 
-    for name, lo in (("port", 0), ("metrics_port", 0), ("max_queued_requests", 0), ("stream_interval", 1)):
+    for name, lo, hi in (
+        ("port", 0, 65535),
+        ("metrics_port", 0, 65535),
+        ("max_queued_requests", 0, 10**6),
+        ("stream_interval", 1, 10**6),
+    ):
         v = getattr(args, name)
-        if v is not None and not (lo <= v <= (65535 if "port" in name else 10**6)):
-            print(f"error: --{name.replace('_', '-')} out of range: {v}", file=sys.stderr)
+        if v is not None and not lo <= v <= hi:
+            print(f"error: --{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}", file=sys.stderr)
             return 2
     for name, limit, ok in (("drain_timeout", ">= 0", lambda v: v >= 0), ("peer_timeout", "> 0", lambda v: v > 0)):
         v = getattr(args, name)

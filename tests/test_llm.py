@@ -352,6 +352,8 @@ def test_cli_json(capsys):
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
         (["generate", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+        (["bench", "--repeats", "2", "kernels"], "`jaxinfer bench kernels` takes flags of its own"),
     ],
 )
 def test_cli_errors_are_one_line_no_traceback(argv, message):

@@ -283,7 +283,8 @@ def test_text_prompts_through_llm_with_tokenizer(tmp_path):
 
 def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     """dtype="auto" (vLLM's default): a bfloat16 or float16 checkpoint computes in bfloat16, a float32
-    one in float32, a jaxinfer checkpoint in the dtype it stores, the embedded models in float32."""
+    one in float32, a jaxinfer checkpoint (the embedded default model too) in the dtype it stores, the
+    generated embedded models in float32."""
     import torch
 
     from jaxinfer import checkpoint, default_model
@@ -298,3 +299,4 @@ def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     assert LLM(str(converted), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "bfloat16"
     assert LLM(str(ckpt), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
     assert LLM(default_model.TINY_RANDOM, dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
+    assert LLM(dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "bfloat16"  # the embedded default

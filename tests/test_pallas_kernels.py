@@ -277,6 +277,9 @@ def test_kernel_bench_smoke(capsys):
     assert [(r["variant"], r["bytes"]) for r in rows] == [
         (v, 2 * 2 * 8 * (128 + 4) + 2 * (2 * 2 * 128 * 2)) for v in ("reference", "ours")
     ]
+    # Unasked, CPU runs only the real speeds: interpret mode takes minutes per realistic shape.
+    rows = bench.run(p.parse_args([*args[2:], "--repeats", "1"]))
+    assert [r["variant"] for r in rows] == ["copy", "reference", "xla"] and "--variants ours" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -302,8 +305,10 @@ def test_kernel_bench_refuses_a_zero_window_and_no_variants():
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    with pytest.raises(SystemExit, match="--window must be positive"):  # ran as a 0-byte, 0.1% MBU row
+    with pytest.raises(SystemExit, match="--window must be positive, got 0"):  # ran as a 0-byte, 0.1% MBU row
         bench.run(p.parse_args(["--window", "0"]))
+    with pytest.raises(SystemExit, match="--batch must be positive, got 0"):
+        bench.run(p.parse_args(["--batch", "0"]))
     with pytest.raises(SystemExit, match="--variants names none"):
         bench.run(p.parse_args(["--variants", ""]))
 

@@ -457,12 +457,14 @@ def test_llm_chat_continues_the_final_message(chat_llm):
     ids = theirs.apply_chat_template(conv, continue_final_message=True, return_dict=False)
     assert out.prompt_token_ids == ids and out.prompt.endswith("A ripe")
     assert out.token_ids == chat_llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+    # Left out, add_generation_prompt gives way to continue_final_message (it defaults to True otherwise).
+    assert chat_llm.chat(conv, params, continue_final_message=True)[0].prompt_token_ids == ids
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(continue_final_message=True), r"pass add_generation_prompt=False"),
+        (dict(continue_final_message=True, add_generation_prompt=True), r"pass add_generation_prompt=False"),
         (dict(continue_final_message=1, add_generation_prompt=False), r"continue_final_message must be True or False"),
         (dict(chat_template_kwargs=["x"]), r"chat_template_kwargs must be a dict"),
         (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
