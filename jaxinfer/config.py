@@ -497,10 +497,18 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
 def _activation(hf: dict[str, Any], family: str) -> str:
     """The MLP gate activation, in our names. Gemma 1 reads `hidden_act`, Gemma 2/3 `hidden_activation`."""
     if family == "gemma":
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
-        if act == "gelu":  # the released Gemma 1 configs say "gelu" but were trained with the tanh form
-            act = "gelu_pytorch_tanh"
+        # transformers 5 reads `hidden_act` (the released configs' "gelu" meaning the tanh form it was
+        # trained with); transformers 4 read `hidden_activation` first. Where they disagree, refused.
+        def tanh_if_gelu(a):
+            return "gelu_pytorch_tanh" if a == "gelu" else a
+
+        key, act = "hidden_act", tanh_if_gelu(hf.get("hidden_act") or "gelu_pytorch_tanh")
+        other = hf.get("hidden_activation")
+        if other and tanh_if_gelu(other) != act:
+            raise UnsupportedModelError(
+                f"gemma: hidden_act {hf.get('hidden_act')!r} and hidden_activation {other!r} disagree "
+                "(transformers 5 uses hidden_act, transformers 4 hidden_activation): make them the same"
+            )
     elif family in _GEMMA:
         key = "hidden_activation"
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
@@ -534,6 +542,9 @@ def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
     full = dict(_object_field(params, "full_attention") or {"rope_type": "default"})
     if _object_field(hf, "rope_scaling") is not None:
         full.update(hf["rope_scaling"])
+    # transformers looks YaRN's `truncate` up in the outer rope_parameters, where a per-layer-type
+    # config never has it, so Gemma 3 always truncates; read the same way.
+    full.pop("truncate", None)
     if full.get("rope_theta") is None:
         full["rope_theta"] = hf["rope_theta"] if hf.get("rope_theta") is not None else 1_000_000.0
     if full.get("rope_type", full.get("type")) in ("llama3", "yarn"):
@@ -677,6 +688,13 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
         if arch in _ARCHITECTURES:
             family = _ARCHITECTURES[arch]
             break
+    typed = "gemma3" if model_type == "gemma3_text" else model_type
+    if family is not None and model_type in _MODEL_TYPES and typed != family:
+        # transformers builds the class model_type names; the weights may fit either (Llama, Mistral).
+        raise UnsupportedModelError(
+            f"config.json says architecture {arch!r} but model_type {model_type!r}, which disagree "
+            "(transformers would build the model_type's class): make the two name the same family"
+        )
     if family is None:
         if archs:
             raise UnsupportedModelError(

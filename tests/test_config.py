@@ -125,6 +125,12 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
             "rope_scaling.beta_fast must be a number, got 'x'",
         ),
         (dict(architectures=5), "'architectures' must be a list of names, got 5"),
+        # transformers builds what model_type names (here Llama, which ignores sliding_window): the
+        # weights fit both, so only the refusal stops a silent choice.
+        (
+            dict(architectures=["MistralForCausalLM"], sliding_window=8),
+            "architecture 'MistralForCausalLM' but model_type 'llama'",
+        ),
         (dict(architectures=None, model_type=["llama"]), "'model_type' must be a string"),
         (dict(vocab_size=2**31), "'vocab_size' must be below 2\\*\\*31"),
         (dict(mlp_bias=True), "mlp_bias"),

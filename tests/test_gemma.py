@@ -201,10 +201,23 @@ def test_gemma3_old_style_config_keys():
     ]
 
 
-def test_gemma3_rope_tables_match_transformers():
+# YaRN on the global layers with truncate=false: transformers reads `truncate` from the outer
+# rope_parameters, so it truncates anyway (a real difference in the tables when read literally).
+_YARN_NO_TRUNCATE = dict(
+    rope_parameters={
+        "full_attention": dict(
+            rope_type="yarn", factor=4.0, rope_theta=1e6, original_max_position_embeddings=64, truncate=False
+        ),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+    }
+)
+
+
+@pytest.mark.parametrize("change", [{}, _YARN_NO_TRUNCATE], ids=["family-config", "yarn-truncate-false"])
+def test_gemma3_rope_tables_match_transformers(change):
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    hf = transformers.Gemma3TextConfig(**{**GEMMA_TINY, **GEMMA_FAMILIES["gemma3_text"][2]})
+    hf = transformers.Gemma3TextConfig(**{**GEMMA_TINY, **GEMMA_FAMILIES["gemma3_text"][2], **change})
     rope = Gemma3RotaryEmbedding(hf)
     c = from_hf_config(hf.to_dict())
     for layer_type, local in (("full_attention", False), ("sliding_attention", True)):
@@ -225,6 +238,8 @@ def test_num_params_counts_the_real_tree(family):
         ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
         ("gemma2", dict(hidden_activation="relu"), "hidden_activation 'relu'"),
         ("gemma", dict(hidden_act="relu"), "hidden_act 'relu'"),
+        # transformers 5 runs hidden_act, transformers 4 ran hidden_activation: no silent pick.
+        ("gemma", dict(hidden_act="gelu", hidden_activation="silu"), "hidden_act 'gelu' and hidden_activation 'silu'"),
         ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         (
             "gemma3_text",
