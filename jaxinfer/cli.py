@@ -195,7 +195,6 @@ def _generate(args) -> int:
         raise InvalidRequestError("--stream takes exactly one prompt and --n 1")
     given = {k: getattr(args, k) for k in _SAMPLING_DEFAULTS if getattr(args, k) is not None}
     fixed = dict(seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop, n=args.n, logprobs=args.logprobs)
-    SamplingParams(**{**_SAMPLING_DEFAULTS, **given}, **fixed)  # checked before anything loads
 
     def params_over(recommended: dict) -> SamplingParams:
         """Flags given, else the model's generation_config.json, else the command's defaults."""
@@ -204,6 +203,7 @@ def _generate(args) -> int:
         recommended = {k: v for k, v in recommended.items() if k in _SAMPLING_DEFAULTS}
         return SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
 
+    params_over({})  # the flags are checked before anything loads
     if args.server:
         return _generate_remote(args, params_over)
     llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
@@ -227,10 +227,11 @@ def _generate_remote(args, params_over) -> int:
     from jaxinfer.client import Client, _request
 
     # Every request is checked as the client will send it before the first RPC.
+    checked = params_over({})
     for prompt in args.prompt:
-        _request(prompt, params_over({}), None, None)
+        _request(prompt, checked, None, None)
     for ids in args.prompt_ids or []:
-        _request(None, params_over({}), ids, None)
+        _request(None, checked, ids, None)
     with Client(args.server, timeout=args.timeout) as client:
         # The model info says what the served model recommends for the flags left out, and whether it
         # has a tokenizer: without one, its token ids are printed, as locally.

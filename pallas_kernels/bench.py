@@ -260,9 +260,10 @@ def run(args) -> list[dict]:
     ):
         if value < 1:
             raise SystemExit(f"error: {flag} must be positive, got {value}")
-    if args.variants is None:  # CPU: the kernels only as a simulation, so only when asked for
-        args.variants = "copy,reference,xla" if simulated_kernels else ",".join(VARIANTS)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    named = args.variants
+    if named is None:  # CPU: the kernels only as a simulation, so only when asked for
+        named = "copy,reference,xla" if simulated_kernels else ",".join(VARIANTS)
+    variants = [v.strip() for v in named.split(",") if v.strip()]
     if not variants:
         raise SystemExit(f"error: --variants names none; pick from {', '.join(VARIANTS)}")
     unknown = set(variants) - set(VARIANTS)
