@@ -10,8 +10,12 @@ step on the same global arrays, in the same order. Followers never decide anythi
 
 Failure: a follower that dies breaks the next collective on the leader (gloo reports the closed
 connection at once); the engine turns that into `PeerFailureError`, and the server fails the
-requests in flight with UNAVAILABLE and reports NOT_SERVING. A follower that hangs without dying
-would block the collective: the server's watchdog (`--peer-timeout`) bounds that wait.
+requests in flight with UNAVAILABLE and reports NOT_SERVING. A process that hangs without dying
+blocks the others in their next collective, which never fails: every process therefore marks its
+waits on the others (`peer_wait`) and a watchdog bounds them (`--peer-timeout` while serving,
+`--peer-startup-timeout` while loading and warming up). An idle leader broadcasts a heartbeat now
+and then, so that a follower can tell a hung leader from one with nothing to do, and a leader
+notices a hung follower without waiting for traffic.
 
 CPU (tests, and CPU clusters) uses gloo collectives; TPU and GPU use their own. `initialize()`
 without arguments lets `jax.distributed.initialize` detect TPU pods and SLURM by itself.
@@ -19,10 +23,14 @@ without arguments lets `jax.distributed.initialize` detect TPU pods and SLURM by
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
+import threading
+import time
 
 import jax
 import numpy as np
@@ -31,11 +39,65 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import Batch
 
 _HEADER = 6
-OP_STEP, OP_POISON, OP_STOP = 1, 2, 3
+OP_STEP, OP_POISON, OP_STOP, OP_HEARTBEAT = 1, 2, 3, 4
+
+log = logging.getLogger("jaxinfer.distributed")
 
 
 class PeerFailureError(RuntimeError):
     """A collective with the other processes failed: a follower died or stopped answering."""
+
+
+class _PeerWait:
+    """When this process began its present wait on the other processes (a collective in flight,
+    from the leader's broadcast to the end of the step it feeds), or None. Watchdogs read it: a
+    wait past their limit means a peer hung without dying. Used as a context manager around each
+    collective; an inner one inside an outer one keeps the outer start. Only one thread of a process
+    runs collectives at a time (the loading thread, then the engine's)."""
+
+    def __init__(self):
+        self.since: float | None = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if self.since is not None:
+            yield
+            return
+        self.since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.since = None
+
+    def seconds(self) -> float:
+        """How long the present wait has lasted (0 when none is in flight)."""
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+peer_wait = _PeerWait()
+
+
+class Watchdog:
+    """A daemon thread that calls `on_timeout(seconds)` once this process has waited on the others
+    (`peer_wait`) longer than `limit` seconds. The limit may change as the process goes from
+    loading to serving (`phase`, for the message); `limit=None` pauses the watch."""
+
+    def __init__(self, limit: float | None, on_timeout):
+        self.limit = limit
+        self.phase = "startup"
+        self._on_timeout = on_timeout
+        self._thread = threading.Thread(target=self._watch, name="jaxinfer-peer-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            limit = self.limit
+            time.sleep(0.5 if limit is None else min(0.5, limit / 4))
+            waited = peer_wait.seconds()
+            if limit is not None and self.limit == limit and waited > limit:
+                self._on_timeout(waited)
+                return
 
 
 def initialize(
@@ -105,7 +167,8 @@ def leader_value(value: int) -> int:
     """The leader's `value` (an int32), on every process."""
     from jax.experimental import multihost_utils
 
-    return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([value], np.int32)))[0])
+    with peer_wait():
+        return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([value], np.int32)))[0])
 
 
 class JobMismatchError(InvalidRequestError):
@@ -125,7 +188,8 @@ def check_same_job(settings: dict) -> None:
         [int.from_bytes(hashlib.blake2b(b.encode(), digest_size=4).digest(), "little", signed=True) for b in blobs],
         np.int32,
     )
-    everyone = np.asarray(multihost_utils.process_allgather(mine))  # [processes, settings]
+    with peer_wait():
+        everyone = np.asarray(multihost_utils.process_allgather(mine))  # [processes, settings]
     differ = [i for i in range(len(names)) if len(set(everyone[:, i].tolist())) > 1]
     if differ:
         own = jax.process_index()
@@ -173,13 +237,16 @@ class StepChannel:
 
         self._broadcast = multihost_utils.broadcast_one_to_all
         self.is_leader = is_leader()
+        self.last_sent = time.monotonic()  # leader: when it last broadcast anything
 
     def _send(self, header: list[int], payload: tuple[np.ndarray, ...]) -> None:
         head = np.zeros(_HEADER, np.int32)
         head[: len(header)] = header
-        self._broadcast(head)
-        if payload:
-            self._broadcast(payload)
+        with peer_wait():
+            self._broadcast(head)
+            if payload:
+                self._broadcast(payload)
+        self.last_sent = time.monotonic()
 
     def send_step(self, batch: Batch, t: int) -> None:
         b, mp = batch.page_table.shape
@@ -193,9 +260,17 @@ class StepChannel:
     def send_stop(self) -> None:
         self._send([OP_STOP], ())
 
+    def send_heartbeat(self) -> None:
+        """An idle leader's sign of life (the followers answer nothing; they go on waiting)."""
+        self._send([OP_HEARTBEAT], ())
+
     def recv(self):
-        """(op, payload) on a follower: (OP_STEP, (Batch, t)), (OP_POISON, (pages, group)) or
-        (OP_STOP, None)."""
+        """(op, payload) on a follower: (OP_STEP, (Batch, t)), (OP_POISON, (pages, group)),
+        (OP_HEARTBEAT, None) or (OP_STOP, None)."""
+        with peer_wait():
+            return self._recv()
+
+    def _recv(self):
         head = np.asarray(self._broadcast(np.zeros(_HEADER, np.int32)))
         op = int(head[0])
         if op == OP_STEP:
@@ -212,27 +287,37 @@ class StepChannel:
         if op == OP_POISON:
             (pages,) = self._broadcast((np.zeros(int(head[1]), np.int32),))
             return op, (np.asarray(pages), int(head[2]))
-        if op == OP_STOP:
+        if op in (OP_STOP, OP_HEARTBEAT):
             return op, None
         raise PeerFailureError(f"unknown step op {op} from the leader")
 
 
-def run_follower(engine, channel: StepChannel) -> int:
+def run_follower(engine, channel: StepChannel, watchdog: Watchdog | None = None, peer_timeout: float = 60.0) -> int:
     """A follower's whole life after warm-up: replay the leader's steps until it says stop.
+
+    With a watchdog, its limit (the start-up one until then: the leader may still be warming up
+    its sampler) becomes `peer_timeout` once the leader's first message arrives (sent when it
+    starts serving): from then on the leader sends something at least every peer_timeout / 4
+    seconds (10 s at most), so a longer silence means it hung.
 
     Returns 0 on the leader's stop; raises PeerFailureError when the leader is gone.
     """
+    first = True
     while True:
         try:
             op, payload = channel.recv()
         except Exception as e:
             raise PeerFailureError(f"lost the leader: {type(e).__name__}: {e}") from e
+        if first and watchdog is not None:
+            watchdog.phase, watchdog.limit = "serving", peer_timeout
+        first = False
         if op == OP_STOP:
             return 0
         try:
-            if op == OP_STEP:
-                jax.block_until_ready(engine._run_step(*payload))
-            elif op == OP_POISON:
-                engine._run_poison(*payload)
+            with peer_wait():
+                if op == OP_STEP:
+                    jax.block_until_ready(engine._run_step(*payload))
+                elif op == OP_POISON:
+                    engine._run_poison(*payload)
         except Exception as e:
             raise PeerFailureError(f"a step across the processes failed: {type(e).__name__}: {e}") from e

@@ -374,7 +374,7 @@ class Engine:
                 page_table=table,
                 window_page_table=None if self.window_pool is None else table.copy(),
             )
-            step_logits[b] = self._run_step(batch, t)
+            step_logits[b] = self._run_step(batch, t, multi_process_warmup=jax.process_count() > 1)
         if not sampler:
             return num_compiles() - before
         # The sampler is warmed on the steps' own logits: a jitted function's cache is keyed on its
@@ -403,15 +403,29 @@ class Engine:
         """
         if self.channel is None:
             return self._run_step(batch, t)
+        from jaxinfer.distributed import PeerFailureError, peer_wait
+
+        try:
+            with peer_wait():
+                self.channel.send_step(batch, t)
+                logits = self._run_step(batch, t)
+                local = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
+                return local.block_until_ready()
+        except Exception as e:
+            raise PeerFailureError(f"a step across the processes failed (a follower died?): {e}") from e
+
+    def heartbeat(self, interval: float) -> None:
+        """Multi-host leader with nothing to run: a sign of life to the followers, when nothing was
+        broadcast for `interval` seconds. A hung follower blocks it (and the server's watchdog
+        notices); a dead one fails it with PeerFailureError."""
+        if self.channel is None or time.monotonic() - self.channel.last_sent < interval:
+            return
         from jaxinfer.distributed import PeerFailureError
 
         try:
-            self.channel.send_step(batch, t)
-            logits = self._run_step(batch, t)
-            local = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
-            return local.block_until_ready()
+            self.channel.send_heartbeat()
         except Exception as e:
-            raise PeerFailureError(f"a step across the processes failed (a follower died?): {e}") from e
+            raise PeerFailureError(f"a heartbeat to the other processes failed (a follower died?): {e}") from e
 
     def close(self) -> None:
         """Multi-host leader: tells the followers to exit (they return from run_follower)."""
@@ -419,17 +433,27 @@ class Engine:
             self.channel.send_stop()
             self.channel = None
 
-    def _run_step(self, batch: Batch, t: int) -> jax.Array:
+    def _run_step(self, batch: Batch, t: int, *, multi_process_warmup: bool = False) -> jax.Array:
+        """One step on this process's devices. `multi_process_warmup`: compile first, then run and
+        wait for the step as a wait on the other processes (`peer_wait`), so that the startup
+        watchdog times the collective, not this process's own compilation."""
         if self.mesh is None:
             fn = model_lib.decode_step if t == 1 else model_lib.prefill
             logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
             return logits
         from jaxinfer import sharding
+        from jaxinfer.distributed import peer_wait
 
         batch = jax.device_put(batch, sharding.batch_shardings(batch, self.mesh))
+        step = self._sharded_steps[t == 1]
         with jax.set_mesh(self.mesh):
-            logits, self.cache = self._sharded_steps[t == 1](self.params, self.cache, batch, cfg=self.cfg)
-        return logits
+            if not multi_process_warmup:
+                logits, self.cache = step(self.params, self.cache, batch, cfg=self.cfg)
+                return logits
+            step.lower(self.params, self.cache, batch, cfg=self.cfg).compile()  # jit's own cache keeps it
+            with peer_wait():
+                logits, self.cache = step(self.params, self.cache, batch, cfg=self.cfg)
+                return jax.block_until_ready(logits)
 
     def _poison(self, pages: np.ndarray, group: int) -> None:
         """Fills pages of one page group's pools with NaN."""

@@ -118,7 +118,6 @@ class AsyncEngine:
         self.peer_timeout = peer_timeout  # multi-host: longest a step may take before the job counts as broken
         self.on_broken = on_broken  # called on the event loop once, with the error, when the job breaks
         self.broken: Exception | None = None
-        self._step_started: float | None = None
         self.max_queued = max_queued
         self.max_in_flight = engine.max_num_seqs + max_queued
         self.draining = False
@@ -138,13 +137,13 @@ class AsyncEngine:
             self._watchdog = self._loop.create_task(self._watch_steps())
 
     async def _watch_steps(self) -> None:
-        """Multi-host: a step blocked past peer_timeout (a follower hung without dying) breaks the job."""
-        from jaxinfer.distributed import PeerFailureError
+        """Multi-host: a wait on the followers (a step, or an idle heartbeat) blocked past
+        peer_timeout (a follower hung without dying) breaks the job."""
+        from jaxinfer.distributed import PeerFailureError, peer_wait
 
         while self.broken is None and not self._stop.is_set():
             await asyncio.sleep(min(0.5, self.peer_timeout / 4))
-            started = self._step_started
-            if started is not None and time.monotonic() - started > self.peer_timeout:
+            if peer_wait.seconds() > self.peer_timeout:
                 self._break(PeerFailureError(f"a step has waited {self.peer_timeout:.0f} s for the other processes"))
                 self._deliver([(rid, self._failure(self.broken)) for rid in list(self._streams)])
 
@@ -264,12 +263,9 @@ class AsyncEngine:
                     block = False
                     self._apply(cmd, batch)
                 if engine.has_unfinished():
-                    self._step_started = time.monotonic()
-                    try:
-                        updates = engine.step()
-                    finally:
-                        self._step_started = None
-                    self._collect(updates, batch)
+                    self._collect(engine.step(), batch)
+                elif self.peer_timeout is not None and self.broken is None:  # multi-host, idle: a sign of life
+                    engine.heartbeat(min(self.peer_timeout / 4, 10.0))
             except Exception as e:  # a bug in a step: fail what is running, keep serving
                 from jaxinfer.distributed import PeerFailureError
 

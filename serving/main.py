@@ -57,7 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--peer-timeout",
         type=float,
         default=60.0,
-        help="seconds a step may wait on the other processes before the leader fails requests and stops serving",
+        help="multi-host, serving: seconds one process may wait on the others (a step; an idle leader's heartbeat) "
+        "before the job counts as broken: the leader fails requests and stops serving, a follower exits",
+    )
+    d.add_argument(
+        "--peer-startup-timeout",
+        type=float,
+        default=600.0,
+        help="multi-host, loading and warming up: the same bound, larger, as the processes' loading and compiling "
+        "times differ; a process waiting longer exits with status 1",
     )
 
 
@@ -75,7 +83,11 @@ def run(args) -> int:
         if v is not None and not lo <= v <= hi:
             print(f"error: --{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}", file=sys.stderr)
             return 2
-    for name, limit, ok in (("drain_timeout", ">= 0", lambda v: v >= 0), ("peer_timeout", "> 0", lambda v: v > 0)):
+    for name, limit, ok in (
+        ("drain_timeout", ">= 0", lambda v: v >= 0),
+        ("peer_timeout", "> 0", lambda v: v > 0),
+        ("peer_startup_timeout", "> 0", lambda v: v > 0),
+    ):
         v = getattr(args, name)
         if not (math.isfinite(v) and ok(v)):  # nan would never time out; <= 0 would spin
             flag = "--" + name.replace("_", "-")
@@ -111,6 +123,7 @@ def run(args) -> int:
         drain_timeout=args.drain_timeout,
         stream_interval=args.stream_interval,
         peer_timeout=args.peer_timeout,
+        peer_startup_timeout=args.peer_startup_timeout,
         engine=engine_kwargs(args) | {"generation_config": args.generation_config},
     )
 
@@ -131,9 +144,16 @@ def run(args) -> int:
             loop.add_signal_handler(sig, lambda: stopping.add(loop.create_task(server.stop())))
         await server.ready.wait()
         if server.state == "failed":
+            import jax
+
+            from jaxinfer.distributed import PeerFailureError
+
             print(f"error: {server.load_error}", file=sys.stderr)
             await server.stop(0)
-            return 2
+            code = 1 if isinstance(server.load_error, PeerFailureError) else 2
+            if server.still_loading or jax.process_count() > 1:  # a thread blocked on a peer; JAX's exit barrier
+                return _exit_now(code)
+            return code
         if server.state == "serving":
             print(f"jaxinfer serve: ready ({server.llm.cfg.name})", flush=True)
         await server.wait_stopped()
@@ -170,14 +190,25 @@ def _follow(args) -> int:
 
     import jaxinfer
     from jaxinfer.cli import engine_kwargs
-    from jaxinfer.distributed import PeerFailureError, StepChannel, run_follower
+    from jaxinfer.distributed import PeerFailureError, StepChannel, Watchdog, run_follower
 
     log = logging.getLogger("jaxinfer.serving")
+    me = jax.process_index()
+
+    def hung(seconds: float) -> None:  # on the watchdog's thread: the main one is stuck in a collective
+        if watchdog.phase == "serving":
+            why = f"the leader has sent nothing for {seconds:.0f} s (--peer-timeout; idle, it sends a heartbeat)"
+        else:
+            why = f"waited {seconds:.0f} s for the other processes while loading (--peer-startup-timeout)"
+        log.error("jaxinfer serve: follower %d: %s: a process hung; exiting", me, why)
+        _exit_now(1)
+
+    watchdog = Watchdog(args.peer_startup_timeout, hung)
     llm = jaxinfer.LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
     llm.engine.warmup(sampler=False)
-    log.info("jaxinfer serve: follower %d of %d ready", jax.process_index(), jax.process_count())
+    log.info("jaxinfer serve: follower %d of %d ready", me, jax.process_count())
     try:
-        code = run_follower(llm.engine, StepChannel())
+        code = run_follower(llm.engine, StepChannel(), watchdog, args.peer_timeout)
     except PeerFailureError as e:
         log.error("jaxinfer serve: follower %d: %s", jax.process_index(), e)
         return _exit_now(1)  # JAX's own shutdown would wait on (then abort over) the dead leader

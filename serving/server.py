@@ -59,6 +59,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     stream_interval: int = 1  # GenerateStream sends a sample's tokens once this many have accumulated
     peer_timeout: float = 60.0  # multi-host: a step waiting this long on the other processes breaks the job
+    peer_startup_timeout: float = 600.0  # the same while loading and warming up (load and compile times differ)
     engine: dict = dataclasses.field(default_factory=dict)
 
 
@@ -92,6 +93,7 @@ class Server:
         self._stopped = asyncio.Event()
         self._load_task: asyncio.Task | None = None
         self._load_thread: threading.Thread | None = None
+        self._load_watch: asyncio.Future | None = None  # multi-host: bounds the waits on the peers while loading
         self._rpc_ids = itertools.count(1)
         self.registry = CollectorRegistry()
         self._requests = Counter(
@@ -186,6 +188,10 @@ class Server:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
+        def settle(result=None, error=None):  # on the loop; the watchdog may have failed the load first
+            if not done.done():
+                done.set_result(result) if error is None else done.set_exception(error)
+
         def load():  # a daemon thread: a SIGTERM during loading must not wait for it
             try:
                 llm = self.llm
@@ -194,12 +200,24 @@ class Server:
                 t0 = time.perf_counter()
                 n = llm.engine.warmup()
                 log.info(json.dumps({"event": "warmup", "compilations": n, "seconds": time.perf_counter() - t0}))
-                loop.call_soon_threadsafe(done.set_result, llm)
+                loop.call_soon_threadsafe(settle, llm)
             except BaseException as e:  # reported by the health check and the log
-                loop.call_soon_threadsafe(done.set_exception, e)
+                loop.call_soon_threadsafe(settle, None, e)
+
+        async def watch_peers():  # multi-host: a process that hung while loading would block us forever
+            from jaxinfer.distributed import PeerFailureError, peer_wait
+
+            limit = self.config.peer_startup_timeout
+            while not done.done():
+                await asyncio.sleep(min(0.5, limit / 4))
+                if peer_wait.seconds() > limit:
+                    why = f"while loading, a collective has waited {limit:.0f} s for the other processes (one hung?)"
+                    settle(error=PeerFailureError(why))
 
         self._load_thread = threading.Thread(target=load, name="jaxinfer-load", daemon=True)
         self._load_thread.start()
+        if jax.process_count() > 1:
+            self._load_watch = asyncio.ensure_future(watch_peers())
         try:
             self.llm = await done
         except asyncio.CancelledError:

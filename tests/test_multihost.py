@@ -6,8 +6,10 @@ follower replays them. Checked: greedy outputs served through the leader equal a
 LLM's, for concurrent unary and streaming calls; a follower killed mid-stream makes the in-flight
 request fail with UNAVAILABLE within a bound, later requests too, health says NOT_SERVING, and the
 leader exits (code 1) promptly on SIGTERM instead of hanging on the dead peer; a follower that hangs
-without dying (SIGSTOP) is caught by --peer-timeout the same way, and once resumed with its leader
-gone, it stops by itself.
+without dying (SIGSTOP) is caught by --peer-timeout the same way, even with no traffic (the idle
+leader's heartbeat blocks), and once resumed with its leader gone, it stops by itself; a hung leader
+is caught by its followers (its heartbeats stop); a process hung while loading stops the others
+after --peer-startup-timeout.
 """
 
 from __future__ import annotations
@@ -175,25 +177,38 @@ def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, m
         job.close()
 
 
-def test_a_hung_follower_is_caught_by_the_peer_timeout(tmp_path):
+def _wait_until(check, timeout: float, what: str) -> float:
+    """Polls check() until true; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout, f"{what} not within {timeout} s"
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def test_a_hung_follower_is_caught_by_the_peer_timeout_with_no_traffic(tmp_path):
     """SIGSTOP: the follower's sockets stay open, so no collective fails; only the watchdog can tell.
-    (No --num-kv-pages: each process sizes the cache from its own free memory, and all take the
-    leader's count.)"""
+    The job is idle: the leader's heartbeat is the collective that blocks, so health turns
+    NOT_SERVING without any request having to wait first. (No --num-kv-pages: each process sizes
+    the cache from its own free memory, and all take the leader's count.)"""
     job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", "--peer-timeout", "4")
     try:
         client = Client(job.address)
         out = client.generate(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY)
         assert len(out.token_ids) == 10
-        seen, waited, err = _stream_until_error(client, 2, lambda: job.procs["follower"].send_signal(signal.SIGSTOP))
-        assert err is not None and err.code == "UNAVAILABLE", (seen, err)
-        assert "waited 4 s for the other processes" in str(err)
+        time.sleep(2.5)  # idle, past a heartbeat interval (1 s): the job stays healthy
+        assert client.health() == "SERVING"
+        job.procs["follower"].send_signal(signal.SIGSTOP)
+        waited = _wait_until(lambda: client.health() == "NOT_SERVING", 20, "NOT_SERVING")
         assert 3 <= waited < 12, waited
-        assert client.health() == "NOT_SERVING"
+        with pytest.raises(ServerError) as later:
+            client.generate(prompt_token_ids=[1, 2], sampling_params=GREEDY)
+        assert later.value.code == "UNAVAILABLE" and "waited 4 s for the other processes" in str(later.value)
         job.procs["leader"].send_signal(signal.SIGTERM)
         assert job.procs["leader"].wait(timeout=30) == 1
         # Resumed, the follower finds the leader (and the coordination service it hosted) gone and stops
-        # by itself: through our path (its collective fails: it logs why and exits 1) or, when JAX's
-        # error poll sees the dead coordinator first, by JAX's runtime terminating it (SIGABRT).
+        # by itself: through our path (its watchdog, or its collective failing: it logs why and exits 1)
+        # or, when JAX's error poll sees the dead coordinator first, by JAX's runtime (SIGABRT).
         job.procs["follower"].send_signal(signal.SIGCONT)
         code = job.procs["follower"].wait(timeout=60)
         log = job.log("follower")
@@ -203,6 +218,59 @@ def test_a_hung_follower_is_caught_by_the_peer_timeout(tmp_path):
         )
     finally:
         job.procs["follower"].send_signal(signal.SIGCONT)
+        job.close()
+
+
+def test_a_hung_leader_is_caught_by_its_followers(tmp_path):
+    """SIGSTOP the idle leader: its heartbeats stop, so the follower exits (status 1) once it has heard
+    nothing for --peer-timeout, instead of waiting forever. Resumed, the leader's next heartbeat
+    fails on the gone follower: health NOT_SERVING, requests UNAVAILABLE, exit 1 on SIGTERM."""
+    job = Job(
+        tmp_path,
+        "embedded:tiny-random",
+        "data=2,model=4",
+        "--peer-timeout",
+        "4",
+        follower_extra=["--peer-timeout", "4"],
+    )
+    try:
+        client = Client(job.address)
+        assert len(client.generate(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY).token_ids) == 10
+        time.sleep(2.5)
+        assert job.procs["follower"].poll() is None  # an idle leader's heartbeats keep it
+        job.procs["leader"].send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        assert job.procs["follower"].wait(timeout=30) == 1
+        assert 3 <= time.monotonic() - t < 15
+        assert "the leader has sent nothing for 4 s" in job.log("follower")
+        job.procs["leader"].send_signal(signal.SIGCONT)
+        _wait_until(lambda: client.health() == "NOT_SERVING", 20, "NOT_SERVING")
+        with pytest.raises(ServerError) as later:
+            client.generate(prompt_token_ids=[1, 2], sampling_params=GREEDY)
+        assert later.value.code == "UNAVAILABLE" and "heartbeat" in str(later.value)
+        job.procs["leader"].send_signal(signal.SIGTERM)
+        assert job.procs["leader"].wait(timeout=30) == 1
+    finally:
+        job.procs["leader"].send_signal(signal.SIGCONT)
+        job.close()
+
+
+@pytest.mark.parametrize("hung", ["follower", "leader"])
+def test_a_process_hung_while_loading_stops_the_others(tmp_path, hung):
+    """One process stops (SIGSTOP) as soon as both have joined the job: the other waits in the
+    first collective of its loading (the settings check) and exits with status 1 once it has waited
+    --peer-startup-timeout, saying why, instead of loading forever."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", "--peer-startup-timeout", "4", wait=False)
+    other = "leader" if hung == "follower" else "follower"
+    try:
+        job._wait_for(r"listening on 127\.0\.0\.1:(\d+)", 120)  # both processes have joined
+        job.procs[hung].send_signal(signal.SIGSTOP)
+        t = time.monotonic()
+        assert job.procs[other].wait(timeout=60) == 1, job.log(other)[-2000:]
+        assert 3 <= time.monotonic() - t < 30
+        assert "waited 4 s for the other processes" in job.log(other)
+    finally:
+        job.procs[hung].send_signal(signal.SIGCONT)
         job.close()
 
 
