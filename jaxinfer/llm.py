@@ -385,6 +385,10 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def get_tokenizer(self):
+        """The model's tokenizer (`llm.tokenizer`; None for a checkpoint without one), as in vLLM."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate`, `chat` and `stream` use when given no SamplingParams (and what the server
         starts from for fields a request leaves unset): the checkpoint's generation_config.json
@@ -484,24 +488,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); returns outputs in prompt order.
 
         A prompt is a string or, as in vLLM, a dict: {"prompt": text} or {"prompt_token_ids": ids};
         one list may mix them. Without sampling_params, `get_default_sampling_params()` applies.
+        `use_tqdm=True` shows a progress bar over the finished prompts (needs the tqdm package).
 
         All prompts run through the continuous-batching engine together. Every prompt is validated
         before any work starts, so a bad one loses nothing.
         """
-        return self._generate(*self._prompts(prompts, sampling_params, prompt_token_ids))
+        return self._generate(*self._prompts(prompts, sampling_params, prompt_token_ids), use_tqdm=use_tqdm)
 
-    def _generate(self, texts, ids, params) -> list[RequestOutput]:
+    def _generate(self, texts, ids, params, *, use_tqdm: bool = False) -> list[RequestOutput]:
+        bar = _progress_bar(len(ids)) if use_tqdm else None
         requests = []
         try:
             for p, sp in zip(ids, params):
                 requests.append(self._start(p, sp))
+            done = 0
             while not all(r.finished for r in requests):
                 self._step()
+                if bar is not None:
+                    now = sum(r.finished for r in requests)
+                    bar.update(now - done)
+                    done = now
             texts_so_far = {s.seq_id: [] for r in requests for s in r.seqs}
             for r in requests:
                 for u in self._updates[r.request_id]:
@@ -510,6 +522,8 @@ class LLM:
                 self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}) for r, t in zip(requests, texts)
             ]
         finally:  # also on Ctrl-C or an error mid-way: leave nothing running for the next call
+            if bar is not None:
+                bar.close()
             for r in requests:
                 self._end(r)
 
@@ -521,6 +535,7 @@ class LLM:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates the next turn of a conversation, rendered with the model's chat template.
 
@@ -534,6 +549,7 @@ class LLM:
                 ends a turn) so the model goes on writing it, e.g. a prefilled assistant answer.
             chat_template_kwargs: further variables for the template, e.g. {"enable_thinking": False}
                 for Qwen 3.
+            use_tqdm: a progress bar over the finished conversations, as in `generate`.
 
         Returns:
             One RequestOutput per conversation, as `generate` returns; `prompt` is the rendered text.
@@ -571,7 +587,7 @@ class LLM:
             max_tokens = self.engine.max_model_len - 1
             ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
         name_of = (lambda i: f"messages[{i}]") if batched else (lambda i: "messages")
-        outs = self._generate(*self._prompts(None, sampling_params, ids, name_of=name_of))
+        outs = self._generate(*self._prompts(None, sampling_params, ids, name_of=name_of), use_tqdm=use_tqdm)
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs
@@ -662,3 +678,12 @@ class LLM:
             for s in req.seqs
         ]
         return RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_ids, outputs=outputs)
+
+
+def _progress_bar(total: int):
+    """A tqdm bar over `total` prompts, for `use_tqdm=True` (tqdm is optional)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        raise InvalidRequestError("use_tqdm=True needs the tqdm package (pip install tqdm)") from None
+    return tqdm(total=total, desc="Generating", unit="prompt")

@@ -228,6 +228,18 @@ def test_prompt_dicts_as_in_vllm(llm):
     assert streamed == outs[1].token_ids
 
 
+def test_vllm_call_habits_use_tqdm_and_get_tokenizer(llm, capsys):
+    """`use_tqdm=` (vLLM's generate and chat take it) shows a bar over finished prompts and changes
+    nothing else; `get_tokenizer()` is the tokenizer."""
+    prompts = ["Hello", "In the beginning", "And"]
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert "Generating" not in capsys.readouterr().err
+    barred = llm.generate(prompts, GREEDY, use_tqdm=True)
+    assert [o.token_ids for o in barred] == [o.token_ids for o in plain]
+    assert "3/3" in capsys.readouterr().err
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
 def _model_with_generation_config(tmp_path, gen: dict):
     from tests.hf_models import make_hf_model, save_hf_model
 
