@@ -63,6 +63,24 @@ class ServerConfig:
     engine: dict = dataclasses.field(default_factory=dict)
 
 
+_OBSERVED = {f"/{SERVICE}/{m}" for m in ("Generate", "GenerateStream", "Tokenize", "GetModelInfo")}
+_OBSERVED.add(f"/{JETSTREAM_SERVICE}/Decode")
+
+
+class _CountReceived(grpc.aio.ServerInterceptor):
+    """Counts the RPCs that `jaxinfer_requests` counts when they finish, as they arrive. gRPC ends a
+    call whose deadline passes while its request is read without running the handler, so without
+    this such calls would go uncounted."""
+
+    def __init__(self, counter):
+        self._counter = counter
+
+    async def intercept_service(self, continuation, details):
+        if details.method in _OBSERVED:
+            self._counter.labels(details.method.rsplit("/", 1)[1]).inc()
+        return await continuation(details)
+
+
 class RpcError(Exception):
     """Ends an RPC with `code` and a message for the client."""
 
@@ -99,6 +117,13 @@ class Server:
         self._requests = Counter(
             "jaxinfer_requests", "Finished RPCs by method and status code", ["method", "code"], registry=self.registry
         )
+        self._received = Counter(
+            "jaxinfer_requests_received",
+            "RPCs received by method (received - finished: in flight, or ended before their handler ran, "
+            "e.g. by a deadline of a few ms)",
+            ["method"],
+            registry=self.registry,
+        )
         self._in_flight = Gauge(
             "jaxinfer_requests_in_flight", "Generating requests admitted and not finished", registry=self.registry
         )
@@ -124,11 +149,12 @@ class Server:
             # welcome even while a call waits for its first byte: gRPC's default policy answers a
             # second ping within 5 minutes without data with GOAWAY, failing the call.
             server = grpc.aio.server(
+                interceptors=[_CountReceived(self._received)],
                 options=[
                     ("grpc.so_reuseport", 0),
                     ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE * 1000)),
                     ("grpc.http2.max_ping_strikes", 0),
-                ]
+                ],
             )
             names = (SERVICE, JETSTREAM_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
             server.add_generic_rpc_handlers(

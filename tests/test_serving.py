@@ -676,6 +676,9 @@ def test_metrics_endpoint_and_stream_interval(llm):
         assert 'jaxinfer_requests_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in body
         assert 'jaxinfer_requests_total{code="OK",method="GenerateStream"} 1.0' in body
         assert re.search(r"^jaxinfer_generation_tokens_total 15\.0$", body, re.M)
+        # Counted on arrival too (a call ended by its deadline before its handler ran counts only here).
+        assert 'jaxinfer_requests_received_total{method="Generate"} 2.0' in body
+        assert 'jaxinfer_requests_received_total{method="GenerateStream"} 1.0' in body
     finally:
         s.stop()
 
