@@ -226,3 +226,31 @@ def test_bfloat16_compute_close_to_transformers(tmp_path):
     # bf16 keeps ~3 significant digits; compare against the logit scale.
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert np.argmax(ours) == np.argmax(ref)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3.2-tied"])
+def test_bfloat16_kv_cache_holds_what_transformers_caches(family, tmp_path):
+    """In bfloat16 the first layer's cached K and V (after RoPE) are transformers' own, bit for bit:
+    same embedding, norm, projections (a bias joins the float32 sum before the one rounding, as
+    nn.Linear does) and rotation. Adding Qwen2's biases after a bfloat16 rounding made ~30% differ."""
+    import transformers
+
+    save_hf_model(make_hf_model(family), tmp_path, dtype=torch.bfloat16)
+    # Loaded as users load it (`.to(bfloat16)` would round RoPE's inverse frequencies as well).
+    hfb = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        past = hfb(torch.tensor([PROMPT]), use_cache=True).past_key_values
+    theirs = [x[0].float().numpy() for x in (past.layers[0].keys, past.layers[0].values)]  # [K, T, H]
+    cfg, params = load_hf_checkpoint(str(tmp_path), dtype="bfloat16")
+    page_size, n = 4, len(PROMPT)
+    pages = -(-n // page_size)
+    table = np.arange(1, pages + 1, dtype=np.int32)[None]
+    cache = KVCache.create(cfg, num_pages=pages + 1, page_size=page_size)
+    batch = Batch(
+        tokens=jnp.asarray([PROMPT], jnp.int32), q_lens=jnp.array([n]), kv_lens=jnp.array([n]), page_table=table
+    )
+    _, cache = prefill(params, cache, batch, cfg=cfg)
+    for pool, ref in zip((cache.k[0], cache.v[0]), theirs):
+        ours = np.asarray(pool[:, table[0]].astype(jnp.float32))  # [K, pages, S, H]
+        ours = ours.reshape(ours.shape[0], -1, ours.shape[-1])[:, :n]
+        assert np.mean(ours == ref) > 0.999, np.mean(ours == ref)
