@@ -238,10 +238,16 @@ class StepChannel:
         self._broadcast = multihost_utils.broadcast_one_to_all
         self.is_leader = is_leader()
         self.last_sent = time.monotonic()  # leader: when it last broadcast anything
+        # The leader's --peer-timeout, sent in every header's last slot (ms; 0: none): a follower
+        # bounds its waits by the leader's value, which sets how often an idle leader heartbeats.
+        self.peer_timeout: float | None = None
+        self.leader_peer_timeout: float | None = None  # follower: as last received
 
     def _send(self, header: list[int], payload: tuple[np.ndarray, ...]) -> None:
         head = np.zeros(_HEADER, np.int32)
         head[: len(header)] = header
+        if self.peer_timeout is not None:
+            head[_HEADER - 1] = min(max(1, round(self.peer_timeout * 1000)), 2**31 - 1)
         with peer_wait():
             self._broadcast(head)
             if payload:
@@ -273,6 +279,8 @@ class StepChannel:
     def _recv(self):
         head = np.asarray(self._broadcast(np.zeros(_HEADER, np.int32)))
         op = int(head[0])
+        if head[_HEADER - 1] > 0:
+            self.leader_peer_timeout = int(head[_HEADER - 1]) / 1000
         if op == OP_STEP:
             b, t, mp, num_tables = (int(x) for x in head[1:5])
             shapes = ((b, t), (b,), (b,)) + ((b, mp),) * num_tables
@@ -292,25 +300,23 @@ class StepChannel:
         raise PeerFailureError(f"unknown step op {op} from the leader")
 
 
-def run_follower(engine, channel: StepChannel, watchdog: Watchdog | None = None, peer_timeout: float = 60.0) -> int:
+def run_follower(engine, channel: StepChannel, watchdog: Watchdog | None = None) -> int:
     """A follower's whole life after warm-up: replay the leader's steps until it says stop.
 
     With a watchdog, its limit (the start-up one until then: the leader may still be warming up
-    its sampler) becomes `peer_timeout` once the leader's first message arrives (sent when it
-    starts serving): from then on the leader sends something at least every peer_timeout / 4
-    seconds (10 s at most), so a longer silence means it hung.
+    its sampler) becomes the leader's --peer-timeout, carried in every message, once the first
+    arrives (sent when the leader starts serving): from then on the leader sends something at
+    least every peer_timeout / 4 seconds (10 s at most), so a longer silence means it hung.
 
     Returns 0 on the leader's stop; raises PeerFailureError when the leader is gone.
     """
-    first = True
     while True:
         try:
             op, payload = channel.recv()
         except Exception as e:
             raise PeerFailureError(f"lost the leader: {type(e).__name__}: {e}") from e
-        if first and watchdog is not None:
-            watchdog.phase, watchdog.limit = "serving", peer_timeout
-        first = False
+        if watchdog is not None and channel.leader_peer_timeout is not None:
+            watchdog.phase, watchdog.limit = "serving", channel.leader_peer_timeout
         if op == OP_STOP:
             return 0
         try:

@@ -128,6 +128,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._peer_failed = False  # set on the engine thread when a collective failed
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
+        if engine.channel is not None:  # multi-host leader: the followers bound their waits by ours
+            engine.channel.peer_timeout = peer_timeout
         self._sent_logprobs: dict[int, int] = {}  # seq_id -> logprobs already delivered (engine thread)
 
     def start(self) -> None:
@@ -144,7 +146,8 @@ class AsyncEngine:
         while self.broken is None and not self._stop.is_set():
             await asyncio.sleep(min(0.5, self.peer_timeout / 4))
             if peer_wait.seconds() > self.peer_timeout:
-                self._break(PeerFailureError(f"a step has waited {self.peer_timeout:.0f} s for the other processes"))
+                why = f"a step or heartbeat has waited {self.peer_timeout:.0f} s for the other processes"
+                self._break(PeerFailureError(why))
                 self._deliver([(rid, self._failure(self.broken)) for rid in list(self._streams)])
 
     def _break(self, error: Exception) -> None:
@@ -218,11 +221,30 @@ class AsyncEngine:
     def _join(self) -> None:
         # A broken multi-host job may have left the thread blocked in a collective that never returns.
         self._thread.join(timeout=30 if self.broken is None else 1)
-        if self.broken is None and not self._thread.is_alive():
-            try:
-                self.engine.close()  # multi-host: the followers exit
-            except Exception:
-                log.exception("telling the followers to stop failed")
+        if self.broken is not None:
+            return
+        if self._thread.is_alive():  # multi-host: blocked on a peer that hung after the watch ended
+            from jaxinfer.distributed import PeerFailureError
+
+            self.broken = PeerFailureError("at shutdown, the engine's last step or heartbeat never finished")
+            return
+        if self.engine.channel is None:
+            return
+        # Multi-host: tell the followers to stop, on a thread of its own: a follower that hung since
+        # the last heartbeat would block the broadcast forever.
+        closer = threading.Thread(target=self._close_engine, name="jaxinfer-close", daemon=True)
+        closer.start()
+        closer.join(timeout=self.peer_timeout)
+        if closer.is_alive():
+            from jaxinfer.distributed import PeerFailureError
+
+            self.broken = PeerFailureError(f"telling the followers to stop waited {self.peer_timeout:.0f} s")
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()  # multi-host: the followers exit
+        except Exception:
+            log.exception("telling the followers to stop failed")
 
     def _deliver(self, batch: list[tuple[str, object]]) -> None:
         """Runs on the event loop: routes one step's deltas (or a failure) to their streams."""
@@ -264,7 +286,7 @@ class AsyncEngine:
                     self._apply(cmd, batch)
                 if engine.has_unfinished():
                     self._collect(engine.step(), batch)
-                elif self.peer_timeout is not None and self.broken is None:  # multi-host, idle: a sign of life
+                elif self.peer_timeout is not None and self.broken is None and not self._peer_failed:  # idle
                     engine.heartbeat(min(self.peer_timeout / 4, 10.0))
             except Exception as e:  # a bug in a step: fail what is running, keep serving
                 from jaxinfer.distributed import PeerFailureError
