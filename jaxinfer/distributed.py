@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import socket
 import threading
@@ -40,8 +39,6 @@ from jaxinfer.kv_cache import Batch
 
 _HEADER = 6
 OP_STEP, OP_POISON, OP_STOP, OP_HEARTBEAT = 1, 2, 3, 4
-
-log = logging.getLogger("jaxinfer.distributed")
 
 
 class PeerFailureError(RuntimeError):
@@ -81,9 +78,9 @@ peer_wait = _PeerWait()
 class Watchdog:
     """A daemon thread that calls `on_timeout(seconds)` once this process has waited on the others
     (`peer_wait`) longer than `limit` seconds. The limit may change as the process goes from
-    loading to serving (`phase`, for the message); `limit=None` pauses the watch."""
+    loading to serving (`phase`, for the message)."""
 
-    def __init__(self, limit: float | None, on_timeout):
+    def __init__(self, limit: float, on_timeout):
         self.limit = limit
         self.phase = "startup"
         self._on_timeout = on_timeout
@@ -93,9 +90,9 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             limit = self.limit
-            time.sleep(0.5 if limit is None else min(0.5, limit / 4))
+            time.sleep(min(0.5, limit / 4))
             waited = peer_wait.seconds()
-            if limit is not None and self.limit == limit and waited > limit:
+            if self.limit == limit and waited > limit:
                 self._on_timeout(waited)
                 return
 

@@ -63,21 +63,19 @@ class ServerConfig:
     engine: dict = dataclasses.field(default_factory=dict)
 
 
-_OBSERVED = {f"/{SERVICE}/{m}" for m in ("Generate", "GenerateStream", "Tokenize", "GetModelInfo")}
-_OBSERVED.add(f"/{JETSTREAM_SERVICE}/Decode")
-
-
 class _CountReceived(grpc.aio.ServerInterceptor):
     """Counts the RPCs that `jaxinfer_requests` counts when they finish, as they arrive. gRPC ends a
     call whose deadline passes while its request is read without running the handler, so without
-    this such calls would go uncounted."""
+    this such calls would go uncounted. `observed`: the method names `Server._observe` wraps."""
 
-    def __init__(self, counter):
+    def __init__(self, counter, observed: set[str]):
         self._counter = counter
+        self._observed = observed
 
     async def intercept_service(self, continuation, details):
-        if details.method in _OBSERVED:
-            self._counter.labels(details.method.rsplit("/", 1)[1]).inc()
+        method = details.method.rsplit("/", 1)[-1]
+        if method in self._observed:
+            self._counter.labels(method).inc()
         return await continuation(details)
 
 
@@ -113,6 +111,7 @@ class Server:
         self._load_thread: threading.Thread | None = None
         self._load_watch: asyncio.Future | None = None  # multi-host: bounds the waits on the peers while loading
         self._rpc_ids = itertools.count(1)
+        self._observed: set[str] = set()  # methods counted in jaxinfer_requests (filled by _observe)
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "jaxinfer_requests", "Finished RPCs by method and status code", ["method", "code"], registry=self.registry
@@ -149,7 +148,7 @@ class Server:
             # welcome even while a call waits for its first byte: gRPC's default policy answers a
             # second ping within 5 minutes without data with GOAWAY, failing the call.
             server = grpc.aio.server(
-                interceptors=[_CountReceived(self._received)],
+                interceptors=[_CountReceived(self._received, self._observed)],
                 options=[
                     ("grpc.so_reuseport", 0),
                     ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE * 1000)),
@@ -350,6 +349,7 @@ class Server:
 
     def _observe(self, method: str, handler, *, streaming: bool):
         """Wraps a handler: RpcError -> status, cancellation -> abort, metrics and the log line."""
+        self._observed.add(method)  # counted on arrival too (_CountReceived)
 
         def finish(ctx, info: dict, code: grpc.StatusCode, t0: float) -> None:
             self._requests.labels(method, code.name).inc()
