@@ -209,8 +209,18 @@ def _follow(args) -> int:
         _exit_now(1)
 
     watchdog = Watchdog(args.peer_startup_timeout, hung)
-    llm = jaxinfer.LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
-    llm.engine.warmup(sampler=False)
+    try:
+        llm = jaxinfer.LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
+        llm.engine.warmup(sampler=False)
+    except Exception as e:  # every exit of a follower goes through _exit_now
+        # cli.main would print the same line and return 2, but the interpreter's exit then runs JAX's
+        # shutdown: once the leader (which hosts the coordination service) has exited on the same
+        # error, the disconnect fails and JAX aborts this process (SIGABRT, not status 2).
+        from jaxinfer.errors import JaxinferError
+
+        usage = isinstance(e, JaxinferError | OSError)  # a bad model or setting, as cli.main answers it
+        print(f"error: {e}" if usage else f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return _exit_now(2 if usage else 1)  # PeerFailureError (a peer gone or hung) exits 1
     log.info("jaxinfer serve: follower %d of %d ready", me, jax.process_count())
     try:
         code = run_follower(llm.engine, StepChannel(), watchdog)
