@@ -194,6 +194,7 @@ def _follow(args) -> int:
     import jaxinfer
     from jaxinfer.cli import engine_kwargs
     from jaxinfer.distributed import PeerFailureError, StepChannel, Watchdog, run_follower
+    from jaxinfer.errors import JaxinferError
 
     log = logging.getLogger("jaxinfer.serving")
     me = jax.process_index()
@@ -209,26 +210,23 @@ def _follow(args) -> int:
         _exit_now(1)
 
     watchdog = Watchdog(args.peer_startup_timeout, hung)
+    # Every exit goes through _exit_now, not the interpreter's: its exit runs JAX's shutdown, and
+    # once the leader (which hosts the coordination service) is gone - it exits on the same bad
+    # setting, or after its stop without waiting for us (recoverable mode) - the disconnect RPC
+    # fails and JAX aborts the process (SIGABRT instead of the status below; ~1 clean stop in 4).
     try:
         llm = jaxinfer.LLM(args.model, dtype=args.dtype, **engine_kwargs(args))
         llm.engine.warmup(sampler=False)
-    except Exception as e:  # every exit of a follower goes through _exit_now
-        # cli.main would print the same line and return 2, but the interpreter's exit then runs JAX's
-        # shutdown: once the leader (which hosts the coordination service) has exited on the same
-        # error, the disconnect fails and JAX aborts this process (SIGABRT, not status 2).
-        from jaxinfer.errors import JaxinferError
-
-        usage = isinstance(e, JaxinferError | OSError)  # a bad model or setting, as cli.main answers it
-        print(f"error: {e}" if usage else f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return _exit_now(2 if usage else 1)  # PeerFailureError (a peer gone or hung) exits 1
-    log.info("jaxinfer serve: follower %d of %d ready", me, jax.process_count())
-    try:
+        log.info("jaxinfer serve: follower %d of %d ready", me, jax.process_count())
         code = run_follower(llm.engine, StepChannel(), watchdog)
-    except PeerFailureError as e:
-        log.error("jaxinfer serve: follower %d: %s", jax.process_index(), e)
-        return _exit_now(1)  # JAX's own shutdown would wait on (then abort over) the dead leader
-    log.info("jaxinfer serve: follower %d: the leader stopped; exiting", jax.process_index())
-    # Not through JAX's shutdown: in recoverable mode the leader does not wait for us at its exit
-    # barrier, and once it (and the coordination service it hosts) is gone, our disconnect RPC
-    # fails and JAX aborts the process (SIGABRT in about 1 clean stop in 4 before this).
+    except PeerFailureError as e:  # the leader gone or hung
+        log.error("jaxinfer serve: follower %d: %s", me, e)
+        return _exit_now(1)
+    except (JaxinferError, OSError) as e:  # a bad model or setting: as cli.main answers it
+        print(f"error: {e}", file=sys.stderr)
+        return _exit_now(2)
+    except Exception as e:
+        print(f"error: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+        return _exit_now(1)
+    log.info("jaxinfer serve: follower %d: the leader stopped; exiting", me)
     return _exit_now(code)
