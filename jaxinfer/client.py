@@ -135,6 +135,8 @@ def _params(p: SamplingParams | None) -> pb.SamplingParams:
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
                 raise InvalidRequestError(f"{field} must be a list, got {_show(value)}")
             getattr(msg, f.name).extend(_wire_value(f"{field}[{i}]", f, v) for i, v in enumerate(value))
+        elif f.name == "max_tokens" and value is None:  # up to the model's length limit: any value past it
+            msg.max_tokens = INT32_MAX
         elif value is not None:  # None: unset, the server's default (seed, logprobs)
             setattr(msg, f.name, _wire_value(field, f, value))
     return msg

@@ -497,12 +497,17 @@ class Engine:
             raise InvalidRequestError(
                 f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
             )
-        length = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        length = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         for group, name in zip(self.scheduler.groups, ("num_kv_pages", "num_window_kv_pages")):
             need = self.scheduler.most_pages_held(length, group)
             if need > group.pool.capacity:
+                asked = (
+                    f"max_tokens ({params.max_tokens})"
+                    if params.max_tokens is not None
+                    else f"max_tokens None (up to max_model_len = {self.max_model_len})"
+                )
                 raise InvalidRequestError(
-                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages; "
+                    f"prompt ({len(prompt_ids)} tokens) + {asked} needs {need} KV pages; "
                     f"the cache has {group.pool.capacity}: lower max_tokens or raise {name}"
                 )
         if params.stop and self.tokenizer is None:
@@ -677,7 +682,7 @@ class Engine:
             seq.detok.add(token)
             if seq.detok.stopped:
                 return self._finish(seq, [token], "stop")
-        if len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+        if len(seq.output_ids) >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, [token], "length")
         text = seq.detok.pop_delta() if seq.detok is not None else ""
         return SeqUpdate(seq, [token], text, None)

@@ -54,7 +54,8 @@ class SamplingParams:
     """How to pick each generated token, and when to stop.
 
     Attributes:
-        max_tokens: tokens to generate at most (>= 1).
+        max_tokens: tokens to generate at most (>= 1); None: up to the model's length limit
+            (`max_model_len`, prompt included), as in vLLM.
         temperature: logits are divided by it (>= 0); 0, and anything below `GREEDY_TEMPERATURE` (1e-5,
             vLLM's threshold), means greedy.
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
@@ -75,7 +76,7 @@ class SamplingParams:
         n: independent samples per prompt (1..64); sample i uses seed + i when a seed is given.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -100,8 +101,8 @@ class SamplingParams:
             if not ok:
                 bad(field, v, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "must be an integer >= 1, or None for up to the model's length limit")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "must be a finite number >= 0")
         if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:

@@ -239,6 +239,8 @@ def test_bad_capacity_and_requests(params):
     e = make_engine(params, num_kv_pages=5)
     with pytest.raises(InvalidRequestError, match="needs 7 KV pages; the cache has 4"):
         e.add_request([3] * 40, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequestError, match=r"max_tokens None \(up to max_model_len = 256\) needs 32 KV pages"):
+        e.add_request([3, 4], SamplingParams(max_tokens=None))
     with pytest.raises(InvalidRequestError, match="stop needs a tokenizer"):
         e.add_request([3, 4], SamplingParams(stop=["x"]))
     r = e.add_request([3, 4], SamplingParams(max_tokens=2), request_id="a")

@@ -183,6 +183,18 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
     assert got.prompt_token_ids == ref.prompt_token_ids
 
 
+def test_max_tokens_none_generates_up_to_the_length_limit_here_and_over_the_wire(server, llm):
+    """vLLM's `max_tokens=None`: up to the model's length limit, prompt included (the client sends it
+    as a value past the limit). Before, None was refused."""
+    prompt = [5, 6, 7, 8, 9]
+    p = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    ref = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0].outputs[0]
+    assert len(ref.token_ids) == ENGINE["max_model_len"] - len(prompt) and ref.finish_reason == "length"
+    with Client(server.address) as c:
+        got = c.generate(prompt_token_ids=prompt, sampling_params=p).outputs[0]
+    assert got.token_ids == ref.token_ids and got.finish_reason == "length"
+
+
 def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_the_wire(tmp_path, capsys):
     """A request's unset sampling fields take the checkpoint's generation_config.json values (as vLLM's
     server does); set ones win. ModelInfo shows the defaults; stop_reason reaches the client. The
