@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -262,6 +263,9 @@ class LLM:
             SamplingParams (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens as
             max_tokens; see `get_default_sampling_params`), as in vLLM; "none": SamplingParams' own.
         warmup: compile every step shape now, so no request ever waits for a compilation.
+
+    One LLM may be used from several threads (a web app's workers, a notebook's): their requests
+    join the same continuous batches, each call returning only its own outputs.
     """
 
     def __init__(
@@ -378,6 +382,9 @@ class LLM:
         # (a generate(), or any of several open streams) files every request's updates here, so
         # interleaved streams, or a generate() while a stream is open, lose nothing.
         self._updates: dict[str, list] = {}
+        # The engine is not thread-safe (each step donates the cache the next one reads): whichever
+        # thread steps it, adds or ends a request holds this lock.
+        self._lock = threading.RLock()
         if warmup:
             self.engine.warmup()
 
@@ -643,26 +650,31 @@ class LLM:
             self._end(req)
 
     def _start(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        req = self.engine.add_request(prompt_ids, params)
-        self._updates[req.request_id] = []
-        return req
+        with self._lock:
+            req = self.engine.add_request(prompt_ids, params)
+            self._updates[req.request_id] = []
+            return req
 
     def _step(self) -> None:
-        """One engine step; each update is filed under its request, whichever call asked for the step."""
-        for u in self.engine.step():
-            if (mine := self._updates.get(u.seq.request_id)) is not None:
-                mine.append(u)
+        """One engine step; each update is filed under its request, whichever call (or thread)
+        asked for the step."""
+        with self._lock:
+            for u in self.engine.step():
+                if (mine := self._updates.get(u.seq.request_id)) is not None:
+                    mine.append(u)
 
     def _end(self, req: Request) -> None:
         """Aborts the request if it is still running and forgets it and its updates."""
-        if not req.finished:
-            self.engine.abort(req.request_id)
-        self.engine.release(req.request_id)
-        self._updates.pop(req.request_id, None)
+        with self._lock:
+            if not req.finished:
+                self.engine.abort(req.request_id)
+            self.engine.release(req.request_id)
+            self._updates.pop(req.request_id, None)
 
     def stats(self) -> dict:
         """Engine gauges, counters and latency histograms (see `Engine.stats`)."""
-        return self.engine.stats()
+        with self._lock:
+            return self.engine.stats()
 
     def _output(self, req: Request, prompt: str | None, texts: dict[int, str]) -> RequestOutput:
         outputs = [

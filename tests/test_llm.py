@@ -37,6 +37,41 @@ def test_batch_gives_same_greedy_tokens_as_alone(llm):
     assert together == alone
 
 
+def test_threads_share_one_llm_safely(llm):
+    """Several threads calling generate and stream on one LLM: their requests join the same batches
+    and each gets exactly its own greedy tokens. Before, the engine was stepped from two threads at
+    once: a step read the cache the other had just donated ("Buffer has been deleted or donated")."""
+    import threading
+
+    prompts = [[1, 30 + i, 5, 60 - i][: 2 + i % 3] for i in range(6)]
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
+    got, errors = {}, []
+    start = threading.Barrier(len(prompts))
+
+    def work(i):
+        try:
+            start.wait()
+            for _ in range(3):
+                if i % 2:
+                    deltas = llm.stream(prompt_token_ids=prompts[i], sampling_params=GREEDY)
+                    out = [t for d in deltas for t in d.token_ids]
+                else:
+                    out = llm.generate(prompt_token_ids=[prompts[i]], sampling_params=GREEDY)[0].token_ids
+                got.setdefault(i, []).append(out)
+        except Exception as e:  # reported below, with the thread
+            errors.append((i, f"{type(e).__name__}: {e}"))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert got == {i: [alone[i]] * 3 for i in range(len(prompts))}
+    stats = llm.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[[1, 50, 60]], sampling_params=p)[0].token_ids
