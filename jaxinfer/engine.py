@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
+import os
 import threading
 import time
 
@@ -158,6 +160,49 @@ def kv_cache_bytes(cfg, *, num_kv_pages: int, num_window_kv_pages: int | None, p
     return layer_page_bytes(cfg, page_size) * sum(pages)
 
 
+def free_device_bytes() -> int:
+    """Free memory of this process's first device (the host's available RAM where the backend cannot
+    say). Multi-host: its own device; jax.devices()[0] may be another process's, whose stats it cannot read."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    except Exception:  # memory_stats is unimplemented on some backends
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_cache_fits(cfg, *, num_kv_pages: int, num_window_pages: int | None, page_size: int, mesh=None) -> None:
+    """A KV cache larger than a device's free memory is refused here, by name, not by the allocator
+    (an out-of-memory error deep in JAX, or the process killed). On a mesh what must fit is one
+    device's share of every pool (KV heads split over `model`, or copied where fewer; see
+    `sharding.kv_head_copies`)."""
+
+    def shapes(c):
+        return jax.eval_shape(
+            lambda: KVCache.create(c, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages)
+        )
+
+    if mesh is None:
+        per_leaf = jax.tree.map(lambda x: x.size * x.dtype.itemsize, shapes(cfg))
+    else:
+        from jaxinfer import sharding
+
+        wide = shapes(dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * sharding.kv_head_copies(cfg, mesh)))
+        per_leaf = jax.tree.map(
+            lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize,
+            wide,
+            sharding.cache_shardings(wide, mesh),
+        )
+    need, free = sum(jax.tree.leaves(per_leaf)), free_device_bytes()
+    if need > free:
+        raise InvalidRequestError(
+            f"num_kv_pages x page_size = {num_kv_pages} x {page_size} tokens: the KV cache would take "
+            f"{need / 2**30:.1f} GiB{'' if mesh is None else ' per device'}, more than the "
+            f"{free / 2**30:.1f} GiB free on {jax.local_devices()[0]}"
+        )
+
+
 # The longest sequence the engine runs (16M tokens): per-row host arrays (page tables, token history)
 # are sized by it, so a config claiming an absurd context must not size them.
 MAX_MODEL_LEN_LIMIT = 2**24
@@ -247,23 +292,27 @@ class Engine:
         self.max_pages_per_seq = pages_needed(max_model_len, page_size)
         self.max_prefill_tokens = prefill_token_limit(max_num_batched_tokens, max_model_len)
         self.poison_reused_pages = poison_reused_pages
+        window = cfg.hybrid_window  # a hybrid model's sliding-window layers may have pages of their own
+        if window is not None and num_window_kv_pages is None:
+            num_window_kv_pages = default_window_kv_pages(
+                cfg,
+                max_model_len=max_model_len,
+                page_size=page_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+        split = window is not None and num_window_kv_pages < num_kv_pages
+        num_window_pages = num_window_kv_pages if split else None
+        # Before anything is sized by the page counts (the pools' host arrays too).
+        check_cache_fits(
+            cfg, num_kv_pages=num_kv_pages, num_window_pages=num_window_pages, page_size=page_size, mesh=mesh
+        )
         self.pool = PagePool(num_kv_pages, enable_prefix_cache=enable_prefix_caching)
         groups = [PageGroup(self.pool, cfg.kv_window)]
-        self.window_pool = None  # a hybrid model's sliding-window layers' own pages (see kv_cache)
-        window = cfg.hybrid_window
-        if window is not None:
-            if num_window_kv_pages is None:
-                num_window_kv_pages = default_window_kv_pages(
-                    cfg,
-                    max_model_len=max_model_len,
-                    page_size=page_size,
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                )
-            if num_window_kv_pages < num_kv_pages:
-                self.window_pool = PagePool(num_window_kv_pages, enable_prefix_cache=enable_prefix_caching)
-                groups.append(PageGroup(self.window_pool, window))
-        num_window_pages = None if self.window_pool is None else self.window_pool.num_pages
+        self.window_pool = None  # the sliding-window layers' pool, when split
+        if split:
+            self.window_pool = PagePool(num_window_pages, enable_prefix_cache=enable_prefix_caching)
+            groups.append(PageGroup(self.window_pool, window))
         # The layers whose pools each group's page ids index.
         layers = range(cfg.num_layers)
         if self.window_pool is None:

@@ -22,7 +22,7 @@ from jaxinfer.engine import (
     check_max_model_len,
     default_max_model_len,
     default_window_kv_pages,
-    kv_cache_bytes,
+    free_device_bytes,
     layer_page_bytes,
 )
 from jaxinfer.errors import CheckpointError, InvalidRequestError
@@ -115,41 +115,17 @@ def _token_ids(p, field: str) -> list[int]:
     return [int(t) for t in p]
 
 
-def _free_device_bytes() -> int:
-    """Free memory of this process's first device (the host's available RAM where the backend cannot
-    say). Multi-host: its own device; jax.devices()[0] may be another process's, whose stats it cannot read."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    except Exception:  # memory_stats is unimplemented on some backends
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pages) -> int:
     """Enough pages for every slot at full length, capped at a quarter of free memory (less what a
     hybrid model's sliding-window pools take: `window_pages` pages of those layers)."""
     want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
     layer_page = layer_page_bytes(cfg, page_size)
-    budget, layers = int(_free_device_bytes() * 0.25), cfg.num_layers
+    budget, layers = int(free_device_bytes() * 0.25), cfg.num_layers
     if window_pages is not None and window_pages < want:
         windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
         budget -= windowed * window_pages * layer_page
         layers -= windowed
     return max(2, min(want, budget // (layers * layer_page)))
-
-
-def _check_cache_fits(cfg, *, num_kv_pages: int, page_size: int, window_pages: int | None) -> None:
-    """A KV cache larger than the device's free memory is refused here, by name, not by the
-    allocator (an out-of-memory error deep in JAX, or the process killed)."""
-    need = kv_cache_bytes(cfg, num_kv_pages=num_kv_pages, num_window_kv_pages=window_pages, page_size=page_size)
-    free = _free_device_bytes()
-    if need > free:
-        raise InvalidRequestError(
-            f"num_kv_pages x page_size = {num_kv_pages} x {page_size} tokens: the KV cache would take "
-            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {jax.devices()[0]}"
-        )
 
 
 def _auto_dtype(model) -> str:
@@ -357,8 +333,6 @@ class LLM:
             )
             if multi_process:  # each process measured its own free memory: all take the leader's count
                 num_kv_pages = distributed.leader_value(num_kv_pages)
-        if device_mesh is None:  # on a mesh the cache is split over devices: each checks its own share
-            _check_cache_fits(cfg, num_kv_pages=num_kv_pages, page_size=page_size, window_pages=window_pages)
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer

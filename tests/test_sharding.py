@@ -225,3 +225,23 @@ def test_hf_checkpoint_is_read_straight_onto_the_mesh(tmp_path, monkeypatch):
     many = llm_mesh.generate(prompt_token_ids=prompts, sampling_params=sp)
     assert [o.token_ids for o in one] == [o.token_ids for o in many]
     assert llm_mesh.engine.params["embedding"].sharding.spec == P("model", None)
+
+
+def test_a_kv_cache_too_big_for_a_device_is_refused_with_or_without_a_mesh(monkeypatch):
+    """What must fit is one device's share: KV heads split over `model` (or copied, then split),
+    whole on every `data` device. Before, a mesh skipped the check: a huge --num-kv-pages with
+    --mesh was an out-of-memory kill instead of an error."""
+    import jaxinfer.engine as engine_lib
+
+    fits = dict(cfg=CFG, num_kv_pages=64, num_window_pages=None, page_size=8)
+    total = engine_lib.kv_cache_bytes(CFG, num_kv_pages=64, num_window_kv_pages=None, page_size=8)
+    monkeypatch.setattr(engine_lib, "free_device_bytes", lambda: int(total * 0.75))
+    with pytest.raises(InvalidRequestError, match=r"num_kv_pages x page_size = 64 x 8 tokens: the KV cache would take"):
+        engine_lib.check_cache_fits(**fits)
+    engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=1,model=2"))  # half of it per device
+    engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=1,model=8"))  # 2 heads x 4 copies over 8: half
+    with pytest.raises(InvalidRequestError, match="per device"):
+        engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=2,model=1"))  # rows split, the cache whole
+    monkeypatch.undo()
+    with pytest.raises(InvalidRequestError, match="GiB per device, more than the"):
+        LLM("embedded:tiny-random", mesh="data=1,model=1", max_model_len=64, num_kv_pages=2**30)
