@@ -200,6 +200,9 @@ def generation_defaults(model_dir: str | None) -> dict:
     return out
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger temperature is uniform all the same
+
+
 @struct.dataclass
 class SamplingBatch:
     """Per-row sampling inputs as device arrays (a pytree)."""
@@ -233,7 +236,7 @@ class SamplingBatch:
         history = np.full((b, history_len), -1, np.int32)
         prompt_lens = np.zeros(b, np.int32)
         for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
-            temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else p.temperature
+            temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else min(p.temperature, _FLOAT32_MAX)
             top_k[i], top_p[i], min_p[i] = max(p.top_k, 0), p.top_p, p.min_p
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seed[i], step[i], want[i] = s, n, p.logprobs is not None
@@ -347,7 +350,9 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
         return keep & (cut | (top_p >= 1.0)[:, None])  # p = 1 keeps all, whatever the rounding of the sums
 
     keep = jax.lax.cond(jnp.any(top_p < 1.0), top_p_cut, lambda: keep)
-    return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
+    keep &= probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    # The most likely token always survives, also where a p below float32's range rounded to 0.
+    return keep | (x >= x.max(axis=-1, keepdims=True))
 
 
 def _last_true(mask: jax.Array) -> jax.Array:
@@ -410,9 +415,13 @@ def _sample(logits: jax.Array, processed: jax.Array, params: SamplingBatch) -> S
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     def stochastic():
-        x = processed / jnp.maximum(params.temperature, 1e-6)[:, None]
+        # +inf (a repetition penalty that rounded to 0 in float32 divides a positive logit by it)
+        # becomes the largest float: x - max must stay a number.
+        x = jnp.minimum(processed / jnp.maximum(params.temperature, 1e-6)[:, None], jnp.finfo(jnp.float32).max)
         keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
-        return jnp.where(params.temperature == 0, greedy, _draw(x, keep, params.seed, params.step))
+        drawn = _draw(x, keep, params.seed, params.step)
+        ok = jnp.take_along_axis(keep, drawn[:, None], axis=1)[:, 0]  # never a token the filters dropped
+        return jnp.where((params.temperature == 0) | ~ok, greedy, drawn)
 
     tokens = jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)
     k = min(MAX_LOGPROBS, logits.shape[-1])

@@ -1,5 +1,7 @@
 """The per-row sampler against NumPy references of each filter, and parameter validation."""
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,6 +73,25 @@ def test_temperatures_below_the_greedy_threshold_are_greedy():
     # At the threshold it samples again: the two near-tied tokens both come out.
     got = draw([SamplingParams(temperature=1e-5, seed=s) for s in range(64)], [0] * 64, logits=tie)
     assert set(got.tolist()) == {3, 4}
+
+
+def test_values_past_float32_still_draw_a_token_the_filters_keep():
+    """top_p and repetition_penalty are doubles in (0, 1] and (0, 2]; far below float32's range they
+    round to 0 there. top-p then kept no token and the draw returned the last id (in the engine, a
+    padded id past the vocabulary, with NaN logprobs); a positive logit over a 0 penalty is +inf,
+    and x - max was NaN. A temperature past float32's range overflowed its cast."""
+    n = 32
+    got = draw([SamplingParams(temperature=1.0, top_p=1e-300, seed=s) for s in range(n)], [0] * n)
+    assert set(got.tolist()) == {int(np.argmax(LOGITS))}  # the most likely token always survives
+    seen = np.argsort(LOGITS)[[0, -9, -7, -5, -3]].tolist()  # the least likely token, and four positive ones
+    assert LOGITS[seen[0]] < 0 < min(LOGITS[seen[1:]])
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=s) for s in range(n)]
+    got = draw(params, [0] * n, history=seen, prompt_len=len(seen))
+    assert set(got.tolist()) <= set(seen[1:])  # the positive seen logits went to +inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = draw([SamplingParams(temperature=1e308, seed=s) for s in range(400)], [0] * 400)
+    assert len(set(got.tolist())) > V // 2  # as good as uniform
 
 
 def test_mixed_rows_and_seed_independent_of_batch_mates():
