@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.errors import InvalidRequestError
+
 PRESETS = {
     # The ~150M-parameter Llama shape the project's decode targets are stated for.
     "llama-150m": dict(
@@ -210,21 +212,27 @@ def run(args) -> dict:
     from jaxinfer.model import params_nbytes
 
     if args.model and args.preset:
-        raise SystemExit("error: pass --model or --preset, not both")
-    if args.vs_hf and not (args.model or args.preset):
-        raise SystemExit("error: --vs-hf needs a Hugging Face checkpoint: pass --model DIR or --preset NAME")
+        raise InvalidRequestError("pass --model or --preset, not both")
+    if args.vs_hf and not (args.preset or (args.model and os.path.isfile(os.path.join(args.model, "config.json")))):
+        # Refused now: transformers would only fail on it after the whole benchmark had run.
+        raise InvalidRequestError(
+            "--vs-hf needs a Hugging Face checkpoint (a directory with config.json): pass --model DIR "
+            f"or --preset NAME{f', not {args.model}' if args.model else ''}"
+        )
     if args.profile and args.mode != "latency":
-        raise SystemExit(f"error: --profile traces the latency mode's decode run; it does nothing in {args.mode} mode")
+        raise InvalidRequestError(
+            f"--profile traces the latency mode's decode run; it does nothing in {args.mode} mode"
+        )
     if args.profile:  # refused now, not after minutes of benchmarking
         try:
             os.makedirs(args.profile, exist_ok=True)
         except OSError as e:
             reason = f"cannot create the trace directory ({e.strerror})"
-            raise SystemExit(f"error: --profile {args.profile}: {reason}") from None
+            raise InvalidRequestError(f"--profile {args.profile}: {reason}") from None
     if args.new_tokens < 2:
-        raise SystemExit("error: --new-tokens must be >= 2 (decode time is measured between tokens)")
+        raise InvalidRequestError("--new-tokens must be >= 2 (decode time is measured between tokens)")
     if args.repeats < 1:
-        raise SystemExit(f"error: --repeats must be >= 1, got {args.repeats}")
+        raise InvalidRequestError(f"--repeats must be >= 1, got {args.repeats}")
 
     with contextlib.ExitStack() as stack:
         model_dir = args.model
@@ -303,6 +311,18 @@ def _phases(before: dict, after: dict, wall: float) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _sized_by(how: str):
+    """The engine's refusal of a size this bench derived from its flags, said with the flags' names
+    (`max_model_len must be ..., got 100001` alone names no flag the user typed)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if str(e).startswith(("max_model_len", "max_num_seqs", "max_num_batched_tokens")):
+            raise InvalidRequestError(f"{e} ({how})") from None
+        raise
+
+
 def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     """Offline throughput: N mixed requests through one continuous batch vs one at a time."""
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
@@ -310,14 +330,15 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     rng = np.random.default_rng(0)
     prompt_lens = rng.integers(lo_p, hi_p + 1, args.num_requests)
     output_lens = rng.integers(lo_o, hi_o + 1, args.num_requests)
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        max_model_len=hi_p + hi_o + 1,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.prefix_caching,
-    )
+    with _sized_by("max_model_len is the largest of --prompt-len-range plus that of --output-len-range, plus 1"):
+        llm = LLM(
+            model_dir,
+            dtype=args.dtype,
+            max_model_len=hi_p + hi_o + 1,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.prefix_caching,
+        )
     cfg = llm.cfg
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in prompt_lens]
     params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
@@ -413,15 +434,21 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
 def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     max_len = max(max(args.prompt_lens), args.context + args.new_tokens) + 1
     max_seqs = max(args.batch_sizes)
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        max_model_len=max_len,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=max(16, max(args.prompt_lens), max_seqs * args.context),  # 16: the engine's least
-        # Every timing repeats the same prompts: a warm prefix cache would skip the prefill we time.
-        enable_prefix_caching=False,
+    sizes = (
+        "max_model_len is 1 + the larger of the largest --prompt-lens and --context + --new-tokens; "
+        "max_num_seqs the largest --batch-sizes; max_num_batched_tokens the larger of the largest "
+        "--prompt-lens and --context x the largest --batch-sizes"
     )
+    with _sized_by(sizes):
+        llm = LLM(
+            model_dir,
+            dtype=args.dtype,
+            max_model_len=max_len,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max(16, max(args.prompt_lens), max_seqs * args.context),  # 16: the engine's least
+            # Every timing repeats the same prompts: a warm prefix cache would skip the prefill we time.
+            enable_prefix_caching=False,
+        )
     cfg = llm.cfg
     weight_bytes = params_nbytes(llm.params)
     # Decode reads every weight except the embedding table (only B rows of it) once per step.

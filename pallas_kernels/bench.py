@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import sys
 import time
@@ -30,6 +31,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxinfer.errors import InvalidRequestError, JaxinferError
 
 
 def _ints(s: str) -> list[int]:
@@ -135,6 +138,26 @@ def _pools(args, ctx: int, rng) -> dict:
         forms["kernel"] = (k.values, v.values, dict(k_scales=k.scales, v_scales=v.scales))
         forms["upstream"] = tuple(QuantizedTensor(x.values, x.scales[..., None] * MAX_INT8) for x in (k, v))
     return forms
+
+
+def _check_pools_fit(args) -> None:
+    """The largest context's pools (every layer's, in --dtype on the device; one pool at a time as
+    float64 on the host while it is drawn) must fit: refused by flag, not a MemoryError mid-run."""
+    from jaxinfer.engine import free_device_bytes
+
+    n, nk = args.heads
+    ctx = max(args.contexts)
+    elements = nk * (args.batch * -(-ctx // args.page_size) + 1) * args.page_size * args.head_dim
+    device = 2 * args.layers * elements * jnp.dtype(args.dtype).itemsize
+    host = 8 * elements
+    free, host_free = free_device_bytes(), os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device > free or host > host_free:
+        need, have, where = (device, free, str(jax.devices()[0])) if device > free else (host, host_free, "the host")
+        raise InvalidRequestError(
+            f"--batch {args.batch} x --contexts {ctx} ({nk} KV heads of --head-dim {args.head_dim}, "
+            f"--layers {args.layers}): the K/V pools would take {need / 2**30:.1f} GiB, more than the "
+            f"{have / 2**30:.1f} GiB free on {where}"
+        )
 
 
 def decode_bytes(args, ctx: int) -> int:
@@ -248,7 +271,7 @@ def run(args) -> list[dict]:
     platform = jax.default_backend()
     simulated_kernels = platform == "cpu"
     if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
-        raise SystemExit("error: --heads takes N,K with N a multiple of K")
+        raise InvalidRequestError("--heads takes N,K with N a multiple of K")
     window = 1 if args.window is None else args.window  # None: global
     for flag, value in (
         ("--batch", args.batch),
@@ -259,16 +282,17 @@ def run(args) -> list[dict]:
         ("--window", window),
     ):
         if value < 1:
-            raise SystemExit(f"error: {flag} must be positive, got {value}")
+            raise InvalidRequestError(f"{flag} must be positive, got {value}")
+    _check_pools_fit(args)
     named = args.variants
     if named is None:  # CPU: the kernels only as a simulation, so only when asked for
         named = "copy,reference,xla" if simulated_kernels else ",".join(VARIANTS)
     variants = [v.strip() for v in named.split(",") if v.strip()]
     if not variants:
-        raise SystemExit(f"error: --variants names none; pick from {', '.join(VARIANTS)}")
+        raise InvalidRequestError(f"--variants names none; pick from {', '.join(VARIANTS)}")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
-        raise SystemExit(f"error: unknown --variants {sorted(unknown)}")
+        raise InvalidRequestError(f"unknown --variants {sorted(unknown)}")
     n, nk = args.heads
     h, s, b = args.head_dim, args.page_size, args.batch
     ceiling = copy_bandwidth()
@@ -306,7 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m pallas_kernels.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(p)
-    run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except JaxinferError as e:  # as `jaxinfer bench kernels` answers it (jaxinfer.cli.main)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 
 
@@ -45,8 +46,8 @@ def _pct(values, q):
 
 def _check(args) -> None:
     if args.vs_offline and args.request_rate != float("inf"):
-        raise SystemExit(
-            "error: --vs-offline compares throughput on the same work, and the offline engine takes every "
+        raise InvalidRequestError(
+            "--vs-offline compares throughput on the same work, and the offline engine takes every "
             "request at once: use --request-rate inf (the default) with it"
         )
 
@@ -291,7 +292,9 @@ def _offline_llm(args, model_dir, max_model_len, served_model: str):
             file=sys.stderr,
         )
     if llm.cfg.name != served_model:
-        raise SystemExit(f"error: the server runs {served_model!r}, --vs-offline loaded {llm.cfg.name!r}: pass --model")
+        raise InvalidRequestError(
+            f"the server runs {served_model!r}, --vs-offline loaded {llm.cfg.name!r}: pass --model"
+        )
     return llm
 
 

@@ -556,7 +556,7 @@ def test_decode_timing_counts_the_rows_each_step_really_ran():
 def test_bench_serve_vs_offline_refuses_a_paced_workload():
     from jaxinfer import bench
 
-    with pytest.raises(SystemExit, match="--vs-offline compares throughput on the same work"):
+    with pytest.raises(InvalidRequestError, match="--vs-offline compares throughput on the same work"):
         bench.run(_bench_args(["serve", "--vs-offline", "--request-rate", "4"]))
 
 
@@ -628,7 +628,7 @@ def test_cli_usage_errors_exit_2_before_loading(capsys):
 def test_bench_refuses_zero_repeats(mode):
     from jaxinfer import bench
 
-    with pytest.raises(SystemExit, match=r"--repeats must be >= 1, got 0"):
+    with pytest.raises(InvalidRequestError, match=r"--repeats must be >= 1, got 0"):
         bench.run(_bench_args(mode + ["--repeats", "0"]))
 
 
@@ -636,9 +636,37 @@ def test_bench_profile_is_refused_outside_the_latency_mode(tmp_path):
     from jaxinfer import bench
 
     refusal = r"--profile traces the latency mode's decode run; it does nothing in throughput mode"
-    with pytest.raises(SystemExit, match=refusal):
+    with pytest.raises(InvalidRequestError, match=refusal):
         bench.run(_bench_args(["throughput", "--profile", str(tmp_path)]))
     assert not any(tmp_path.iterdir())
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(SystemExit, match=r"--profile .*a_file: cannot create the trace directory"):
+    with pytest.raises(InvalidRequestError, match=r"--profile .*a_file: cannot create the trace directory"):
         bench.run(_bench_args(["--profile", str(tmp_path / "a_file")]))
+
+
+@pytest.mark.parametrize("model", [None, "embedded:tiny-random"])
+def test_bench_vs_hf_needs_a_hugging_face_directory_before_it_runs(model):
+    """An embedded or orbax model passed the old check, ran the whole benchmark, then died in
+    transformers (an 'unexpected ValueError', the results thrown away)."""
+    from jaxinfer import bench
+
+    needs = r"--vs-hf needs a Hugging Face checkpoint \(a directory with config.json\)"
+    with pytest.raises(InvalidRequestError, match=needs):
+        bench.run(_bench_args(["--vs-hf"] + (["--model", model] if model else [])))
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--prompt-lens", "100000"], "--prompt-lens"),
+        (["--batch-sizes", "100000"], "--batch-sizes"),
+        (["throughput", "--prompt-len-range", "1,5000"], "--prompt-len-range"),
+    ],
+)
+def test_bench_sizes_the_model_refuses_name_the_flags(argv, flag):
+    """The bench derives max_model_len and max_num_seqs from its flags; the engine's refusal named
+    only those (`max_model_len must be in [2, 1024 for this model], got 100001`)."""
+    from jaxinfer import bench
+
+    with pytest.raises(InvalidRequestError, match=r"must be .*, got \d+ \(.*" + flag):
+        bench.run(_bench_args(["--model", "embedded:tiny-random", *argv]))

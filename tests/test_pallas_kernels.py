@@ -28,7 +28,7 @@ from kernel_cases import (
     static_id,
 )
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, InvalidRequestError, SamplingParams
 from jaxinfer.attention import reference_paged_attention, resolve_backend, tiled_paged_attention
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from jaxinfer.kv_cache import QuantizedPages
@@ -305,12 +305,14 @@ def test_kernel_bench_refuses_a_zero_window_and_no_variants():
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    with pytest.raises(SystemExit, match="--window must be positive, got 0"):  # ran as a 0-byte, 0.1% MBU row
+    with pytest.raises(InvalidRequestError, match="--window must be positive, got 0"):  # ran as a 0-byte, 0.1% MBU row
         bench.run(p.parse_args(["--window", "0"]))
-    with pytest.raises(SystemExit, match="--batch must be positive, got 0"):
+    with pytest.raises(InvalidRequestError, match="--batch must be positive, got 0"):
         bench.run(p.parse_args(["--batch", "0"]))
-    with pytest.raises(SystemExit, match="--variants names none"):
+    with pytest.raises(InvalidRequestError, match="--variants names none"):
         bench.run(p.parse_args(["--variants", ""]))
+    with pytest.raises(InvalidRequestError, match=r"--batch 100000 x --contexts 100000 .* GiB, more than the"):
+        bench.run(p.parse_args(["--batch", "100000", "--contexts", "100000"]))  # was a MemoryError mid-run
 
 
 @pytest.mark.parametrize("model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True)])
