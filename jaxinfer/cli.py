@@ -179,8 +179,9 @@ def _generate(args) -> int:
     from jaxinfer.errors import InvalidRequestError
 
     if args.server is not None:
-        if not args.server.strip():
-            raise InvalidRequestError("--server must be HOST:PORT, got an empty string")
+        host, _, port = args.server.strip().rpartition(":")
+        if "://" not in args.server and not (host and port.isdigit()):  # gRPC would dial port 443
+            raise InvalidRequestError(f"--server must be HOST:PORT, got {args.server!r}")
         given = [f"--{k.replace('_', '-')}" for k, v in args.local_defaults.items() if getattr(args, k) != v]
         if given:
             raise InvalidRequestError(

@@ -283,6 +283,11 @@ class LLM:
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        # NumPy integers act as Python ones, as in SamplingParams (np.int64(16) was refused as not an integer).
+        page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, max_model_len = (
+            int(v) if _is_int(v) else v
+            for v in (page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, max_model_len)
+        )
         # Validated before anything loads.
         check_capacity(
             page_size=page_size,
@@ -563,6 +568,7 @@ class LLM:
                 special_tokens=tok.special_tokens,
                 template_kwargs=template_kwargs,
                 continue_final_message=continue_final_message,
+                field=field,
             )
             texts.append(text)
             max_tokens = self.engine.max_model_len - 1

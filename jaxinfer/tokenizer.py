@@ -528,7 +528,7 @@ def _iterates_content(template: str) -> bool:
     return any("content" in names(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
 
 
-def _text_content(message: dict) -> dict:
+def _text_content(message: dict, where: str) -> dict:
     """A message whose content is a list of parts, as a string-content template needs it: the text
     parts joined by newlines (as vLLM does for such templates). Other parts cannot be shown to a
     text-only template."""
@@ -540,7 +540,7 @@ def _text_content(message: dict) -> dict:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise InvalidRequestError(
-                f"messages: content part {j} is {kind or type(part).__name__!r}, not a text part "
+                f"{where}.content[{j}] is of type {kind or type(part).__name__!r}, not a text part "
                 "({'type': 'text', 'text': ...}); this model's chat template takes text only"
             )
         texts.append(part["text"])
@@ -606,13 +606,14 @@ def render_chat_template(
     special_tokens: dict[str, str] | None = None,
     template_kwargs: dict | None = None,
     continue_final_message: bool = False,
+    field: str = "messages",
 ) -> str:
     """Renders one (validated) conversation into the prompt text the model was trained on.
 
     The template sees `messages`, `add_generation_prompt`, `tools` / `documents` (None), the named
     special tokens (`bos_token`, `eos_token`, ...) and `template_kwargs` (e.g. Qwen 3's
     `enable_thinking`), as with transformers' `apply_chat_template`. `continue_final_message` leaves
-    the last message open (see `_continue_final`).
+    the last message open (see `_continue_final`). `field` names the conversation in errors.
 
     Raises:
         InvalidRequestError: the template refused the conversation (`raise_exception`), e.g. roles
@@ -629,7 +630,7 @@ def render_chat_template(
             raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
         _TEMPLATES[template] = compiled
     if not _iterates_content(template):
-        messages = [_text_content(m) for m in messages]
+        messages = [_text_content(m, f"{field}[{i}]") for i, m in enumerate(messages)]
     try:
         rendered = compiled.render(
             **{**(special_tokens or {}), **(template_kwargs or {})},

@@ -84,6 +84,9 @@ def run(args) -> int:
         if v is not None and not lo <= v <= hi:
             print(f"error: --{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}", file=sys.stderr)
             return 2
+    if args.metrics_port and args.metrics_port == args.port:  # else "cannot bind ...: is the port in use"
+        print(f"error: --port and --metrics-port must differ, both are {args.port}", file=sys.stderr)
+        return 2
     for name, limit, ok in (
         ("drain_timeout", ">= 0", lambda v: v >= 0),
         ("peer_timeout", "> 0", lambda v: v > 0),

@@ -358,6 +358,11 @@ def test_bad_constructor_arguments():
         LLM(page_size=0)  # was a ZeroDivisionError while sizing the default page count
     with pytest.raises(InvalidRequestError, match="max_num_seqs must be an integer in .*, got True"):
         LLM(max_num_seqs=True)
+    # NumPy integers are integers, as SamplingParams takes them (they were refused by name).
+    sizes = dict(max_model_len=np.int64(64), page_size=np.int64(16), num_kv_pages=np.int32(8), max_num_seqs=np.uint8(2))
+    small = LLM(default_model.TINY_RANDOM, max_num_batched_tokens=np.int64(32), **sizes)
+    assert small.stats()["kv_pages_total"] == 7 and small.engine.max_model_len == 64
+    assert len(small.generate(prompt_token_ids=[[1, 2]], sampling_params=GREEDY)[0].token_ids) == GREEDY.max_tokens
     # Was a silent hang: the warm-up enumerated a decode shape for every row count up to it.
     with pytest.raises(InvalidRequestError, match=r"max_num_seqs must be an integer in \[1, 16384\], got 1000000000"):
         LLM(max_num_seqs=10**9)
@@ -400,6 +405,8 @@ def test_cli_json(capsys):
         (["generate", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+        (["serve", "--port", "47124", "--metrics-port", "47124"], "--port and --metrics-port must differ"),
+        (["generate", "--server", "127.0.0.1", "x"], "--server must be HOST:PORT, got '127.0.0.1'"),  # dialled :443
         (["bench", "--repeats", "2", "kernels"], "`jaxinfer bench kernels` takes flags of its own"),
     ],
 )
