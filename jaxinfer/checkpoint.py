@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -215,17 +218,58 @@ def _stored_tree(params_dir: str) -> dict:
     """{tensor name: (shape, dtype)} from the orbax metadata, without reading any array."""
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"checkpoint is missing its parameter directory {params_dir!r}")
+    _drop_orbax_leftovers()
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # "Failed to get item metadata ...": said below, as an error
     try:
         with _checkpointer() as ckpt:
             meta = ckpt.metadata(params_dir)
     except Exception as e:  # orbax raises assorted types for unreadable metadata
         raise CheckpointError(f"{params_dir}: cannot read the orbax metadata ({type(e).__name__}: {e})") from None
+    finally:
+        absl.setLevel(level)
     item = getattr(meta, "item_metadata", meta)
     tree = getattr(item, "tree", item)
     if not isinstance(tree, dict):  # orbax logs a warning and returns no tree for unreadable metadata
         raise CheckpointError(f"{params_dir}: cannot read the orbax metadata (corrupt or incomplete checkpoint)")
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
     return {_leaf_name(p): (tuple(x.shape), x.dtype) for p, x in leaves}
+
+
+def _from_orbax(tb) -> bool:
+    return any("orbax" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+class _OrbaxLeftoverFilter(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" for orbax's abandoned reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info
+        return not ("never retrieved" in str(record.msg) and exc and exc[2] is not None and _from_orbax(exc[2]))
+
+
+def _drop_orbax_leftovers() -> None:
+    """When a read fails, orbax abandons its other reads on an event loop it then closes; their
+    coroutines, futures and callbacks, collected later (at exit at the latest), each printed a
+    traceback with a dump of TensorStore's spec ("Event loop is closed", "Exception ignored in:
+    <coroutine ...>", "exception was never retrieved") under the one-line CheckpointError. Installed
+    before orbax reads (once per process), a hook for unraisable exceptions and a filter on asyncio's
+    logger drop those, and only those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_leftovers", False):
+        return
+
+    def hook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None)
+        leftover = (code is not None and "orbax" in code.co_filename) or _from_orbax(unraisable.exc_traceback)
+        closed = isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
+        if not (leftover or closed):
+            previous(unraisable)
+
+    hook.drops_orbax_leftovers = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_OrbaxLeftoverFilter())
 
 
 def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=None):
@@ -271,13 +315,15 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
     target = jax.tree_util.tree_map_with_path(
         lambda p, x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=want[_leaf_name(p)][1]), abstract
     )
+    _drop_orbax_leftovers()
     try:
         with _checkpointer() as ckpt:
             params = ckpt.restore(params_dir, target)
     except Exception as e:  # tensorstore/orbax errors: corrupt or truncated array data
-        raise CheckpointError(
-            f"{params_dir}: cannot read the parameters ({type(e).__name__}: {str(e)[:400]})"
-        ) from None
+        while e.__cause__ is not None:  # orbax wraps TensorStore's one-line reason in a dump of its spec
+            e = e.__cause__
+        reason = (str(e).strip().splitlines() or [""])[0][:400]
+        raise CheckpointError(f"{params_dir}: cannot read the parameters ({type(e).__name__}: {reason})") from None
     return cfg, params
 
 

@@ -274,6 +274,23 @@ def test_corrupt_array_data(small_ckpt):
         checkpoint.restore(small_ckpt)
 
 
+def test_truncated_array_data_is_one_line_from_the_cli(small_ckpt):
+    """The reason (TensorStore's one line) and nothing else: the message was orbax's wrapper, cut off
+    in a dump of its spec, and orbax's abandoned reads printed tracebacks at exit."""
+    import subprocess
+    import sys
+
+    data = os.path.join(small_ckpt, "params", "ocdbt.process_0", "d")  # the arrays (params/d: metadata)
+    largest = max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize)
+    os.truncate(largest, os.path.getsize(largest) // 3)
+    argv = [sys.executable, "-m", "jaxinfer", "generate", "--model", small_ckpt, "--prompt-ids", "1,2"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "params: cannot read the parameters (ValueError: OUT_OF_RANGE: Error reading" in r.stderr
+
+
 def test_missing_params_dir(small_ckpt):
     shutil.rmtree(os.path.join(small_ckpt, "params"))
     with pytest.raises(CheckpointError, match="missing its parameter directory"):
