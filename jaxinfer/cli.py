@@ -456,7 +456,7 @@ def _main(argv: list[str]) -> int:
     if argv[:2] == ["bench", "kernels"]:  # its own flags: see pallas_kernels/bench.py
         from pallas_kernels import bench as kernel_bench
 
-        return kernel_bench.main(argv[2:])
+        return kernel_bench.main(argv[2:], prog="jaxinfer bench kernels")
     if argv[:2] == ["bench", "load"]:  # HF safetensors vs orbax load time: see jaxinfer.checkpoint.bench_load
         return _bench_load(argv[2:])
     if argv[:2] == ["bench", "mesh"]:  # bytes per device per mesh: see jaxinfer.bench.mesh_memory
