@@ -494,7 +494,7 @@ class LLM:
             for p, sp in zip(ids, params):
                 requests.append(self._start(p, sp))
             done = 0
-            while not all(r.finished for r in requests):
+            while not self._all_finished(requests):
                 self._step()
                 if bar is not None:
                     now = sum(r.finished for r in requests)
@@ -619,7 +619,11 @@ class LLM:
                             index=u.seq.index,
                             stop_reason=u.seq.stop_reason if u.finish_reason else None,
                         )
-                if req.finished:
+                with self._lock:  # a request another thread's step ended has its updates filed by now
+                    if mine:
+                        continue
+                    finished = req.finished
+                if finished:
                     # Ended without an update filed here: aborted through llm.engine.abort() directly.
                     for s in req.seqs:
                         if s.index not in ended:
@@ -634,6 +638,11 @@ class LLM:
             req = self.engine.add_request(prompt_ids, params)
             self._updates[req.request_id] = []
             return req
+
+    def _all_finished(self, requests: list[Request]) -> bool:
+        """Under the lock: a step marks requests finished before it has filed their last updates."""
+        with self._lock:
+            return all(r.finished for r in requests)
 
     def _step(self) -> None:
         """One engine step; each update is filed under its request, whichever call (or thread)

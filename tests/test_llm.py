@@ -39,12 +39,15 @@ def test_batch_gives_same_greedy_tokens_as_alone(llm):
 
 def test_threads_share_one_llm_safely(llm):
     """Several threads calling generate and stream on one LLM: their requests join the same batches
-    and each gets exactly its own greedy tokens. Before, the engine was stepped from two threads at
-    once: a step read the cache the other had just donated ("Buffer has been deleted or donated")."""
+    and each gets exactly its own greedy tokens, text and finish reason. Before, the engine was
+    stepped from two threads at once: a step read the cache the other had just donated ("Buffer has
+    been deleted or donated"); and a request that another thread's step had ended could be read as
+    finished before its last update was filed (a stream lost its last delta)."""
     import threading
 
     prompts = [[1, 30 + i, 5, 60 - i][: 2 + i % 3] for i in range(6)]
-    alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
+    solo = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].outputs[0] for p in prompts]
+    alone = [(o.token_ids, o.text, o.finish_reason) for o in solo]
     got, errors = {}, []
     start = threading.Barrier(len(prompts))
 
@@ -53,10 +56,12 @@ def test_threads_share_one_llm_safely(llm):
             start.wait()
             for _ in range(3):
                 if i % 2:
-                    deltas = llm.stream(prompt_token_ids=prompts[i], sampling_params=GREEDY)
-                    out = [t for d in deltas for t in d.token_ids]
+                    deltas = list(llm.stream(prompt_token_ids=prompts[i], sampling_params=GREEDY))
+                    ids = [t for d in deltas for t in d.token_ids]
+                    out = (ids, "".join(d.text for d in deltas), deltas[-1].finish_reason)
                 else:
-                    out = llm.generate(prompt_token_ids=[prompts[i]], sampling_params=GREEDY)[0].token_ids
+                    o = llm.generate(prompt_token_ids=[prompts[i]], sampling_params=GREEDY)[0].outputs[0]
+                    out = (o.token_ids, o.text, o.finish_reason)
                 got.setdefault(i, []).append(out)
         except Exception as e:  # reported below, with the thread
             errors.append((i, f"{type(e).__name__}: {e}"))
