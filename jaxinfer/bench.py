@@ -207,13 +207,20 @@ def _write_preset(name: str, path: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
+def _is_hf_directory(model: str | None) -> bool:
+    """A Hugging Face checkpoint directory: a config.json, and not a jaxinfer checkpoint (which has one too)."""
+    from jaxinfer import checkpoint
+
+    return bool(model) and os.path.isfile(os.path.join(model, "config.json")) and not checkpoint.is_checkpoint(model)
+
+
 def run(args) -> dict:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.model import params_nbytes
 
     if args.model and args.preset:
         raise InvalidRequestError("pass --model or --preset, not both")
-    if args.vs_hf and not (args.preset or (args.model and os.path.isfile(os.path.join(args.model, "config.json")))):
+    if args.vs_hf and not (args.preset or _is_hf_directory(args.model)):
         # Refused now: transformers would only fail on it after the whole benchmark had run.
         raise InvalidRequestError(
             "--vs-hf needs a Hugging Face checkpoint (a directory with config.json): pass --model DIR "
@@ -312,14 +319,16 @@ def _phases(before: dict, after: dict, wall: float) -> dict:
 
 
 @contextlib.contextmanager
-def _sized_by(how: str):
+def _sized_by(**how: str):
     """The engine's refusal of a size this bench derived from its flags, said with the flags' names
-    (`max_model_len must be ..., got 100001` alone names no flag the user typed)."""
+    (`max_model_len must be ..., got 100001` alone names no flag the user typed). `how`: engine
+    argument -> how the bench derives it."""
     try:
         yield
     except InvalidRequestError as e:
-        if str(e).startswith(("max_model_len", "max_num_seqs", "max_num_batched_tokens")):
-            raise InvalidRequestError(f"{e} ({how})") from None
+        name = str(e).split(" ", 1)[0]
+        if name in how:
+            raise InvalidRequestError(f"{e} ({name} here is {how[name]})") from None
         raise
 
 
@@ -330,7 +339,11 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     rng = np.random.default_rng(0)
     prompt_lens = rng.integers(lo_p, hi_p + 1, args.num_requests)
     output_lens = rng.integers(lo_o, hi_o + 1, args.num_requests)
-    with _sized_by("max_model_len is the largest of --prompt-len-range plus that of --output-len-range, plus 1"):
+    with _sized_by(
+        max_model_len="the largest of --prompt-len-range plus that of --output-len-range, plus 1",
+        max_num_seqs="--max-num-seqs",
+        max_num_batched_tokens="--max-num-batched-tokens",
+    ):
         llm = LLM(
             model_dir,
             dtype=args.dtype,
@@ -434,12 +447,11 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
 def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     max_len = max(max(args.prompt_lens), args.context + args.new_tokens) + 1
     max_seqs = max(args.batch_sizes)
-    sizes = (
-        "max_model_len is 1 + the larger of the largest --prompt-lens and --context + --new-tokens; "
-        "max_num_seqs the largest --batch-sizes; max_num_batched_tokens the larger of the largest "
-        "--prompt-lens and --context x the largest --batch-sizes"
-    )
-    with _sized_by(sizes):
+    with _sized_by(
+        max_model_len="1 + the larger of the largest --prompt-lens and --context + --new-tokens",
+        max_num_seqs="the largest --batch-sizes",
+        max_num_batched_tokens="the largest of 16, the largest --prompt-lens and --context x the largest --batch-sizes",
+    ):
         llm = LLM(
             model_dir,
             dtype=args.dtype,

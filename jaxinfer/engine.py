@@ -169,6 +169,11 @@ def free_device_bytes() -> int:
             return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     except Exception:  # memory_stats is unimplemented on some backends
         pass
+    return host_free_bytes()
+
+
+def host_free_bytes() -> int:
+    """The host's available RAM."""
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import statistics
 import sys
 import time
@@ -143,14 +142,14 @@ def _pools(args, ctx: int, rng) -> dict:
 def _check_pools_fit(args) -> None:
     """The largest context's pools (every layer's, in --dtype on the device; one pool at a time as
     float64 on the host while it is drawn) must fit: refused by flag, not a MemoryError mid-run."""
-    from jaxinfer.engine import free_device_bytes
+    from jaxinfer.engine import free_device_bytes, host_free_bytes
 
     n, nk = args.heads
     ctx = max(args.contexts)
     elements = nk * (args.batch * -(-ctx // args.page_size) + 1) * args.page_size * args.head_dim
     device = 2 * args.layers * elements * jnp.dtype(args.dtype).itemsize
     host = 8 * elements
-    free, host_free = free_device_bytes(), os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free, host_free = free_device_bytes(), host_free_bytes()
     if device > free or host > host_free:
         need, have, where = (device, free, str(jax.devices()[0])) if device > free else (host, host_free, "the host")
         raise InvalidRequestError(

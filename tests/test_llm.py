@@ -656,12 +656,16 @@ def test_bench_profile_is_refused_outside_the_latency_mode(tmp_path):
         bench.run(_bench_args(["--profile", str(tmp_path / "a_file")]))
 
 
-@pytest.mark.parametrize("model", [None, "embedded:tiny-random"])
-def test_bench_vs_hf_needs_a_hugging_face_directory_before_it_runs(model):
+@pytest.mark.parametrize("model", [None, "embedded:tiny-random", "jaxinfer-checkpoint"])
+def test_bench_vs_hf_needs_a_hugging_face_directory_before_it_runs(model, tmp_path):
     """An embedded or orbax model passed the old check, ran the whole benchmark, then died in
     transformers (an 'unexpected ValueError', the results thrown away)."""
-    from jaxinfer import bench
+    from jaxinfer import bench, checkpoint
 
+    if model == "jaxinfer-checkpoint":  # it has a config.json too: the marker tells them apart
+        model = str(tmp_path)
+        (tmp_path / "config.json").write_text("{}")
+        (tmp_path / checkpoint.MARKER).write_text("{}")
     needs = r"--vs-hf needs a Hugging Face checkpoint \(a directory with config.json\)"
     with pytest.raises(InvalidRequestError, match=needs):
         bench.run(_bench_args(["--vs-hf"] + (["--model", model] if model else [])))
