@@ -179,9 +179,9 @@ def _generate(args) -> int:
     from jaxinfer.errors import InvalidRequestError
 
     if args.server is not None:
-        host, _, port = args.server.strip().rpartition(":")
-        if "://" not in args.server and not (host and port.isdigit()):  # gRPC would dial port 443
-            raise InvalidRequestError(f"--server must be HOST:PORT, got {args.server!r}")
+        from jaxinfer.client import check_target
+
+        args.server = check_target(args.server.strip(), "--server")
         given = [f"--{k.replace('_', '-')}" for k, v in args.local_defaults.items() if getattr(args, k) != v]
         if given:
             raise InvalidRequestError(

@@ -258,15 +258,26 @@ def _keepalive(value) -> float | None:
     return _seconds(value, "keepalive")
 
 
-def _check_target(target: str) -> str:
-    """A gRPC target ("host:port", or a scheme such as unix:PATH) whose port, if any, is one gRPC can
-    reach: it silently wraps 70000 to 4464."""
+# gRPC's own target schemes (a target naming none is HOST:PORT).
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:")
+
+
+def check_target(target: str, what: str = "server address") -> str:
+    """A gRPC target: HOST:PORT (an IPv6 host in brackets) or one of gRPC's schemes (unix:PATH,
+    dns:///host:port, ...), with a port gRPC can reach. Without a port gRPC dials 443, and it
+    silently wraps 70000 to 4464; both are refused, naming `what`."""
     if not isinstance(target, str) or not target:
-        raise InvalidRequestError(f"server address must be a non-empty string like host:port, got {target!r}")
-    require_unicode(target, "server address")
-    port = target.rpartition(":")[2]
+        raise InvalidRequestError(f"{what} must be HOST:PORT, got {target!r}")
+    require_unicode(target, what)
+    host, _, port = target.rpartition(":")
+    if not target.startswith(_SCHEMES) and (
+        not host or not port.isdigit() or (":" in host and not (host.startswith("[") and host.endswith("]")))
+    ):
+        raise InvalidRequestError(
+            f"{what} must be HOST:PORT ([IPv6]:PORT, or a gRPC scheme such as unix:PATH), got {target!r}"
+        )
     if port.isdigit() and not 0 < int(port) < 65536:
-        raise InvalidRequestError(f"server address {target!r}: the port must be in [1, 65535]")
+        raise InvalidRequestError(f"{what} {target!r}: the port must be in [1, 65535]")
     return target
 
 
@@ -287,7 +298,7 @@ class Client(_Stubs):
     none); `keepalive` (seconds, None: off) how often an open call checks that the server answers."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None, keepalive: float | None = 30.0):
-        self.target = _check_target(target)
+        self.target = check_target(target)
         self.timeout = _seconds(timeout, "timeout")
         self.keepalive = _keepalive(keepalive)
         self._channel = grpc.insecure_channel(target, options=_channel_options(self.keepalive))
@@ -391,7 +402,7 @@ class AsyncClient(_Stubs):
     per loop)."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, timeout: float | None = None, keepalive: float | None = 30.0):
-        self.target = _check_target(target)
+        self.target = check_target(target)
         self.timeout = _seconds(timeout, "timeout")
         self.keepalive = _keepalive(keepalive)
         self._channel = None

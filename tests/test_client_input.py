@@ -356,3 +356,28 @@ def test_keepalive_is_checked(address):
         Client(address, keepalive=0.1)
     with pytest.raises(InvalidRequestError, match="keepalive must be a positive number"):
         AsyncClient(address, keepalive="30")
+
+
+@pytest.mark.parametrize(
+    "target, refusal",
+    [
+        ("127.0.0.1:9000", None),
+        ("[::1]:50051", None),
+        ("unix:/tmp/jaxinfer.sock", None),
+        ("dns:///localhost:9000", None),
+        ("127.0.0.1", "must be HOST:PORT"),  # gRPC dialled port 443
+        ("::1", "must be HOST:PORT"),  # an unbracketed IPv6 address reads as host ":" port 1
+        ("localhost:", "must be HOST:PORT"),
+        (":9000", "must be HOST:PORT"),
+        ("localhost:70000", r"the port must be in \[1, 65535\]"),  # gRPC wraps it to 4464
+    ],
+)
+def test_server_addresses_are_host_port_or_a_grpc_scheme(target, refusal):
+    from jaxinfer.client import check_target
+
+    if refusal is None:
+        assert check_target(target) == target
+        Client(target).close()  # no connection is made until a call
+    else:
+        with pytest.raises(InvalidRequestError, match=refusal):
+            Client(target)

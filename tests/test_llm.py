@@ -411,7 +411,7 @@ def test_cli_json(capsys):
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
         (["serve", "--port", "47124", "--metrics-port", "47124"], "--port and --metrics-port must differ"),
-        (["generate", "--server", "127.0.0.1", "x"], "--server must be HOST:PORT, got '127.0.0.1'"),  # dialled :443
+        (["generate", "--server", "127.0.0.1", "x"], "--server must be HOST:PORT ([IPv6]:PORT"),  # dialled :443
         (["bench", "--repeats", "2", "kernels"], "`jaxinfer bench kernels` takes flags of its own"),
     ],
 )
