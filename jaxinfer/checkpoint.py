@@ -218,7 +218,7 @@ def _stored_tree(params_dir: str) -> dict:
     """{tensor name: (shape, dtype)} from the orbax metadata, without reading any array."""
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"checkpoint is missing its parameter directory {params_dir!r}")
-    _drop_orbax_leftovers()
+    _OrbaxLeftovers.install()
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # "Failed to get item metadata ...": said below, as an error
@@ -226,6 +226,7 @@ def _stored_tree(params_dir: str) -> dict:
         with _checkpointer() as ckpt:
             meta = ckpt.metadata(params_dir)
     except Exception as e:  # orbax raises assorted types for unreadable metadata
+        _OrbaxLeftovers.read_failed = True
         raise CheckpointError(f"{params_dir}: cannot read the orbax metadata ({type(e).__name__}: {e})") from None
     finally:
         absl.setLevel(level)
@@ -237,39 +238,51 @@ def _stored_tree(params_dir: str) -> dict:
     return {_leaf_name(p): (tuple(x.shape), x.dtype) for p, x in leaves}
 
 
+_ORBAX = f"{os.sep}orbax{os.sep}"  # in a file path: a module of the orbax package
+
+
 def _from_orbax(tb) -> bool:
-    return any("orbax" in frame.filename for frame in traceback.extract_tb(tb))
+    return any(_ORBAX in frame.filename for frame in traceback.extract_tb(tb))
 
 
-class _OrbaxLeftoverFilter(logging.Filter):
-    """Drops asyncio's "exception was never retrieved" for orbax's abandoned reads."""
+class _OrbaxLeftovers(logging.Filter):
+    """When a read fails, orbax abandons its other reads on an event loop it then closes; their
+    coroutines, futures and callbacks, collected later (at exit at the latest), each printed a
+    traceback with a dump of TensorStore's spec ("Exception ignored in: <coroutine ...>", "exception
+    was never retrieved", "Event loop is closed") under the one-line CheckpointError. Installed
+    before orbax reads, a hook for unraisable exceptions and this filter on asyncio's logger drop
+    those: exceptions raised in orbax's code, and - only after a read has failed - the bare "Event
+    loop is closed" of a completion callback calling into orbax's closed loop."""
+
+    read_failed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info
         return not ("never retrieved" in str(record.msg) and exc and exc[2] is not None and _from_orbax(exc[2]))
 
-
-def _drop_orbax_leftovers() -> None:
-    """When a read fails, orbax abandons its other reads on an event loop it then closes; their
-    coroutines, futures and callbacks, collected later (at exit at the latest), each printed a
-    traceback with a dump of TensorStore's spec ("Event loop is closed", "Exception ignored in:
-    <coroutine ...>", "exception was never retrieved") under the one-line CheckpointError. Installed
-    before orbax reads (once per process), a hook for unraisable exceptions and a filter on asyncio's
-    logger drop those, and only those."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_orbax_leftovers", False):
-        return
-
-    def hook(unraisable):
+    @classmethod
+    def drops(cls, unraisable) -> bool:
         code = getattr(unraisable.object, "cr_code", None)
-        leftover = (code is not None and "orbax" in code.co_filename) or _from_orbax(unraisable.exc_traceback)
-        closed = isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
-        if not (leftover or closed):
-            previous(unraisable)
+        if (code is not None and _ORBAX in code.co_filename) or _from_orbax(unraisable.exc_traceback):
+            return True
+        closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+        return cls.read_failed and closed and unraisable.object is None
 
-    hook.drops_orbax_leftovers = True
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_OrbaxLeftoverFilter())
+    @classmethod
+    def install(cls) -> None:
+        previous = sys.unraisablehook
+        if getattr(previous, "drops_orbax_leftovers", False):
+            return
+
+        def hook(unraisable):
+            if not cls.drops(unraisable):
+                previous(unraisable)
+
+        hook.drops_orbax_leftovers = True
+        sys.unraisablehook = hook
+        asyncio_log = logging.getLogger("asyncio")
+        if not any(isinstance(f, cls) for f in asyncio_log.filters):
+            asyncio_log.addFilter(cls())
 
 
 def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=None):
@@ -315,11 +328,12 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
     target = jax.tree_util.tree_map_with_path(
         lambda p, x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=want[_leaf_name(p)][1]), abstract
     )
-    _drop_orbax_leftovers()
+    _OrbaxLeftovers.install()
     try:
         with _checkpointer() as ckpt:
             params = ckpt.restore(params_dir, target)
     except Exception as e:  # tensorstore/orbax errors: corrupt or truncated array data
+        _OrbaxLeftovers.read_failed = True
         while e.__cause__ is not None:  # orbax wraps TensorStore's one-line reason in a dump of its spec
             e = e.__cause__
         reason = (str(e).strip().splitlines() or [""])[0][:400]
