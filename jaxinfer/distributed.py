@@ -168,6 +168,14 @@ def leader_value(value: int) -> int:
         return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([value], np.int32)))[0])
 
 
+def least(value: int) -> int:
+    """The smallest of every process's `value` (an int32), on every process."""
+    from jax.experimental import multihost_utils
+
+    with peer_wait():
+        return int(np.asarray(multihost_utils.process_allgather(np.asarray([value], np.int32))).min())
+
+
 class JobMismatchError(InvalidRequestError):
     """The processes of one job were started with different models or engine settings."""
 

@@ -199,12 +199,17 @@ def check_cache_fits(cfg, *, num_kv_pages: int, num_window_pages: int | None, pa
             wide,
             sharding.cache_shardings(wide, mesh),
         )
-    need, free = sum(jax.tree.leaves(per_leaf)), free_device_bytes()
+    need, free, where = sum(jax.tree.leaves(per_leaf)), free_device_bytes(), str(jax.local_devices()[0])
+    if jax.process_count() > 1:  # every process must decide alike: else one refuses, the others wait on it
+        from jaxinfer import distributed
+
+        free = distributed.least(min(free >> 20, 2**31 - 1)) << 20  # in MiB: an int32
+        where = "the device of the process with the least"
     if need > free:
         raise InvalidRequestError(
             f"num_kv_pages x page_size = {num_kv_pages} x {page_size} tokens: the KV cache would take "
             f"{need / 2**30:.1f} GiB{'' if mesh is None else ' per device'}, more than the "
-            f"{free / 2**30:.1f} GiB free on {jax.local_devices()[0]}"
+            f"{free / 2**30:.1f} GiB free on {where}"
         )
 
 

@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import sys
+import traceback
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,8 +184,6 @@ def _exit_now(code: int) -> int:
     peer (the barrier would wait until the heartbeat timeout, the teardown forever and then abort),
     or a model still loading inside JAX when the server was told to stop (the teardown aborts the
     process under it). Nothing is left to flush but the standard streams."""
-    import os
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -228,8 +228,14 @@ def _follow(args) -> int:
     except (JaxinferError, OSError) as e:  # a bad model or setting: as cli.main answers it
         print(f"error: {e}", file=sys.stderr)
         return _exit_now(2)
-    except Exception as e:
-        print(f"error: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return _exit_now(130)
+    except SystemExit as e:
+        return _exit_now(e.code if isinstance(e.code, int) else 1)
+    except BaseException as e:  # a bug: one line, the traceback on request (as cli.main)
+        if os.environ.get("JAXINFER_TRACEBACK"):
+            traceback.print_exc()
+        print(f"error: unexpected {type(e).__name__}: {e} (JAXINFER_TRACEBACK=1 shows where)", file=sys.stderr)
         return _exit_now(1)
     log.info("jaxinfer serve: follower %d: the leader stopped; exiting", me)
     return _exit_now(code)
