@@ -420,7 +420,9 @@ def _sample(logits: jax.Array, processed: jax.Array, params: SamplingBatch) -> S
         x = jnp.minimum(processed / jnp.maximum(params.temperature, 1e-6)[:, None], jnp.finfo(jnp.float32).max)
         keep = keep_mask(x, params.top_k, params.top_p, params.min_p)
         drawn = _draw(x, keep, params.seed, params.step)
-        ok = jnp.take_along_axis(keep, drawn[:, None], axis=1)[:, 0]  # never a token the filters dropped
+        # Never a token the filters dropped, nor one past the vocabulary (the draw's padded blocks;
+        # take_along_axis would fill such an index, with True).
+        ok = (drawn < x.shape[-1]) & jnp.take_along_axis(keep, drawn[:, None], axis=1, mode="clip")[:, 0]
         return jnp.where((params.temperature == 0) | ~ok, greedy, drawn)
 
     tokens = jax.lax.cond(jnp.all(params.temperature == 0), lambda: greedy, stochastic)

@@ -83,15 +83,27 @@ def test_values_past_float32_still_draw_a_token_the_filters_keep():
     n = 32
     got = draw([SamplingParams(temperature=1.0, top_p=1e-300, seed=s) for s in range(n)], [0] * n)
     assert set(got.tolist()) == {int(np.argmax(LOGITS))}  # the most likely token always survives
+    kept = keep_mask(jnp.asarray(LOGITS)[None], jnp.array([0]), jnp.array([np.float32(1e-300)]), jnp.array([0.0]))
+    assert np.flatnonzero(kept[0]).tolist() == [int(np.argmax(LOGITS))]
     seen = np.argsort(LOGITS)[[0, -9, -7, -5, -3]].tolist()  # the least likely token, and four positive ones
     assert LOGITS[seen[0]] < 0 < min(LOGITS[seen[1:]])
     params = [SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=s) for s in range(n)]
     got = draw(params, [0] * n, history=seen, prompt_len=len(seen))
-    assert set(got.tolist()) <= set(seen[1:])  # the positive seen logits went to +inf
+    # The positive seen logits went to +inf, capped at the largest float: four equal chances (an
+    # uncapped +inf made every weight NaN).
+    assert set(got.tolist()) <= set(seen[1:]) and len(set(got.tolist())) > 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = draw([SamplingParams(temperature=1e308, seed=s) for s in range(400)], [0] * 400)
     assert len(set(got.tolist())) > V // 2  # as good as uniform
+
+
+def test_a_row_the_filters_empty_falls_back_to_greedy():
+    """A row of NaN logits (a broken model) keeps no token at all; the draw then returned the last
+    padded index, past the vocabulary. It now falls back to greedy, an id inside it."""
+    nan = np.full(V, np.nan, np.float32)
+    got = draw([SamplingParams(temperature=1.0, seed=s) for s in range(4)], [0] * 4, logits=nan)
+    assert got.tolist() == [int(jnp.argmax(jnp.asarray(nan)))] * 4 and 0 <= got[0] < V
 
 
 def test_mixed_rows_and_seed_independent_of_batch_mates():
