@@ -344,15 +344,17 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     keep = jax.lax.cond(jnp.any((top_k > 0) & (top_k < v)), top_k_cut, lambda: keep)
     probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
 
+    # A p below float32's range (a valid double) is 0 here, and "at least 0 of the mass" would keep
+    # no token at all: at least the smallest positive float keeps the most likely one.
+    p = jnp.maximum(top_p, jnp.finfo(jnp.float32).tiny)
+
     def top_p_cut():
-        mass = lambda at_least: jnp.where(at_least, probs, 0.0).sum(-1) >= top_p  # noqa: E731
+        mass = lambda at_least: jnp.where(at_least, probs, 0.0).sum(-1) >= p  # noqa: E731
         cut = keys >= _largest_threshold(keys, mass)[:, None]
         return keep & (cut | (top_p >= 1.0)[:, None])  # p = 1 keeps all, whatever the rounding of the sums
 
     keep = jax.lax.cond(jnp.any(top_p < 1.0), top_p_cut, lambda: keep)
-    keep &= probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True)
-    # The most likely token always survives, also where a p below float32's range rounded to 0.
-    return keep | (x >= x.max(axis=-1, keepdims=True))
+    return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
 
 
 def _last_true(mask: jax.Array) -> jax.Array:
