@@ -374,6 +374,7 @@ class Engine:
             jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
             self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
+        self._undelivered: list[SeqUpdate] = []  # made by a step, not yet returned (see `step`)
         self.metrics = EngineMetrics(
             kv_pages_total=self.pool.capacity,
             kv_cache_bytes=self.cache.nbytes,
@@ -642,7 +643,10 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[SeqUpdate]:
-        """Runs one scheduled step. Returns an update for every sequence that advanced or ended."""
+        """Runs one scheduled step. Returns an update for every sequence that advanced or ended.
+
+        Updates are collected on the engine until returned: if the step is interrupted (Ctrl-C while
+        it waits for the device) after some sequences advanced, the next step returns theirs too."""
         plan = self.scheduler.schedule()
         self._take_new_pages()
         if plan.empty:
@@ -652,7 +656,8 @@ class Engine:
                     f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
                     f"{len(self.scheduler.running)} running, {self.pool.num_free} pages free"
                 )
-            return []
+            updates, self._undelivered = self._undelivered, []
+            return updates
         calls = []
         started = time.perf_counter()
         if plan.prefill:
@@ -664,7 +669,7 @@ class Engine:
             decode = sorted(plan.decode, key=lambda c: -c.start)
             mp = self._decode_mp(decode[0].start + 1)
             calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
-        updates = []
+        updates = self._undelivered
         now = None
         m = self.metrics
         for phase, chunks, out in calls:
@@ -686,6 +691,7 @@ class Engine:
                     if update is not None:
                         updates.append(update)
         self._after_step()
+        self._undelivered = []
         return updates
 
     def _dispatch(self, chunks: list[Chunk], t: int, mp: int):

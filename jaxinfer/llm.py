@@ -364,6 +364,11 @@ class LLM:
         # The engine is not thread-safe (each step donates the cache the next one reads): whichever
         # thread steps it, adds or ends a request holds this lock.
         self._lock = threading.RLock()
+        # Requests whose end came while this thread was inside a step: a stream abandoned in a
+        # reference cycle is closed by the garbage collector wherever it runs, which can be in the
+        # middle of `engine.step()` (the RLock lets it in); aborting there corrupted the step.
+        self._stepping = False
+        self._deferred_ends: list[Request] = []
         if warmup:
             self.engine.warmup()
 
@@ -648,13 +653,23 @@ class LLM:
         """One engine step; each update is filed under its request, whichever call (or thread)
         asked for the step."""
         with self._lock:
-            for u in self.engine.step():
+            self._stepping = True
+            try:
+                updates = self.engine.step()
+            finally:
+                self._stepping = False
+                while self._deferred_ends:
+                    self._end(self._deferred_ends.pop())
+            for u in updates:
                 if (mine := self._updates.get(u.seq.request_id)) is not None:
                     mine.append(u)
 
     def _end(self, req: Request) -> None:
         """Aborts the request if it is still running and forgets it and its updates."""
         with self._lock:
+            if self._stepping:  # the garbage collector, finalizing a stream inside this thread's step
+                self._deferred_ends.append(req)
+                return
             if not req.finished:
                 self.engine.abort(req.request_id)
             self.engine.release(req.request_id)

@@ -458,3 +458,40 @@ def test_window_pools_bench_runs_both_layouts_in_the_same_bytes(capsys):
     assert one["kv_cache_bytes"] >= pools["kv_cache_bytes"]
     assert pools["global_pages"] > one["global_pages"] and pools["window_pages"] < one["global_pages"]
     assert pools["preemptions"] <= one["preemptions"]
+
+
+def test_a_step_interrupted_while_waiting_for_the_device_loses_no_update(params):
+    """Ctrl-C while a step waits for its decode results, after its prompt chunk's token was already
+    appended: that token's update was lost (the sequence had it, no caller ever saw it); the next
+    step now returns it with its own."""
+    e = make_engine(params)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = run(make_engine(params), [[5, 6, 7], [9, 10, 11, 12]], [sp, sp])[0]
+    first = e.add_request([5, 6, 7], sp)
+    e.step()  # first's prompt: it decodes from now on
+    second = e.add_request([9, 10, 11, 12], sp)  # the next step: second's prompt, then first's decode
+    real, calls = e._dispatch, []
+
+    class Interrupted:  # the decode call's results: reading them is where Ctrl-C lands
+        def __init__(self, out):
+            self.out = out
+
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    def dispatch(chunks, t, mp):
+        calls.append(t)
+        out = real(chunks, t, mp)
+        return Interrupted(out) if len(calls) == 2 else out
+
+    e._dispatch = dispatch
+    with pytest.raises(KeyboardInterrupt):
+        e.step()
+    e._dispatch = real
+    seen = {first.request_id: [], second.request_id: []}
+    while e.has_unfinished():
+        for u in e.step():
+            seen[u.seq.request_id] += u.token_ids
+    assert [first.seqs[0].output_ids, second.seqs[0].output_ids] == alone
+    assert seen[second.request_id] == alone[1]  # its first token, made by the interrupted step, too
+    assert seen[first.request_id] == alone[0][1:]  # the first token came from the step before

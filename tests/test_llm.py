@@ -77,6 +77,43 @@ def test_threads_share_one_llm_safely(llm):
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def test_a_stream_the_garbage_collector_closes_inside_a_step_ends_after_it(llm):
+    """A stream abandoned in a reference cycle is closed by the cyclic garbage collector wherever it
+    runs - possibly inside another call's engine step, on the thread holding the (reentrant) lock.
+    Its abort then ran halfway through the step and broke it (IndexError in the scheduler, or the
+    step's bookkeeping on freed pages); it now waits for the step to end."""
+    import gc
+
+    prompt = [1, 7, 9]
+    expected = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    real = llm.engine._dispatch
+    collected = []
+
+    def dispatch(*args):
+        out = real(*args)
+        if not collected:  # one collection, inside the first step of the generate() below
+            collected.append(gc.collect())
+        return out
+
+    gc.disable()
+    try:
+        stream = llm.stream(prompt_token_ids=list(range(3, 33)), sampling_params=long)
+        next(stream), next(stream)  # running, two full pages
+        cycle = [stream]
+        cycle.append(cycle)
+        del stream, cycle
+        llm.engine._dispatch = dispatch
+        got = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    finally:
+        del llm.engine._dispatch
+        gc.enable()
+    assert collected and got == expected
+    stats = llm.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert not llm._updates
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[[1, 50, 60]], sampling_params=p)[0].token_ids
