@@ -636,7 +636,10 @@ class LLM:
                     return
                 self._step()
         finally:
-            self._end(req)
+            # A stream still open at interpreter exit: nothing to free, and modules its abort would
+            # touch (prometheus_client) are half torn down (a TypeError traceback at exit).
+            if not sys.is_finalizing():
+                self._end(req)
 
     def _start(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         with self._lock:
