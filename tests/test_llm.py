@@ -723,3 +723,16 @@ def test_bench_sizes_the_model_refuses_name_the_flags(argv, flag):
 
     with pytest.raises(InvalidRequestError, match=r"must be .*, got \d+ \(.*" + flag):
         bench.run(_bench_args(["--model", "embedded:tiny-random", *argv]))
+
+
+def test_a_stream_open_at_exit_leaves_quietly():
+    """Its finalizer ran the abort at interpreter exit, into half-torn-down modules: a TypeError
+    traceback from prometheus_client ("Exception ignored in: <generator ...>")."""
+    code = (
+        "from jaxinfer import LLM, SamplingParams, default_model\n"
+        "llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=16, max_num_seqs=2)\n"
+        "g = llm.stream(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=30, ignore_eos=True))\n"
+        "next(g)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
