@@ -595,7 +595,8 @@ class LLM:
 
         Text deltas come from incremental detokenization: never a broken UTF-8 character, never a
         lost leading space, never any part of a stop string. Closing the generator early aborts the
-        request and frees its pages.
+        request and frees its pages. Bad input is refused by this call; the request starts at the
+        first `next()`.
         """
         if isinstance(prompt, (list, tuple)):  # else the wrapping below blames "prompts[0]", a string
             raise InvalidRequestError(
@@ -607,7 +608,10 @@ class LLM:
             sampling_params,
             None if prompt_token_ids is None else [prompt_token_ids],
         )
-        req = self._start(ids[0], params[0])
+        return self._stream(ids[0], params[0])
+
+    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        req = self._start(prompt_ids, params)
         mine = self._updates[req.request_id]
         ended = set()  # samples whose finish_reason has been yielded
         try:

@@ -104,7 +104,9 @@ def test_stream_matches_generate(llm):
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
     # A list of prompts is a natural slip: named as such (it used to blame "prompts[0]", a string).
     with pytest.raises(InvalidRequestError, match="stream takes one prompt .* got a list; generate takes several"):
-        next(llm.stream(["a", "b"], sp))
+        llm.stream(["a", "b"], sp)  # refused by the call itself, not at the first next()
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.stream("", sp)
 
 
 def test_interleaved_streams_and_a_generate_meanwhile_lose_nothing(llm):
