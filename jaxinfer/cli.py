@@ -432,24 +432,34 @@ def _bench_mesh(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxinfer.errors import JaxinferError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _main(argv)
-    except JaxinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if os.environ.get("JAXINFER_TRACEBACK") and not is_usage_error(e):
+            raise
+        return error_status(e)
     except KeyboardInterrupt:
         return 130
-    except OSError as e:  # a file or directory the command could not read or write: named by the OS
+
+
+def is_usage_error(e: BaseException) -> bool:
+    """Bad input: a JaxinferError, or a file or directory the command could not read (named by the OS)."""
+    from jaxinfer.errors import JaxinferError
+
+    return isinstance(e, JaxinferError | OSError)
+
+
+def error_status(e: BaseException) -> int:
+    """The exit status of a command that `e` ended, after saying why in one line on stderr: 2 for bad
+    input, 130 for Ctrl-C, 1 for anything else - a bug (JAXINFER_TRACEBACK=1 shows where)."""
+    if isinstance(e, KeyboardInterrupt):
+        return 130
+    if is_usage_error(e):
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # a bug: still one line, the traceback on request
-        if os.environ.get("JAXINFER_TRACEBACK"):
-            raise
-        print(f"error: unexpected {type(e).__name__}: {e} (JAXINFER_TRACEBACK=1 shows where)", file=sys.stderr)
-        return 1
+    print(f"error: unexpected {type(e).__name__}: {e} (JAXINFER_TRACEBACK=1 shows where)", file=sys.stderr)
+    return 1
 
 
 def _main(argv: list[str]) -> int:

@@ -195,9 +195,8 @@ def _follow(args) -> int:
     import jax
 
     import jaxinfer
-    from jaxinfer.cli import engine_kwargs
+    from jaxinfer.cli import engine_kwargs, error_status, is_usage_error
     from jaxinfer.distributed import PeerFailureError, StepChannel, Watchdog, run_follower
-    from jaxinfer.errors import JaxinferError
 
     log = logging.getLogger("jaxinfer.serving")
     me = jax.process_index()
@@ -225,17 +224,11 @@ def _follow(args) -> int:
     except PeerFailureError as e:  # the leader gone or hung
         log.error("jaxinfer serve: follower %d: %s", me, e)
         return _exit_now(1)
-    except (JaxinferError, OSError) as e:  # a bad model or setting: as cli.main answers it
-        print(f"error: {e}", file=sys.stderr)
-        return _exit_now(2)
-    except KeyboardInterrupt:
-        return _exit_now(130)
     except SystemExit as e:
         return _exit_now(e.code if isinstance(e.code, int) else 1)
-    except BaseException as e:  # a bug: one line, the traceback on request (as cli.main)
-        if os.environ.get("JAXINFER_TRACEBACK"):
+    except BaseException as e:  # answered as cli.main answers it (a bug's traceback printed, not raised)
+        if os.environ.get("JAXINFER_TRACEBACK") and not is_usage_error(e):
             traceback.print_exc()
-        print(f"error: unexpected {type(e).__name__}: {e} (JAXINFER_TRACEBACK=1 shows where)", file=sys.stderr)
-        return _exit_now(1)
+        return _exit_now(error_status(e))
     log.info("jaxinfer serve: follower %d: the leader stopped; exiting", me)
     return _exit_now(code)
