@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import re
@@ -340,6 +341,16 @@ class SentencePieceTokenizer:
                 specials[token] = i
         self._specials = specials
         self._split = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) or "(?!)")
+        # For decode, as transformers: the special tokens it skips (control pieces, <unk>, the named and
+        # additional special tokens), and the byte-fallback pieces "<0xNN>" with their byte.
+        named = (*self.special_tokens.values(), *settings.extra_special_tokens)
+        self._skipped = frozenset(
+            {i for i in range(self.vocab_size) if self._sp.is_control(i)}
+            | {self._sp.unk_id()}
+            | {i for token in named if (i := self._piece_id(token)) is not None}
+        )
+        byte_ids = ((self._sp.piece_to_id(f"<0x{b:02X}>"), b) for b in range(256))
+        self._byte_of = {i: b for i, b in byte_ids if self._sp.is_byte(i)}
 
     def _piece_id(self, token: str | None) -> int | None:
         if not token:
@@ -367,10 +378,25 @@ class SentencePieceTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        # Ids past the model's pieces (a config vocabulary padded beyond the tokenizer's) decode to
-        # nothing, as in the tokenizer.json path; so does <unk>, a special token transformers skips.
-        unk = self._sp.unk_id()
-        text = self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size and i != unk])
+        """The text of `ids` as transformers decodes it with `skip_special_tokens=True`.
+
+        Special tokens are dropped first, and ids past the model's pieces (a config vocabulary padded
+        beyond the tokenizer's) decode to nothing, as in the tokenizer.json path. A run of byte
+        pieces is one UTF-8 string, or if invalid, one U+FFFD per byte (transformers' ByteFallback;
+        SentencePiece's own decode would keep the run's valid bytes).
+        """
+        ids = [i for i in map(int, ids) if 0 <= i < self.vocab_size and i not in self._skipped]
+        parts = []
+        for is_byte, run in itertools.groupby(ids, key=self._byte_of.__contains__):
+            if not is_byte:
+                parts.append(self._sp.decode(list(run)))
+                continue
+            data = bytes(self._byte_of[i] for i in run)
+            try:
+                parts.append(data.decode("utf-8"))
+            except UnicodeDecodeError:
+                parts.append("\ufffd" * len(data))
+        text = "".join(parts)
         return text[1:] if self._prefix_space and text.startswith(" ") else text
 
     @functools.cached_property
