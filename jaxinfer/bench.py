@@ -256,11 +256,12 @@ def run(args) -> dict:
         return _run(args, model_dir, LLM, SamplingParams, params_nbytes)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+def percentile(values, q: float) -> float:
+    """The q-th percentile of `values` (NaN when there are none)."""
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
-def _drive(engine, prompts, params) -> tuple[float, list, list]:
+def drive_engine(engine, prompts, params) -> tuple[float, list, list]:
     """Submits all requests at once and steps until done; returns (wall seconds, sequences, the gaps
     between consecutive tokens of each sequence)."""
     t0 = time.perf_counter()
@@ -280,18 +281,18 @@ def _drive(engine, prompts, params) -> tuple[float, list, list]:
     return wall, [s for r in reqs for s in r.seqs], gaps
 
 
-def _latencies(seqs, gaps) -> dict:
+def latencies(seqs, gaps) -> dict:
     """TTFT per request; ITL per token (every gap between two tokens of a sequence); TPOT per
     request (its mean time per output token after the first, what vLLM's benchmarks call TPOT)."""
     ttft = [s.first_token_time - s.arrival_time for s in seqs]
     tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
     return {
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
-        "itl_p50_s": _pct(gaps, 50),
-        "itl_p99_s": _pct(gaps, 99),
-        "tpot_p50_s": _pct(tpot, 50),
-        "tpot_p99_s": _pct(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
     }
 
 
@@ -375,13 +376,13 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     base_wall, base_seqs, base_gaps = 0.0, [], []
     t0 = _phase_totals(llm.engine)
     for p, sp in zip(prompts[:k], params[:k]):
-        wall, seqs, gaps = _drive(llm.engine, [p], [sp])
+        wall, seqs, gaps = drive_engine(llm.engine, [p], [sp])
         base_wall += wall
         base_seqs += seqs
         base_gaps += gaps
     base_tokens = sum(len(s.output_ids) for s in base_seqs)
     t1 = _phase_totals(llm.engine)
-    cb_wall, cb_seqs, cb_gaps = _drive(llm.engine, prompts, params)
+    cb_wall, cb_seqs, cb_gaps = drive_engine(llm.engine, prompts, params)
     cb_tokens = sum(len(s.output_ids) for s in cb_seqs)
     t2 = _phase_totals(llm.engine)
     stats = llm.stats()
@@ -391,7 +392,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             "wall_s": base_wall,
             "output_tokens_per_s": base_tokens / base_wall,
             "requests_per_s": k / base_wall,
-            **_latencies(base_seqs, base_gaps),
+            **latencies(base_seqs, base_gaps),
             **_phases(t0, t1, base_wall),
         },
         "continuous": {
@@ -399,7 +400,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             "wall_s": cb_wall,
             "output_tokens_per_s": cb_tokens / cb_wall,
             "requests_per_s": args.num_requests / cb_wall,
-            **_latencies(cb_seqs, cb_gaps),
+            **latencies(cb_seqs, cb_gaps),
             **_phases(t1, t2, cb_wall),
         },
     }
@@ -676,7 +677,7 @@ def _decode_once(llm, prompts, params) -> tuple[float, float, float]:
     k = next(i for i, (t, _) in enumerate(steps) if t >= start)  # the step that started the last row
     window = steps[k + 1 :]
     if not window:
-        raise ValueError("no decode step after the last row's first token: use at least 2 new tokens")
+        raise InvalidRequestError("no decode step after the last row's first token: use at least 2 new tokens")
     seconds = steps[-1][0] - steps[k][0]
     return seconds / len(window), steps[-1][0] - t0, sum(n for _, n in window) / len(window)
 
@@ -857,13 +858,13 @@ def window_pools(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts: nothing to share; keeps the two runs alike
     )
-    budget = kv_cache_bytes(cfg, num_kv_pages=one_size_pages, num_window_kv_pages=None, page_size=page_size)
+    budget = kv_cache_bytes(cfg, num_kv_pages=one_size_pages, page_size=page_size)
     window_pages = default_window_kv_pages(cfg, **{k: v for k, v in common.items() if k != "enable_prefix_caching"})
     layer_page = layer_page_bytes(cfg, page_size)
     windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
     global_pages = (budget - windowed * window_pages * layer_page) // layer_page
     if global_pages <= one_size_pages:
-        raise ValueError(
+        raise InvalidRequestError(
             f"the window pools ({window_pages} pages x {windowed} layers) leave the global layer no more than "
             f"{one_size_pages} pages: raise one_size_pages or lower max_num_seqs"
         )

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxinfer import config as config_module
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import CheckpointError, JaxinferError
+from jaxinfer.errors import CheckpointError
 from jaxinfer.model import abstract_params
 
 MARKER = "jaxinfer_checkpoint.json"
@@ -113,9 +113,7 @@ def config_from_dict(d: dict, *, source: str = "config") -> ModelConfig:
     values = {k: _decode(v, f"{source}: {k}") for k, v in d.items()}
     try:
         return ModelConfig(**values)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
-    except JaxinferError as e:
+    except (TypeError, ValueError) as e:  # ModelConfig's own errors are ValueErrors too
         raise CheckpointError(f"{source}: {e}") from None
 
 

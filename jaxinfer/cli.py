@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
+
 
 def _prompt_ids(s: str) -> list[int]:
     if not s.strip():
@@ -29,7 +31,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "reference", "xla", "pallas"],
+        choices=ATTENTION_BACKENDS,
         help="paged attention: auto = the Pallas kernel on TPU and GPU, the tiled pure-JAX 'xla' on CPU; or forced",
     )
     e.add_argument(
@@ -40,7 +42,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8"],
+        choices=KV_CACHE_DTYPES,
         help="KV-cache storage: the model dtype (auto), or int8 with per-token-per-head scales",
     )
 
@@ -74,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    g.add_argument("--dtype", default="float32", choices=[*DTYPES, "auto"])
     # Sampling flags left out take the checkpoint's generation_config.json values (with --server, the
     # served model's; unless --generation-config none), else the command's own defaults
     # (_SAMPLING_DEFAULTS: greedy, 32 tokens).
@@ -311,7 +313,6 @@ def _convert(args) -> int:
 
 def _bench_load(argv: list[str]) -> int:
     from jaxinfer import checkpoint
-    from jaxinfer.errors import JaxinferError
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench load",
@@ -325,18 +326,13 @@ def _bench_load(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    try:
-        result = checkpoint.bench_load(args.hf_dir, dtype=args.dtype, repeats=args.repeats, orbax_dir=args.orbax_dir)
-    except JaxinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = checkpoint.bench_load(args.hf_dir, dtype=args.dtype, repeats=args.repeats, orbax_dir=args.orbax_dir)
     print(json.dumps(result))
     return 0
 
 
 def _bench_window_pools(argv: list[str]) -> int:
     from jaxinfer import bench
-    from jaxinfer.errors import JaxinferError
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench window-pools",
@@ -357,19 +353,15 @@ def _bench_window_pools(argv: list[str]) -> int:
         p.add_argument(flag, type=bench._positive_int, default=default)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    try:
-        rows = bench.window_pools(
-            num_requests=args.num_requests,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            window=args.window,
-            one_size_pages=args.one_size_pages,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-    except (JaxinferError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    rows = bench.window_pools(
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        window=args.window,
+        one_size_pages=args.one_size_pages,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -409,13 +401,8 @@ def _bench_mesh(argv: list[str]) -> int:
 
         jax.config.update("jax_platforms", "cpu")
     from jaxinfer.bench import mesh_memory
-    from jaxinfer.errors import JaxinferError
 
-    try:
-        rows = mesh_memory(args.model, args.meshes.split(";"), dtype=args.dtype, num_kv_pages=args.num_kv_pages)
-    except JaxinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    rows = mesh_memory(args.model, args.meshes.split(";"), dtype=args.dtype, num_kv_pages=args.num_kv_pages)
     if args.json:
         print(json.dumps(rows))
         return 0

@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxinfer.engine import Logprob
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.llm import CompletionOutput, RequestOutput, StreamDelta
-from jaxinfer.sampling import SamplingParams, _is_int, _is_number
+from jaxinfer.sampling import SamplingParams, _is_number, is_int
 from jaxinfer.tokenizer import require_unicode
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from jaxinfer.v1 import jaxinfer_pb2_grpc as pb_grpc
@@ -99,7 +99,7 @@ def _wire_value(field: str, f: FieldDescriptor, value):
     """One value of proto field `f`, checked against the field's wire type and converted to it."""
     if f.type in _WIRE_INTS:
         kind, lo, hi = _WIRE_INTS[f.type]
-        if not _is_int(value):
+        if not is_int(value):
             raise InvalidRequestError(f"{field} must be an integer, got {_show(value)}")
         if value > hi:
             raise InvalidRequestError(f"{field} = {value} is beyond the wire format's {kind} limit {hi}")
@@ -153,7 +153,7 @@ def _prompt_ids(ids) -> list[int]:
         raise InvalidRequestError(f"prompt_token_ids must be one prompt's list of integer ids, got {_show(ids)}")
     out = []
     for i, t in enumerate(ids):
-        if not _is_int(t):
+        if not is_int(t):
             flat = " (the client sends one prompt: a flat list of ids)" if isinstance(t, Sequence | np.ndarray) else ""
             raise InvalidRequestError(f"prompt_token_ids[{i}] must be an integer, got {_show(t)}{flat}")
         if not 0 <= t <= INT32_MAX:

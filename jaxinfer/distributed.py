@@ -241,7 +241,6 @@ class StepChannel:
         from jax.experimental import multihost_utils
 
         self._broadcast = multihost_utils.broadcast_one_to_all
-        self.is_leader = is_leader()
         self.last_sent = time.monotonic()  # leader: when it last broadcast anything
         # The leader's --peer-timeout, sent in every header's last slot (ms; 0: none): a follower
         # bounds its waits by the leader's value, which sets how often an idle leader heartbeats.

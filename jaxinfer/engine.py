@@ -31,7 +31,7 @@ from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, QuantizedPages, pages_needed
 from jaxinfer.metrics import EngineMetrics
-from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, sample
+from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, is_int, sample
 from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
 from jaxinfer.tokenizer import Tokenizer
 
@@ -152,12 +152,17 @@ def layer_page_bytes(cfg, page_size: int) -> int:
     return cfg.kv_bytes_per_token // cfg.num_layers * page_size
 
 
-def kv_cache_bytes(cfg, *, num_kv_pages: int, num_window_kv_pages: int | None, page_size: int) -> int:
-    """Bytes of the KV cache the engine creates: a hybrid model's window layers take
-    num_window_kv_pages pages where that is the smaller (see Engine), every other layer num_kv_pages."""
-    split = num_window_kv_pages is not None and num_window_kv_pages < num_kv_pages
-    pages = [num_window_kv_pages if split and cfg.in_window_pool(i) else num_kv_pages for i in range(cfg.num_layers)]
-    return layer_page_bytes(cfg, page_size) * sum(pages)
+def kv_cache_bytes(cfg, *, num_kv_pages: int, page_size: int) -> int:
+    """Bytes of a KV cache of num_kv_pages pages in every layer."""
+    return layer_page_bytes(cfg, page_size) * cfg.num_layers * num_kv_pages
+
+
+def window_pool_pages(cfg, *, num_kv_pages: int, num_window_kv_pages: int | None) -> int | None:
+    """The pages of a hybrid model's sliding-window layers' own pools, or None where those layers
+    share the global pool: the model is not hybrid, or its window pools would not be the smaller."""
+    if cfg.hybrid_window is None or num_window_kv_pages is None or num_window_kv_pages >= num_kv_pages:
+        return None
+    return num_window_kv_pages
 
 
 def free_device_bytes() -> int:
@@ -311,8 +316,7 @@ class Engine:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
             )
-        split = window is not None and num_window_kv_pages < num_kv_pages
-        num_window_pages = num_window_kv_pages if split else None
+        num_window_pages = window_pool_pages(cfg, num_kv_pages=num_kv_pages, num_window_kv_pages=num_window_kv_pages)
         # Before anything is sized by the page counts (the pools' host arrays too).
         check_cache_fits(
             cfg, num_kv_pages=num_kv_pages, num_window_pages=num_window_pages, page_size=page_size, mesh=mesh
@@ -320,7 +324,7 @@ class Engine:
         self.pool = PagePool(num_kv_pages, enable_prefix_cache=enable_prefix_caching)
         groups = [PageGroup(self.pool, cfg.kv_window)]
         self.window_pool = None  # the sliding-window layers' pool, when split
-        if split:
+        if num_window_pages is not None:
             self.window_pool = PagePool(num_window_pages, enable_prefix_cache=enable_prefix_caching)
             groups.append(PageGroup(self.window_pool, window))
         # The layers whose pools each group's page ids index.
@@ -541,7 +545,7 @@ class Engine:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
             raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt_ids):
+        if not all(is_int(t) for t in prompt_ids):
             raise InvalidRequestError("prompt_ids must hold integers")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: it must hold at least one token")
@@ -628,7 +632,7 @@ class Engine:
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
-                self.metrics.finished.labels("abort").inc()
+                self.metrics.count_finished("abort")
                 self._observe_end(seq)
                 updates.append(SeqUpdate(seq, [], self._final_text(seq), "abort"))
         self._after_step()
@@ -680,16 +684,16 @@ class Engine:
             # The calls run one after the other on the device, so each one's time runs from the
             # previous one's results (or the step's start) to its own.
             m.step_time[phase].observe(now - started)
-            m.step_tokens[phase].inc(sum(c.length for c in chunks))
+            m.count_step_tokens(phase, sum(c.length for c in chunks))
             started = now
             for i, chunk in enumerate(chunks):
                 seq = chunk.seq
+                if seq.finished:  # aborted while the step ran: its pages are gone already
+                    continue
                 seq.num_computed += chunk.length
                 self.scheduler.register_full_pages(seq)
                 if chunk.samples:
-                    update = self._append(seq, int(tokens[i]), now, None if lp is None else (lp, i))
-                    if update is not None:
-                        updates.append(update)
+                    updates.append(self._append(seq, int(tokens[i]), now, None if lp is None else (lp, i)))
         self._after_step()
         self._undelivered = []
         return updates
@@ -707,7 +711,8 @@ class Engine:
             q[i], kv[i] = c.length, c.start + c.length
             for table, held in zip(tables, seq.groups):
                 table[i, : len(held.pages)] = held.pages
-            rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, seq.tokens, seq.prompt_len))
+            history = seq.token_array() if seq.params.has_penalties else seq.tokens
+            rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, history, seq.prompt_len))
         window_table = tables[1] if len(tables) > 1 else None
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=tables[0], window_page_table=window_table)
         logits = self._model_step(batch, t)
@@ -715,9 +720,7 @@ class Engine:
         width = history_width(rows, maximum=self.max_model_len)
         return sample(logits, SamplingBatch.from_rows(rows, b, width))
 
-    def _append(self, seq: Sequence, token: int, now: float, lp) -> SeqUpdate | None:
-        if seq.finished:  # aborted while its step ran
-            return None
+    def _append(self, seq: Sequence, token: int, now: float, lp) -> SeqUpdate:
         p = seq.params
         m = self.metrics
         if seq.first_token_time is None:
@@ -747,7 +750,8 @@ class Engine:
             seq.detok.add(token)
             if seq.detok.stopped:
                 return self._finish(seq, [token], "stop")
-        if len(seq.output_ids) >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len:
+        generated = len(seq.tokens) - seq.prompt_len  # (seq.output_ids would copy them)
+        if generated >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, [token], "length")
         text = seq.detok.pop_delta() if seq.detok is not None else ""
         return SeqUpdate(seq, [token], text, None)
@@ -758,7 +762,7 @@ class Engine:
             # (With reason "length": the final flush completed a stop string, its last character half-made.)
             reason, seq.stop_reason = "stop", seq.detok.stop_string
         self.scheduler.finish(seq, reason)
-        self.metrics.finished.labels(reason).inc()
+        self.metrics.count_finished(reason)
         self._observe_end(seq)
         return SeqUpdate(seq, new_tokens, text, reason)
 
@@ -804,8 +808,7 @@ class Engine:
         return dict(self._memory_per_device)
 
     def _measure_memory_per_device(self) -> dict:
-        # Read off the arrays' shards once, at construction: the layout never changes afterwards, and
-        # stats() runs on other threads while a step donates (deletes) the cache it would read.
+        # Read off the arrays' shards once, at construction: the layout never changes afterwards.
         from jaxinfer.sharding import bytes_per_device
 
         params, cache = bytes_per_device(self.params), bytes_per_device(self.cache)
@@ -834,7 +837,7 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "num_compiles": num_compiles(),
-            "finished_sequences": {r: int(m.finished.labels(r)._value.get()) for r in ("stop", "length", "abort")},
+            "finished_sequences": dict(m.finished_counts),
             "ttft_seconds": m.ttft.as_dict(),
             "itl_seconds": m.itl.as_dict(),
             "request_latency_seconds": m.e2e.as_dict(),
@@ -843,5 +846,5 @@ class Engine:
             "queue_time_seconds": m.queue_time.as_dict(),
             "prefill_time_seconds": m.prefill_time.as_dict(),
             "step_seconds": {phase: h.as_dict() for phase, h in m.step_time.items()},
-            "step_tokens": {phase: int(c._value.get()) for phase, c in m.step_tokens.items()},
+            "step_tokens": dict(m.step_token_counts),
         }

@@ -24,10 +24,11 @@ from jaxinfer.engine import (
     default_window_kv_pages,
     free_device_bytes,
     layer_page_bytes,
+    window_pool_pages,
 )
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import pages_needed
-from jaxinfer.sampling import SamplingParams, generation_defaults
+from jaxinfer.sampling import SamplingParams, generation_defaults, is_int
 from jaxinfer.sharding import make_mesh
 from jaxinfer.tokenizer import (
     check_chat_options,
@@ -100,32 +101,32 @@ class StreamDelta:
     stop_reason: int | str | None = None  # with finish_reason "stop": see CompletionOutput.stop_reason
 
 
-def _is_int(t) -> bool:
-    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-
-
 def _token_ids(p, field: str) -> list[int]:
     if (
         isinstance(p, (str, bytes))
         or not isinstance(p, Sequence | np.ndarray)
         or (isinstance(p, np.ndarray) and p.ndim != 1)
-        or not all(_is_int(t) for t in p)
+        or not all(is_int(t) for t in p)
     ):
         raise InvalidRequestError(f"{field} must be a list of integers")
     return [int(t) for t in p]
 
 
 def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pages) -> int:
-    """Enough pages for every slot at full length, capped at a quarter of free memory (less what a
-    hybrid model's sliding-window pools take: `window_pages` pages of those layers)."""
+    """Enough pages for every slot at full length, capped at a quarter of free memory. A hybrid
+    model's sliding-window layers take `window_pages` pages of their own where the count comes out
+    larger than that (`window_pool_pages`): the other layers share what they leave."""
     want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
     layer_page = layer_page_bytes(cfg, page_size)
-    budget, layers = int(free_device_bytes() * 0.25), cfg.num_layers
-    if window_pages is not None and window_pages < want:
+    budget = int(free_device_bytes() * 0.25)
+    if window_pages is not None:
         windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
-        budget -= windowed * window_pages * layer_page
-        layers -= windowed
-    return max(2, min(want, budget // (layers * layer_page)))
+        split = (budget - windowed * window_pages * layer_page) // ((cfg.num_layers - windowed) * layer_page)
+        n = min(want, split)
+        if window_pool_pages(cfg, num_kv_pages=n, num_window_kv_pages=window_pages) is not None:
+            return n
+    # One pool size for every layer (with the window pools no smaller, the engine does not split).
+    return max(2, min(want, budget // (cfg.num_layers * layer_page)))
 
 
 def _auto_dtype(model) -> str:
@@ -285,7 +286,7 @@ class LLM:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         # NumPy integers act as Python ones, as in SamplingParams (np.int64(16) was refused as not an integer).
         page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, max_model_len = (
-            int(v) if _is_int(v) else v
+            int(v) if is_int(v) else v
             for v in (page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, max_model_len)
         )
         # Validated before anything loads.
@@ -350,6 +351,7 @@ class LLM:
             max_model_len=max_model_len,
             page_size=page_size,
             num_kv_pages=num_kv_pages,
+            num_window_kv_pages=window_pages,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
@@ -446,7 +448,7 @@ class LLM:
                 or (isinstance(prompt_token_ids, np.ndarray) and prompt_token_ids.ndim == 0)
             ):
                 raise InvalidRequestError("prompt_token_ids must be a list of token-id lists (or one list of ids)")
-            if len(prompt_token_ids) and all(_is_int(t) for t in prompt_token_ids):
+            if len(prompt_token_ids) and all(is_int(t) for t in prompt_token_ids):
                 prompt_token_ids = [prompt_token_ids]  # one prompt, as a flat list of ids
             texts = [None] * len(prompt_token_ids)
             ids = [_token_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]

@@ -70,7 +70,7 @@ class SafetensorsFile:
         self._data_start = 8 + n
         self._data_len = size - 8 - n
         self._check_entries()
-        self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+        self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
 
     def _check_entries(self) -> None:
         """Every tensor's entry is well formed, lies inside the data section, matches its shape and

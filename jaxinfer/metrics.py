@@ -70,9 +70,6 @@ class LatencyHistogram:
         n = len(ordered)  # nearest rank: the smallest value with at least q% of them at or below it
         return [ordered[min(n - 1, max(0, math.ceil(q / 100 * n) - 1))] for q in qs]
 
-    def percentile(self, q: float) -> float | None:
-        return self.percentiles(q)[0]
-
     def as_dict(self) -> dict:
         p50, p99 = self.percentiles(50, 99)
         return {
@@ -88,8 +85,6 @@ class EngineMetrics:
     def __init__(self, *, kv_pages_total: int, kv_cache_bytes: int, kv_window_pages_total: int | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.kv_pages_total = kv_pages_total
-        self.kv_cache_bytes = kv_cache_bytes
         Gauge("jaxinfer_kv_pages_total", "KV-cache pages that can be allocated", registry=r).set(kv_pages_total)
         Gauge("jaxinfer_kv_cache_bytes", "Device memory held by the KV cache", registry=r).set(kv_cache_bytes)
         self.kv_pages_free = Gauge(
@@ -175,8 +170,19 @@ class EngineMetrics:
             "jaxinfer_step_tokens", "Tokens computed (prompt tokens, decode rows), by phase", ["phase"], registry=r
         )
         self.step_tokens = {phase: tokens.labels(phase) for phase in PHASES}
+        # The two labelled counters' values for stats() (prometheus_client has no public getter).
+        self.finished_counts = {"stop": 0, "length": 0, "abort": 0}
+        self.step_token_counts = dict.fromkeys(PHASES, 0)
         self._preemptions_seen = 0
         self._hits_seen = 0
+
+    def count_finished(self, reason: str) -> None:
+        self.finished.labels(reason).inc()
+        self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
+
+    def count_step_tokens(self, phase: str, n: int) -> None:
+        self.step_tokens[phase].inc(n)
+        self.step_token_counts[phase] += n
 
     def sync_counters(self, *, preemptions: int, prefix_hits: int) -> None:
         """Brings the Prometheus counters up to the scheduler's running totals."""

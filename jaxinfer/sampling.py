@@ -27,7 +27,8 @@ from jaxinfer.errors import InvalidRequestError
 from jaxinfer.tokenizer import require_unicode
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool: what every integer field of a request accepts."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
@@ -101,18 +102,18 @@ class SamplingParams:
             if not ok:
                 bad(field, v, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
 
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "must be an integer >= 1, or None for up to the model's length limit")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "must be a finite number >= 0")
-        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             bad("top_k", self.top_k, "must be an integer in [1, 2**31), or 0 / -1 to disable")
         number_in("top_p", 0, 1, lo_open=True)
         number_in("min_p", 0, 1)
         number_in("presence_penalty", -2, 2)
         number_in("frequency_penalty", -2, 2)
         number_in("repetition_penalty", 0, 2, lo_open=True)
-        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**32)):
+        if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**32)):
             bad("seed", self.seed, "must be an integer in [0, 2**32)")
         stop = self.stop
         if isinstance(stop, str):
@@ -131,16 +132,16 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < 2**31 for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and 0 <= t < 2**31 for t in ids):
             bad("stop_token_ids", ids, "must be a list of integers in [0, 2**31)")
         if len(ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", self.ignore_eos, "must be a bool")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
         for field in ("max_tokens", "top_k", "seed", "logprobs", "n"):

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from jaxinfer.bench import drive_engine, latencies, percentile
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 
@@ -38,10 +39,6 @@ class Outcome:
     done: float | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     code: str = "OK"
-
-
-def _pct(values, q):
-    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
 
 
 def _check(args) -> None:
@@ -119,10 +116,10 @@ def summarize(outcomes, wall: float) -> dict:
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall if wall == wall and wall > 0 else float("nan"),
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
-        "tpot_p50_s": _pct(tpot, 50),
-        "tpot_p99_s": _pct(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
         "errors": dict(collections.Counter(o.code for o in outcomes if o.code != "OK")),
     }
 
@@ -300,27 +297,14 @@ def _offline_llm(args, model_dir, max_model_len, served_model: str):
 
 def _offline_run(llm, prompts, params) -> dict:
     """The same requests, all submitted at once to the offline engine."""
-    engine = llm.engine
-    t0 = time.perf_counter()
-    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    wall = time.perf_counter() - t0
-    for r in reqs:
-        engine.release(r.request_id)
-    seqs = [r.seqs[0] for r in reqs]
-    ttft = [s.first_token_time - s.arrival_time for s in seqs]
-    tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
+    wall, seqs, gaps = drive_engine(llm.engine, prompts, params)
     tokens = sum(len(s.output_ids) for s in seqs)
     return {
         "requests_ok": len(seqs),
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
-        "tpot_p50_s": _pct(tpot, 50),
-        "tpot_p99_s": _pct(tpot, 99),
+        **latencies(seqs, gaps),
         "errors": {},
-        "token_ids": [list(s.output_ids) for s in seqs],
+        "token_ids": [s.output_ids for s in seqs],
     }

@@ -351,7 +351,7 @@ class Server:
         """Wraps a handler: RpcError -> status, cancellation -> abort, metrics and the log line."""
         self._observed.add(method)  # counted on arrival too (_CountReceived)
 
-        def finish(ctx, info: dict, code: grpc.StatusCode, t0: float) -> None:
+        def finish(info: dict, code: grpc.StatusCode, t0: float) -> None:
             self._requests.labels(method, code.name).inc()
             stream: RequestStream | None = info.get("stream")
             if stream is None and method not in ("Generate", "GenerateStream", "Decode"):
@@ -418,7 +418,7 @@ class Server:
                 log.exception("%s failed", method)
             # Counted before the client hears the status, so a scrape right after it sees the RPC.
             cleanup(info)
-            finish(ctx, info, code, info["t0"])
+            finish(info, code, info["t0"])
             info["finished"] = True
             if gone:
                 # gRPC core has already ended the call: an abort would fail inside grpc.aio and log a
@@ -444,7 +444,7 @@ class Server:
                 finally:
                     if not info.get("finished"):
                         cleanup(info)
-                        finish(ctx, info, info["code"], info["t0"])
+                        finish(info, info["code"], info["t0"])
 
         else:
 
@@ -458,7 +458,7 @@ class Server:
                 finally:
                     if not info.get("finished"):
                         cleanup(info)
-                        finish(ctx, info, info["code"], info["t0"])
+                        finish(info, info["code"], info["t0"])
 
         return wrapped
 

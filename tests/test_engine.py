@@ -201,6 +201,33 @@ def test_abort_frees_pages_within_a_step(params):
     assert not e.has_unfinished()
 
 
+def test_an_abort_while_the_step_runs_ends_the_request_cleanly(params):
+    """An abort that lands between a step's dispatch and the filing of its results (another thread,
+    a garbage-collected stream's finalizer) used to raise IndexError: the step registered the pages of
+    a sequence whose pages the abort had already freed."""
+    e = make_engine(params)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    keep = e.add_request(list(range(3, 33)), sp)
+    victim = e.add_request(list(range(50, 80)), sp)  # both prompts in the first step, 2 full pages each
+    dispatch = e._dispatch
+
+    def dispatch_then_abort(*args):
+        out = dispatch(*args)
+        if not victim.seqs[0].finished:
+            e.abort(victim.request_id)
+        return out
+
+    e._dispatch = dispatch_then_abort
+    updates = e.step()
+    assert [u.seq for u in updates] == [keep.seqs[0]] and victim.seqs[0].finish_reason == "abort"
+    e._dispatch = dispatch
+    while e.has_unfinished():
+        e.step()
+    alone = run(make_engine(params), [list(range(3, 33))], [sp])[0][0]
+    assert keep.seqs[0].output_ids == alone and victim.seqs[0].output_ids == []
+    assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
+
+
 def test_n_samples_and_seeds(params):
     e = make_engine(params)
     sp = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3, ignore_eos=True)
@@ -403,6 +430,26 @@ def test_a_hybrid_model_keeps_only_the_window_in_its_window_pools(hybrid):
     assert run(auto, prompts, sps)[0] == want
     with pytest.raises(InvalidRequestError, match="num_window_kv_pages must be an integer in"):
         engine(num_kv_pages=64, num_window_kv_pages=1)
+
+
+@pytest.mark.parametrize("budget_pages", [40, 400, 4000])
+def test_default_page_count_spends_the_memory_budget_with_or_without_window_pools(hybrid, monkeypatch, budget_pages):
+    """LLM's default page count takes a quarter of free memory. A hybrid model's window layers get pools
+    of their own only where those come out smaller than the rest; when memory is short they do not,
+    and the count was then still cut by the window pools' bytes, leaving memory unused."""
+    from jaxinfer import llm as llm_lib
+    from jaxinfer.engine import kv_cache_bytes, layer_page_bytes, window_pool_pages
+
+    cfg, _ = hybrid
+    page = layer_page_bytes(cfg, 8)
+    monkeypatch.setattr(llm_lib, "free_device_bytes", lambda: 4 * budget_pages * page)  # a quarter: budget_pages
+    window_pages = 97
+    n = llm_lib._default_num_pages(cfg, max_num_seqs=64, max_model_len=256, page_size=8, window_pages=window_pages)
+    split = window_pool_pages(cfg, num_kv_pages=n, num_window_kv_pages=window_pages)
+    used = page * (n + 2 * split) if split else kv_cache_bytes(cfg, num_kv_pages=n, page_size=8)
+    assert used <= budget_pages * page
+    want = 64 * 32 + 1
+    assert n == want or used > (budget_pages - cfg.num_layers) * page  # all of the budget, to a page per layer
 
 
 def test_a_hybrid_prefix_hit_needs_its_pages_in_both_pools(hybrid):

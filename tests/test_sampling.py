@@ -219,6 +219,19 @@ def test_penalties_match_numpy():
     )
 
 
+def test_a_sequences_token_array_follows_its_appends():
+    """The penalty history reads `Sequence.token_array()`, a buffer that copies only new tokens."""
+    from jaxinfer.scheduler import Sequence
+
+    seq = Sequence(seq_id=0, request_id="0", index=0, params=SamplingParams(), seed=0, tokens=[5, 6, 7], prompt_len=2)
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # across several regrowths of the buffer
+        seq.tokens.extend(rng.integers(0, 1000, int(rng.integers(0, 9))).tolist())
+        a = seq.token_array()
+        assert a.dtype == np.int32 and a.tolist() == seq.tokens
+    assert seq.token_array().tolist() == seq.tokens  # unchanged without appends
+
+
 def test_rows_without_penalties_are_untouched_by_a_wide_history():
     """A history wider than one token runs the penalties on every row; a row without any must get
     the very same sample and log-probabilities as with no history at all, next to a penalised

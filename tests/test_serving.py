@@ -633,7 +633,12 @@ def test_serve_cli_metrics_and_sigterm_drain():
         err = proc.stderr.read()
         lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
         reqs = [x for x in lines if x.get("event") == "request"]
-        assert [r["code"] for r in reqs] == (["UNAVAILABLE"] if early == "NOT_SERVING" else []) + ["OK", "OK"]
+        codes = [r["code"] for r in reqs]
+        # The frozen client's call reaches the server after its client gave up, or never (a race in
+        # the HTTP/2 layer after SIGCONT): a CANCELLED line for it, or none.
+        if codes.count("CANCELLED") == 1 and codes.index("CANCELLED") == len(codes) - 2:
+            codes.remove("CANCELLED")
+        assert codes == (["UNAVAILABLE"] if early == "NOT_SERVING" else []) + ["OK", "OK"]
         assert reqs[-1]["completion_tokens"] == 40
         assert all(r["id"] for r in reqs)
     finally:

@@ -234,7 +234,7 @@ def test_a_kv_cache_too_big_for_a_device_is_refused_with_or_without_a_mesh(monke
     import jaxinfer.engine as engine_lib
 
     fits = dict(cfg=CFG, num_kv_pages=64, num_window_pages=None, page_size=8)
-    total = engine_lib.kv_cache_bytes(CFG, num_kv_pages=64, num_window_kv_pages=None, page_size=8)
+    total = engine_lib.kv_cache_bytes(CFG, num_kv_pages=64, page_size=8)
     monkeypatch.setattr(engine_lib, "free_device_bytes", lambda: int(total * 0.75))
     with pytest.raises(InvalidRequestError, match=r"num_kv_pages x page_size = 64 x 8 tokens: the KV cache would take"):
         engine_lib.check_cache_fits(**fits)
