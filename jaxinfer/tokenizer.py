@@ -98,6 +98,7 @@ class TokenizerSettings:
 
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     extra_special_tokens: tuple[str, ...] = ()  # additional / added special tokens, matched inside text
+    added_tokens: tuple[tuple[int, str, bool], ...] = ()  # (id, text, special), from added_tokens_decoder / .json
     add_bos: bool | None = None
     add_eos: bool | None = None
     add_prefix_space: bool | None = None
@@ -154,6 +155,17 @@ def _chat_template(model_dir: str, config: dict) -> str | None:
     return template
 
 
+def _token_id(value, field: str) -> int:
+    """A token id as the configs write it: an int, or in added_tokens_decoder's keys a decimal string."""
+    try:
+        i = int(value)
+    except (TypeError, ValueError):
+        i = -1
+    if isinstance(value, bool) or i < 0:
+        raise CheckpointError(f"{field} must be a token id (an integer >= 0), got {value!r}")
+    return i
+
+
 def read_settings(model_dir: str) -> TokenizerSettings:
     """Reads the special-token settings and chat template of a checkpoint directory."""
     config, tokens_map = {}, {}
@@ -185,9 +197,20 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     decoder = config.get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
         raise CheckpointError(f"{model_dir}: tokenizer_config.json's added_tokens_decoder must be an object")
-    for entry in decoder.values():
-        if isinstance(entry, dict) and entry.get("special") and (t := _token_text(entry)) is not None:
-            extra.append(t)
+    added = {}  # id -> (text, special)
+    for key, entry in decoder.items():
+        if isinstance(entry, dict) and (t := _token_text(entry)) is not None:
+            added[_token_id(key, f"{model_dir}: added_tokens_decoder key")] = (t, bool(entry.get("special")))
+            if entry.get("special"):
+                extra.append(t)
+    path = os.path.join(model_dir, "added_tokens.json")  # {text: id}, written by older transformers
+    if os.path.isfile(path):
+        listed = _read_json(path)
+        if not isinstance(listed, dict):
+            raise CheckpointError(f"{path} must hold a JSON object of token text -> id")
+        named = {*special.values(), *extra}
+        for t, i in listed.items():
+            added.setdefault(_token_id(i, f"{path}: the id of {t!r}"), (t, t in named))
 
     def flag(name):
         value = config.get(name)
@@ -196,6 +219,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     return TokenizerSettings(
         special_tokens=special,
         extra_special_tokens=tuple(dict.fromkeys(extra)),
+        added_tokens=tuple((i, t, sp) for i, (t, sp) in sorted(added.items())),
         add_bos=flag("add_bos_token"),
         add_eos=flag("add_eos_token"),
         add_prefix_space=flag("add_prefix_space"),
@@ -315,7 +339,13 @@ class SentencePieceTokenizer:
             raise CheckpointError(f"{path}: cannot load SentencePiece model ({e})") from None
         except Exception as e:  # protobuf's DecodeError
             raise CheckpointError(f"{path}: cannot load SentencePiece model ({type(e).__name__}: {e})") from None
-        self.vocab_size = self._sp.get_piece_size()
+        self._num_pieces = self._sp.get_piece_size()
+        # Tokens the configs add past the model's own pieces (a pad token at 32000, tool markers) have
+        # ids of their own: matched inside text like the special tokens, and a non-special one decodes
+        # to its text, as in transformers.
+        self._added = {i: t for i, t, _ in settings.added_tokens if i >= self._num_pieces}
+        self._added_ids = {t: i for i, t in self._added.items()}
+        self.vocab_size = max([self._num_pieces, *(i + 1 for i in self._added)])
         self.chat_template = settings.chat_template
         self.special_tokens = dict(settings.special_tokens)
         cls = settings.tokenizer_class or ""
@@ -336,7 +366,7 @@ class SentencePieceTokenizer:
         self.eos_ids = _with_own_eos(eos_ids, eos)
         # Special tokens are matched inside text (longest first) and encoded as their own id.
         specials = {}
-        for token in (*self.special_tokens.values(), *settings.extra_special_tokens, *user_defined):
+        for token in (*self.special_tokens.values(), *settings.extra_special_tokens, *user_defined, *self._added_ids):
             if (i := self._piece_id(token)) is not None:
                 specials[token] = i
         self._specials = specials
@@ -345,7 +375,7 @@ class SentencePieceTokenizer:
         # additional special tokens), and the byte-fallback pieces "<0xNN>" with their byte.
         named = (*self.special_tokens.values(), *settings.extra_special_tokens)
         self._skipped = frozenset(
-            {i for i in range(self.vocab_size) if self._sp.is_control(i)}
+            {i for i in range(self._num_pieces) if self._sp.is_control(i)}
             | {self._sp.unk_id()}
             | {i for token in named if (i := self._piece_id(token)) is not None}
         )
@@ -355,6 +385,8 @@ class SentencePieceTokenizer:
     def _piece_id(self, token: str | None) -> int | None:
         if not token:
             return None
+        if token in self._added_ids:
+            return self._added_ids[token]
         i = self._sp.piece_to_id(token)
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(self._sp.unk_id()) else i
 
@@ -380,28 +412,34 @@ class SentencePieceTokenizer:
     def decode(self, ids: list[int]) -> str:
         """The text of `ids` as transformers decodes it with `skip_special_tokens=True`.
 
-        Special tokens are dropped first, and ids past the model's pieces (a config vocabulary padded
-        beyond the tokenizer's) decode to nothing, as in the tokenizer.json path. A run of byte
+        Special tokens are dropped first; a non-special added token is its text; other ids past the
+        model's pieces (a config vocabulary padded beyond the tokenizer's) decode to nothing, as in
+        the tokenizer.json path. A run of byte
         pieces is one UTF-8 string, or if invalid, one U+FFFD per byte (transformers' ByteFallback;
         SentencePiece's own decode would keep the run's valid bytes).
         """
-        ids = [i for i in map(int, ids) if 0 <= i < self.vocab_size and i not in self._skipped]
+        ids = [i for i in map(int, ids) if (0 <= i < self._num_pieces or i in self._added) and i not in self._skipped]
         parts = []
-        for is_byte, run in itertools.groupby(ids, key=self._byte_of.__contains__):
-            if not is_byte:
+        for kind, run in itertools.groupby(ids, key=self._kind):
+            if kind == "piece":
                 parts.append(self._sp.decode(list(run)))
-                continue
-            data = bytes(self._byte_of[i] for i in run)
-            try:
-                parts.append(data.decode("utf-8"))
-            except UnicodeDecodeError:
-                parts.append("\ufffd" * len(data))
+            elif kind == "added":
+                parts.extend(self._added[i] for i in run)
+            else:
+                data = bytes(self._byte_of[i] for i in run)
+                try:
+                    parts.append(data.decode("utf-8"))
+                except UnicodeDecodeError:
+                    parts.append("\ufffd" * len(data))
         text = "".join(parts)
         return text[1:] if self._prefix_space and text.startswith(" ") else text
 
+    def _kind(self, i: int) -> str:
+        return "byte" if i in self._byte_of else "added" if i in self._added else "piece"
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
-        pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+        pieces = (self._sp.id_to_piece(i) for i in range(self._num_pieces))
         return max((len(p.encode("utf-8")) for p in (*pieces, *self._specials)), default=1)
 
 

@@ -226,6 +226,15 @@ def test_malformed_tokenizer_settings_are_named(tmp_path):
     (tmp_path / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff")
     with pytest.raises(CheckpointError, match="chat_template.jinja is not valid UTF-8"):
         load_tokenizer(str(tmp_path))
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.json").unlink()
+    _edit_config(tmp_path, added_tokens_decoder={"x1": {"content": "<a>"}})
+    with pytest.raises(CheckpointError, match="added_tokens_decoder key must be a token id .* got 'x1'"):
+        load_tokenizer(str(tmp_path))
+    _edit_config(tmp_path, added_tokens_decoder=None)
+    (tmp_path / "added_tokens.json").write_text('{"<a>": -3}')
+    with pytest.raises(CheckpointError, match="added_tokens.json: the id of '<a>' must be a token id .* got -3"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_eos_ids_are_the_models_and_the_tokenizers(tmp_path):
@@ -343,6 +352,32 @@ def test_sentencepiece_decode_of_random_ids_matches_transformers(tmp_path, dummy
     b = {n: ours._sp.piece_to_id(f"<0x{n:02X}>") for n in (0x41, 0xE2)}
     assert ours.decode([b[0x41], b[0xE2]]) == "\ufffd\ufffd"
     assert ours.decode([b[0x41], 2, b[0x41]]) == "AA"  # 2: </s>, skipped
+
+
+@pytest.mark.parametrize("source", ["added_tokens_decoder", "added_tokens.json"])
+def test_sentencepiece_added_tokens_have_their_own_ids(tmp_path, source):
+    """Tokens a tokenizer_config.json (or an older added_tokens.json) adds past the model's pieces, as
+    fine-tunes add a pad token or tool markers: transformers gives them their ids in encode, and
+    decodes a non-special one to its text. They were spelled out in pieces and decoded to nothing."""
+    _spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if source == "added_tokens_decoder":
+        entry = dict(lstrip=False, rstrip=False, normalized=False, single_word=False)
+        config["added_tokens_decoder"] = {
+            "400": {"content": "<tool>", "special": False, **entry},
+            "401": {"content": "<|sp|>", "special": True, **entry},
+        }
+    else:
+        (tmp_path / "added_tokens.json").write_text(json.dumps({"<tool>": 400, "<|sp|>": 401}))
+        config["additional_special_tokens"] = ["<|sp|>"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = _assert_same_ids(tmp_path, STRINGS + ["hi<tool>x<|sp|>y", "<tool><tool> a", "a <|sp|>"])
+    assert ours.vocab_size == len(theirs) == 402
+    assert {400, 401} <= set(ours.encode("hi<tool>x<|sp|>y"))
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice([400, 401, rng.randrange(ours.vocab_size)]) for _ in range(rng.randrange(1, 10))]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), theirs.convert_ids_to_tokens(ids)
 
 
 # ----------------------------------------------------------------------------------------------
