@@ -4,7 +4,10 @@ Decoding one token at a time is wrong for both tokenizer families we support: a 
 token can hold half of a UTF-8 character, and SentencePiece drops the space of a word-initial
 piece when it is decoded on its own. So every new token is decoded together with a few tokens
 before it, and only the text that grew past what those earlier tokens already gave is emitted,
-once it no longer ends in an incomplete character (U+FFFD).
+once it no longer ends in an incomplete character (U+FFFD). Text that ends in a run of byte-fallback
+pieces ("<0xE2>", SentencePiece vocabularies) is held back too until the run ends: transformers decodes
+such a run as a whole, into one U+FFFD per byte if any byte is invalid, so a valid first byte already
+sent could later have been a U+FFFD. A window stays open for at most _MAX_PENDING tokens.
 
 Stop strings: the text is searched for them as it grows; the last `max(len(stop)) - 1` characters
 are held back from the stream until they can no longer begin a stop string, so a stop string is
@@ -16,6 +19,7 @@ from __future__ import annotations
 from jaxinfer.tokenizer import Tokenizer
 
 _CONTEXT = 6  # prompt tokens of context for the first output tokens
+_MAX_PENDING = 16  # tokens a window may hold back (an incomplete character or byte run) before it emits anyway
 
 
 class IncrementalDetokenizer:
@@ -28,6 +32,7 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of `text` already returned by `pop_delta`
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._byte_ids = getattr(tokenizer, "byte_ids", frozenset())
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text (the earliest in it)
 
@@ -47,9 +52,10 @@ class IncrementalDetokenizer:
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
         start = max(0, len(self.text) - self._holdback)
-        if after.endswith("\ufffd") and not final:
-            # A character is still incomplete: keep the window open, but a stop string may already be
-            # complete in the text before it (a token can end one character and begin the next).
+        pending = (after.endswith("\ufffd") or self._ids[-1] in self._byte_ids) and not final
+        if pending and len(self._ids) - self._read < _MAX_PENDING:
+            # A character or byte run is still incomplete: keep the window open, but a stop string may
+            # already be complete in the text before it (a token can end one character and begin the next).
             whole = after.rstrip("\ufffd")
             if len(whole) > len(before):
                 self._find_stop(self.text + whole[len(before) :], start)

@@ -172,6 +172,8 @@ class EngineMetrics:
         self.step_tokens = {phase: tokens.labels(phase) for phase in PHASES}
         # The two labelled counters' values for stats() (prometheus_client has no public getter).
         self.finished_counts = {"stop": 0, "length": 0, "abort": 0}
+        for reason in self.finished_counts:  # every series exported from the start, at 0
+            self.finished.labels(reason)
         self.step_token_counts = dict.fromkeys(PHASES, 0)
         self._preemptions_seen = 0
         self._hits_seen = 0

@@ -45,6 +45,7 @@ class Tokenizer(Protocol):
     eos_ids: tuple[int, ...]
     special_tokens: dict[str, str]  # bos_token / eos_token / ... -> its string, for chat templates
     chat_template: str | None
+    byte_ids: frozenset[int]  # byte-fallback pieces "<0xNN>": a run of them decodes as a whole
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -157,13 +158,11 @@ def _chat_template(model_dir: str, config: dict) -> str | None:
 
 def _token_id(value, field: str) -> int:
     """A token id as the configs write it: an int, or in added_tokens_decoder's keys a decimal string."""
-    try:
-        i = int(value)
-    except (TypeError, ValueError):
-        i = -1
-    if isinstance(value, bool) or i < 0:
-        raise CheckpointError(f"{field} must be a token id (an integer >= 0), got {value!r}")
-    return i
+    if isinstance(value, str) and value.isdecimal() and value.isascii():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise CheckpointError(f"{field} must be a token id (an integer in [0, 2**31)), got {value!r}")
+    return value
 
 
 def read_settings(model_dir: str) -> TokenizerSettings:
@@ -286,6 +285,7 @@ class HFTokenizer:
         if settings.tokenizer_class in _METASPACE_CLASSES and not _is_byte_level(path):
             _rebuild_as_llama_tokenizer(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
         self.special_tokens = dict(settings.special_tokens)
         self.chat_template = settings.chat_template
         self.bos_id = self._id(self.special_tokens.get("bos_token"))
@@ -343,7 +343,11 @@ class SentencePieceTokenizer:
         # Tokens the configs add past the model's own pieces (a pad token at 32000, tool markers) have
         # ids of their own: matched inside text like the special tokens, and a non-special one decodes
         # to its text, as in transformers.
-        self._added = {i: t for i, t, _ in settings.added_tokens if i >= self._num_pieces}
+        unk = self._sp.unk_id()
+        is_piece = {t for _, t, _ in settings.added_tokens if self._sp.piece_to_id(t) != unk}
+        is_piece |= {self._sp.id_to_piece(unk)} if unk >= 0 else set()
+        # (An entry whose text is a piece already, "</s>" at 400, changes nothing: transformers ignores it.)
+        self._added = {i: t for i, t, _ in settings.added_tokens if i >= self._num_pieces and t not in is_piece}
         self._added_ids = {t: i for i, t in self._added.items()}
         self.vocab_size = max([self._num_pieces, *(i + 1 for i in self._added)])
         self.chat_template = settings.chat_template
@@ -381,6 +385,7 @@ class SentencePieceTokenizer:
         )
         byte_ids = ((self._sp.piece_to_id(f"<0x{b:02X}>"), b) for b in range(256))
         self._byte_of = {i: b for i, b in byte_ids if self._sp.is_byte(i)}
+        self.byte_ids = frozenset(self._byte_of)
 
     def _piece_id(self, token: str | None) -> int | None:
         if not token:
@@ -423,8 +428,8 @@ class SentencePieceTokenizer:
         for kind, run in itertools.groupby(ids, key=self._kind):
             if kind == "piece":
                 parts.append(self._sp.decode(list(run)))
-            elif kind == "added":
-                parts.extend(self._added[i] for i in run)
+            elif kind == "added":  # through transformers' decoder too: "▁" is a space
+                parts.extend(self._added[i].replace("▁", " ") for i in run)
             else:
                 data = bytes(self._byte_of[i] for i in run)
                 try:
@@ -455,6 +460,7 @@ class ByteTokenizer:
         self.special_tokens = {}
         self.chat_template = None
         self.max_token_bytes = 1
+        self.byte_ids = frozenset()  # its ids are bytes, but decoded by Python's rules, not ByteFallback's
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]

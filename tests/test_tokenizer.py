@@ -232,9 +232,10 @@ def test_malformed_tokenizer_settings_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="added_tokens_decoder key must be a token id .* got 'x1'"):
         load_tokenizer(str(tmp_path))
     _edit_config(tmp_path, added_tokens_decoder=None)
-    (tmp_path / "added_tokens.json").write_text('{"<a>": -3}')
-    with pytest.raises(CheckpointError, match="added_tokens.json: the id of '<a>' must be a token id .* got -3"):
-        load_tokenizer(str(tmp_path))
+    for bad in ("-3", "400.7", "Infinity", "true", '"12a"'):
+        (tmp_path / "added_tokens.json").write_text(f'{{"<a>": {bad}}}')
+        with pytest.raises(CheckpointError, match="added_tokens.json: the id of '<a>' must be a token id"):
+            load_tokenizer(str(tmp_path))
 
 
 def test_eos_ids_are_the_models_and_the_tokenizers(tmp_path):
@@ -366,17 +367,20 @@ def test_sentencepiece_added_tokens_have_their_own_ids(tmp_path, source):
         config["added_tokens_decoder"] = {
             "400": {"content": "<tool>", "special": False, **entry},
             "401": {"content": "<|sp|>", "special": True, **entry},
+            "402": {"content": "▁foo", "special": False, **entry},  # decodes through "▁" -> " " too
+            "403": {"content": "</s>", "special": True, **entry},  # a piece already: ignored
         }
     else:
-        (tmp_path / "added_tokens.json").write_text(json.dumps({"<tool>": 400, "<|sp|>": 401}))
+        (tmp_path / "added_tokens.json").write_text(json.dumps({"<tool>": 400, "<|sp|>": 401, "▁foo": 402}))
         config["additional_special_tokens"] = ["<|sp|>"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    ours, theirs = _assert_same_ids(tmp_path, STRINGS + ["hi<tool>x<|sp|>y", "<tool><tool> a", "a <|sp|>"])
-    assert ours.vocab_size == len(theirs) == 402
+    strings = STRINGS + ["hi<tool>x<|sp|>y", "<tool><tool> a", "a <|sp|>", "a</s>b", "x▁foo"]
+    ours, theirs = _assert_same_ids(tmp_path, strings)
+    assert ours.vocab_size == len(theirs) == 403 and ours.eos_ids == (2,)
     assert {400, 401} <= set(ours.encode("hi<tool>x<|sp|>y"))
     rng = random.Random(0)
     for _ in range(300):
-        ids = [rng.choice([400, 401, rng.randrange(ours.vocab_size)]) for _ in range(rng.randrange(1, 10))]
+        ids = [rng.choice([400, 401, 402, rng.randrange(ours.vocab_size)]) for _ in range(rng.randrange(1, 10))]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), theirs.convert_ids_to_tokens(ids)
 
 
