@@ -419,9 +419,8 @@ class SentencePieceTokenizer:
 
         Special tokens are dropped first; a non-special added token is its text; other ids past the
         model's pieces (a config vocabulary padded beyond the tokenizer's) decode to nothing, as in
-        the tokenizer.json path. A run of byte
-        pieces is one UTF-8 string, or if invalid, one U+FFFD per byte (transformers' ByteFallback;
-        SentencePiece's own decode would keep the run's valid bytes).
+        the tokenizer.json path. A run of byte pieces is one UTF-8 string, or if invalid, one U+FFFD
+        per byte (transformers' ByteFallback; SentencePiece's own decode would keep the valid bytes).
         """
         ids = [i for i in map(int, ids) if (0 <= i < self._num_pieces or i in self._added) and i not in self._skipped]
         parts = []
