@@ -180,7 +180,7 @@ class EngineMetrics:
 
     def count_finished(self, reason: str) -> None:
         self.finished.labels(reason).inc()
-        self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
+        self.finished_counts[reason] += 1
 
     def count_step_tokens(self, phase: str, n: int) -> None:
         self.step_tokens[phase].inc(n)

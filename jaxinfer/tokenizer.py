@@ -380,7 +380,7 @@ class SentencePieceTokenizer:
         named = (*self.special_tokens.values(), *settings.extra_special_tokens)
         self._skipped = frozenset(
             {i for i in range(self._num_pieces) if self._sp.is_control(i)}
-            | {self._sp.unk_id()}
+            | {unk}
             | {i for token in named if (i := self._piece_id(token)) is not None}
         )
         byte_ids = ((self._sp.piece_to_id(f"<0x{b:02X}>"), b) for b in range(256))
