@@ -7,7 +7,8 @@ before it, and only the text that grew past what those earlier tokens already ga
 once it no longer ends in an incomplete character (U+FFFD). Text that ends in a run of byte-fallback
 pieces ("<0xE2>", SentencePiece vocabularies) is held back too until the run ends: transformers decodes
 such a run as a whole, into one U+FFFD per byte if any byte is invalid, so a valid first byte already
-sent could later have been a U+FFFD. A window stays open for at most _MAX_PENDING tokens.
+sent could later have been a U+FFFD. A window stays open for at most _MAX_PENDING tokens; then
+it is taken in up to its last whole character (a long run of valid text is not cut mid-character).
 
 Stop strings: the text is searched for them as it grows; the last `max(len(stop)) - 1` characters
 are held back from the stream until they can no longer begin a stop string, so a stop string is
@@ -52,19 +53,33 @@ class IncrementalDetokenizer:
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
         start = max(0, len(self.text) - self._holdback)
+        end = len(self._ids)
         pending = (after.endswith("\ufffd") or self._ids[-1] in self._byte_ids) and not final
-        if pending and len(self._ids) - self._read < _MAX_PENDING:
+        if pending and end - self._read < _MAX_PENDING:
             # A character or byte run is still incomplete: keep the window open, but a stop string may
             # already be complete in the text before it (a token can end one character and begin the next).
             whole = after.rstrip("\ufffd")
             if len(whole) > len(before):
                 self._find_stop(self.text + whole[len(before) :], start)
             return
+        if pending:  # the window is full: take it in up to its last whole character
+            end, after = self._whole_prefix(before, after)
         if len(after) <= len(before):
             return  # nothing new yet
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read = self._read, end
         self.text += after[len(before) :]
         self._find_stop(self.text, start)
+
+    def _whole_prefix(self, before: str, after: str) -> tuple[int, str]:
+        """The longest run of the window's tokens that decodes to more than `before` without ending in
+        U+FFFD, and its text. A long run of byte pieces cut at the window's end decodes as invalid as a
+        whole (every byte U+FFFD), so the cut goes back to where its last whole character ends: six CJK
+        characters spelled in bytes are 18 pieces. A run invalid throughout is taken in as it decodes."""
+        for end in range(len(self._ids), self._read, -1):
+            text = after if end == len(self._ids) else self._tok.decode(self._ids[self._prefix : end])
+            if len(text) > len(before) and not text.endswith("\ufffd"):
+                return end, text
+        return len(self._ids), after
 
     def _find_stop(self, text: str, start: int) -> None:
         hits = [(i, s) for s in self._stop if (i := text.find(s, start)) >= 0]

@@ -88,6 +88,43 @@ def test_byte_fallback_runs_come_out_as_the_whole_decode_gives_them(tmp_path):
     assert sum(map(len, deltas[:-1])) >= 80
 
 
+@pytest.mark.parametrize("source", ["tokenizer.model", "tokenizer.json"])
+def test_long_byte_runs_of_valid_text_stream_whole(tmp_path, source):
+    """Characters outside a SentencePiece vocabulary are spelled in byte pieces, and neighbours join
+    one run: six rare CJK characters are 18 pieces, more than a window holds back. The window used
+    to be taken in as it decoded, cut inside a character, so the whole run became U+FFFD per byte and
+    so did everything after it (every later run began mid-character)."""
+    import random
+
+    import transformers
+    from test_tokenizer import _spm_dir
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    (tmp_path / "spm").mkdir()
+    path = _spm_dir(tmp_path / "spm", tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    if source == "tokenizer.json":  # a Llama 2 style hub checkpoint: read by the tokenizers library
+        transformers.AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(tmp_path / "hub"))
+        (tmp_path / "hub" / "tokenizer.model").unlink(missing_ok=True)
+        path = tmp_path / "hub"
+    tok = load_tokenizer(str(path))
+    assert type(tok).__name__ == {"tokenizer.model": "SentencePieceTokenizer", "tokenizer.json": "HFTokenizer"}[source]
+    prompt = tok.encode("In the beginning")
+    text = " 鬱龘齉鬱龘齉 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 end"
+    ids = tok.encode(text)[1:]
+    assert sum(i in tok.byte_ids for i in ids) > 40
+    deltas, d = feed(tok, prompt, ids)
+    assert "".join(deltas) == d.text == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert "鬱龘齉鬱龘齉" in d.text and "\ufffd" not in d.text
+    rng = random.Random(0)
+    rare = "鬱龘齉爨癵驫麤𝔘𝔫𝔦😀🙂é"
+    for _ in range(100):
+        text = "".join(rng.choice([*rare, " a", " the", "x"]) for _ in range(rng.randrange(1, 40)))
+        ids = tok.encode(text)[1:]
+        deltas, d = feed(tok, prompt, ids)
+        assert "".join(deltas) == d.text == tok.decode(prompt + ids)[len(tok.decode(prompt)) :], text
+
+
 class _PieceTokenizer:
     """Byte-level BPE in miniature: each id is a byte string, and one may end a character and begin the next."""
 
