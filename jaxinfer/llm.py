@@ -404,7 +404,8 @@ class LLM:
         require_unicode(text, field)
         if self.tokenizer is None:
             raise InvalidRequestError(
-                "this model directory has no tokenizer: pass token ids instead (prompt_token_ids=, or --prompt-ids)"
+                "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model): pass token ids "
+                "instead (prompt_token_ids=, or --prompt-ids)"
             )
         return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=field)
 
@@ -550,7 +551,9 @@ class LLM:
         """
         tok = self.tokenizer
         if tok is None:
-            raise InvalidRequestError("this model directory has no tokenizer, so it cannot render a chat")
+            raise InvalidRequestError(
+                "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model), so it cannot render a chat"
+            )
         if not tok.chat_template:
             raise InvalidRequestError(
                 "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
