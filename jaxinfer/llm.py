@@ -552,7 +552,8 @@ class LLM:
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError(
-                "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model), so it cannot render a chat"
+                "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model), "
+                "so it cannot render a chat"
             )
         if not tok.chat_template:
             raise InvalidRequestError(

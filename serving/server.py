@@ -328,7 +328,8 @@ class Server:
         tok = self.llm.tokenizer
         if tok is None:
             raise _invalid(
-                f"{field}: this model has no tokenizer (neither tokenizer.json nor tokenizer.model); send token ids instead"
+                f"{field}: this model has no tokenizer (neither tokenizer.json nor tokenizer.model); "
+                "send token ids instead"
             )
         try:
             return encode_prompt(tok, text, max_tokens=self.llm.engine.max_model_len - 1, field=field)
