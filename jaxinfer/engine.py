@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import os
 import threading
@@ -34,6 +35,8 @@ from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, is_int, sample
 from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
 from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # Compilation counting: every XLA backend compile in this process, however it was triggered.
@@ -358,7 +361,7 @@ class Engine:
             create = functools.partial(
                 KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages
             )
-            self.cache = jax.jit(create, out_shardings=jax.sharding.SingleDeviceSharding(device))()
+            self._new_cache = jax.jit(create, out_shardings=jax.sharding.SingleDeviceSharding(device))
         else:
             from jaxinfer import sharding
 
@@ -370,7 +373,7 @@ class Engine:
                 KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages
             )
             cache_sh = sharding.cache_shardings(jax.eval_shape(create), mesh)
-            self.cache = jax.jit(create, out_shardings=cache_sh)()
+            self._new_cache = jax.jit(create, out_shardings=cache_sh)
             # The steps pin their outputs: logits replicated (the sampler wants whole rows), the
             # cache exactly as it came in, so donation aliases it and no step ever recompiles
             # for a drifted sharding.
@@ -378,6 +381,7 @@ class Engine:
             jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
             self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
+        self.cache = self._new_cache()
         self._undelivered: list[SeqUpdate] = []  # made by a step, not yet returned (see `step`)
         self.metrics = EngineMetrics(
             kv_pages_total=self.pool.capacity,
@@ -650,7 +654,42 @@ class Engine:
         """Runs one scheduled step. Returns an update for every sequence that advanced or ended.
 
         Updates are collected on the engine until returned: if the step is interrupted (Ctrl-C while
-        it waits for the device) after some sequences advanced, the next step returns theirs too."""
+        it waits for the device) after some sequences advanced, the next step returns theirs too.
+
+        A step that fails on the device (out of memory, a device error) has consumed the cache it
+        was donated: the engine then makes a new, empty cache before re-raising, and every
+        sequence starts over from its first token, so the engine serves on."""
+        try:
+            return self._step()
+        except BaseException:
+            if self.channel is None and self._cache_lost():  # multi-host: the job is broken anyway
+                self._renew_cache()
+            raise
+
+    def _cache_lost(self) -> bool:
+        """Whether the cache is gone: donated to a call that failed, or that call's outputs (every
+        use of them raises its error)."""
+        try:
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+                return True
+            jax.block_until_ready(self.cache)
+        except Exception:
+            return True
+        return False
+
+    def _renew_cache(self) -> None:
+        seqs = len(self.scheduler.running)
+        self.cache = None  # whatever the failed step left, before allocating its replacement
+        self.cache = self._new_cache()
+        self.scheduler.recompute_all()
+        self._after_step()
+        log.error(
+            "a failed step took the KV cache with it: a new, empty cache replaces it; %d running "
+            "sequences start over and the prefix cache is empty",
+            seqs,
+        )
+
+    def _step(self) -> list[SeqUpdate]:
         plan = self.scheduler.schedule()
         self._take_new_pages()
         if plan.empty:

@@ -258,6 +258,14 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return int(self._refs[page])
 
+    def forget_cached(self) -> None:
+        """Empties the prefix cache (the pages' contents are gone): cached pages become free, pages
+        in use stay with their owners but are never shared again."""
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._page_of.clear()
+        self._hash_of.clear()
+
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)

@@ -232,6 +232,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def recompute_all(self) -> None:
+        """The KV cache was lost (a device failure): every sequence gives its pages back and starts
+        over from its first token, as after a preemption (not counted as one), and the prefix cache
+        forgets every page."""
+        for seq in reversed(self.running):
+            self._release(seq)
+            seq.num_computed = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running.clear()
+        for seq in self.waiting:  # holding nothing between steps, unless a step failed mid-schedule
+            self._release(seq)
+            seq.num_computed = 0
+        for group in self.groups:
+            group.pool.forget_cached()
+
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Takes the cached pages that hold this sequence's leading full pages.
 

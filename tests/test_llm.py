@@ -4,10 +4,14 @@ import json
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 from jaxinfer import LLM, InvalidRequestError, SamplingParams, default_model
+from jaxinfer import model as model_lib
 from jaxinfer.cli import main
 from jaxinfer.tokenizer import validate_messages
 
@@ -279,6 +283,38 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
     assert not llm.engine.has_unfinished() and not llm.engine.requests
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == expected
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode_step"])
+def test_a_step_that_fails_on_the_device_leaves_a_working_engine(llm, monkeypatch, phase):
+    """A step that fails while it runs (a GPU out of memory, a device error) has consumed the cache
+    donated to it. The engine makes a new one and serves on - before, every later call failed with
+    "buffer has been deleted or donated" - and reads nothing from the lost one: the prefix pages
+    are forgotten too, so the same prompt gives the same tokens and logprobs, with no cache hit."""
+    shared = [1] + [(7 * i) % 120 + 3 for i in range(40)]  # two full pages for the prefix cache
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    before = llm.generate(prompt_token_ids=[shared], sampling_params=params)[0]
+
+    def fault(_):
+        raise RuntimeError("injected device fault")
+
+    def failing(params, cache, batch, *, cfg):  # the real step, with a failure inside the program
+        logits, cache = model_lib.forward(params, cache, batch, cfg=cfg)
+        return logits + io_callback(fault, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), cache
+
+    monkeypatch.setattr(model_lib, phase, jax.jit(failing, static_argnames=("cfg",), donate_argnames=("cache",)))
+    with pytest.raises(Exception, match="injected device fault"):
+        llm.generate(prompt_token_ids=[[1, 5, 6] * 5, shared[:20]], sampling_params=GREEDY)
+    monkeypatch.undo()
+    stats = llm.stats()
+    assert not llm.engine.has_unfinished() and stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert stats["kv_pages_cached"] == 0
+    hits = stats["prefix_cache_hit_tokens"]
+    after = llm.generate(prompt_token_ids=[shared], sampling_params=params)[0]
+    assert llm.stats()["prefix_cache_hit_tokens"] == hits
+    assert after.token_ids == before.token_ids
+    for a, b in zip(after.logprobs, before.logprobs, strict=True):
+        assert a.top.keys() == b.top.keys() and np.allclose([a.top[t] for t in a.top], [b.top[t] for t in a.top])
 
 
 def test_a_huge_text_prompt_is_refused_before_tokenizing(llm):

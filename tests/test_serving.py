@@ -21,12 +21,16 @@ import time
 import urllib.request
 
 import grpc
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from jax.experimental import io_callback
 
 from jaxinfer import LLM, SamplingParams, default_model
+from jaxinfer import model as model_lib
 from jaxinfer.client import AsyncClient, Client, ServerError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.jetstream import jetstream_pb2_grpc as js_grpc
@@ -324,6 +328,37 @@ def test_engine_failure_fails_its_requests_not_the_server(server):
             assert len(c.generate("fine", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
     finally:
         engine.__dict__.pop("step", None)
+
+
+def test_a_device_fault_fails_the_requests_in_flight_and_the_server_serves_on(server, monkeypatch):
+    """A step that fails on the device consumes the KV cache donated to it: the engine makes a new
+    one (tests/test_llm.py checks what it holds) and the server keeps answering with the same
+    tokens as before, instead of INTERNAL for every request from then on."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with Client(server.address) as c:
+        expected = c.generate("before the fault", params).token_ids
+        fired = threading.Event()
+
+        def fault(_):
+            if not fired.is_set():
+                fired.set()
+                raise RuntimeError("injected device fault")
+            return np.float32(0)
+
+        def failing(params, cache, batch, *, cfg):
+            logits, cache = model_lib.forward(params, cache, batch, cfg=cfg)
+            return logits + io_callback(fault, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), cache
+
+        monkeypatch.setattr(
+            model_lib, "decode_step", jax.jit(failing, static_argnames=("cfg",), donate_argnames=("cache",))
+        )
+        with pytest.raises(ServerError) as e:
+            c.generate("doomed", SamplingParams(max_tokens=4, ignore_eos=True))
+        assert e.value.code == "INTERNAL" and "injected device fault" in e.value.details
+        monkeypatch.undo()
+        server.wait_idle()
+        assert c.health() == "SERVING"
+        assert c.generate("before the fault", params).token_ids == expected
 
 
 def _raw_call(address: str, method: str, payload: bytes):
