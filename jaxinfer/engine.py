@@ -382,10 +382,11 @@ class Engine:
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
             self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
         self.cache = self._new_cache()
+        self.kv_cache_bytes = self.cache.nbytes
         self._undelivered: list[SeqUpdate] = []  # made by a step, not yet returned (see `step`)
         self.metrics = EngineMetrics(
             kv_pages_total=self.pool.capacity,
-            kv_cache_bytes=self.cache.nbytes,
+            kv_cache_bytes=self.kv_cache_bytes,
             kv_window_pages_total=None if self.window_pool is None else self.window_pool.capacity,
         )
         self._memory_per_device = self._measure_memory_per_device()
@@ -632,14 +633,20 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return []
-        updates = []
-        for seq in req.seqs:
-            if not seq.finished:
-                self.scheduler.finish(seq, "abort")
-                self.metrics.count_finished("abort")
-                self._observe_end(seq)
-                updates.append(SeqUpdate(seq, [], self._final_text(seq), "abort"))
+        ended = [seq for seq in req.seqs if not seq.finished]
+        for seq in ended:  # every sample's pages, before anything that could raise
+            self.scheduler.finish(seq, "abort")
+            self.metrics.count_finished("abort")
+            self._observe_end(seq)
         self._after_step()
+        updates = []
+        for seq in ended:
+            try:
+                text = self._final_text(seq)
+            except Exception:  # a tokenizer that cannot decode what is held back: the abort still stands
+                log.exception("request %s: the final text of an aborted sample could not be decoded", request_id)
+                text = ""
+            updates.append(SeqUpdate(seq, [], text, "abort"))
         return updates
 
     def release(self, request_id: str) -> None:
@@ -659,12 +666,20 @@ class Engine:
         A step that fails on the device (out of memory, a device error) has consumed the cache it
         was donated: the engine then makes a new, empty cache before re-raising, and every
         sequence starts over from its first token, so the engine serves on."""
+        if self.cache is None:  # the replacement for a lost cache failed too (out of memory): again
+            self.cache = self._new_cache()
         try:
             return self._step()
         except BaseException:
             if self.channel is None and self._cache_lost():  # multi-host: the job is broken anyway
                 self._renew_cache()
             raise
+
+    def take_undelivered(self) -> list[SeqUpdate]:
+        """The updates of a step that raised after some sequences advanced (or ended), which the
+        next step would otherwise return: for a caller that files them now."""
+        updates, self._undelivered = self._undelivered, []
+        return updates
 
     def _cache_lost(self) -> bool:
         """Whether the cache is gone: donated to a call that failed, or that call's outputs (every
@@ -678,9 +693,8 @@ class Engine:
         return False
 
     def _renew_cache(self) -> None:
+        """Host state first: whatever happens next, nothing reads the lost contents."""
         seqs = len(self.scheduler.running)
-        self.cache = None  # whatever the failed step left, before allocating its replacement
-        self.cache = self._new_cache()
         self.scheduler.recompute_all()
         self._after_step()
         log.error(
@@ -688,6 +702,8 @@ class Engine:
             "sequences start over and the prefix cache is empty",
             seqs,
         )
+        self.cache = None  # whatever the failed step left, before allocating its replacement
+        self.cache = self._new_cache()  # if this fails too, the next step tries again
 
     def _step(self) -> list[SeqUpdate]:
         plan = self.scheduler.schedule()
@@ -868,7 +884,7 @@ class Engine:
                     "kv_window_pages_free": self.window_pool.num_free,
                 }
             ),
-            "kv_cache_bytes": self.cache.nbytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
             "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
             **self.memory_per_device(),
             "running": len(s.running),

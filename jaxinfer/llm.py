@@ -667,15 +667,19 @@ class LLM:
         asked for the step."""
         with self._lock:
             self._stepping = True
+            updates = []
             try:
                 updates = self.engine.step()
             finally:
+                # A step that raised may have advanced (or ended) other calls' requests first: their
+                # updates are filed now, or a stream would see its request finished without them.
+                updates = updates or self.engine.take_undelivered()
                 self._stepping = False
+                for u in updates:
+                    if (mine := self._updates.get(u.seq.request_id)) is not None:
+                        mine.append(u)
                 while self._deferred_ends:
                     self._end(self._deferred_ends.pop())
-            for u in updates:
-                if (mine := self._updates.get(u.seq.request_id)) is not None:
-                    mine.append(u)
 
     def _end(self, req: Request) -> None:
         """Aborts the request if it is still running and forgets it and its updates."""

@@ -45,6 +45,11 @@ class EngineFailedError(Exception):
         self.unavailable = unavailable
 
 
+class EngineThreadDiedError(Exception):
+    """The engine's thread ended on something other than an Exception (SystemExit, say): nothing
+    steps the engine any more, so the server stops serving."""
+
+
 @dataclasses.dataclass
 class Delta:
     """What one step added to one sample of a request."""
@@ -147,14 +152,13 @@ class AsyncEngine:
             await asyncio.sleep(min(0.5, self.peer_timeout / 4))
             if peer_wait.seconds() > self.peer_timeout:
                 why = f"a step or heartbeat has waited {self.peer_timeout:.0f} s for the other processes"
-                self._break(PeerFailureError(why))
-                self._deliver([(rid, self._failure(self.broken)) for rid in list(self._streams)])
+                self._die(PeerFailureError(why))
 
     def _break(self, error: Exception) -> None:
         """Event loop: the job is broken for good; new requests get UNAVAILABLE."""
         if self.broken is None:
             self.broken = error
-            log.error("the multi-host job is broken: %s", error)
+            log.error("the engine is broken for good: %s", error)
             if self.on_broken is not None:
                 self.on_broken(error)
 
@@ -272,6 +276,22 @@ class AsyncEngine:
     # -- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # not an Exception (those fail a step's requests): the thread ends
+            died = EngineThreadDiedError(f"the engine thread stopped on {type(e).__name__}: {e}")
+            log.critical("%s", died, exc_info=True)
+            try:
+                self._loop.call_soon_threadsafe(self._die, died)
+            except RuntimeError:  # the event loop is closed already
+                pass
+
+    def _die(self, error: Exception) -> None:
+        """Event loop: nothing will step the engine again; every request in flight fails now."""
+        self._break(error)
+        self._deliver([(rid, self._failure(self.broken)) for rid in list(self._streams)])
+
+    def _serve(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             batch: list[tuple[str, object]] = []
@@ -361,6 +381,8 @@ class AsyncEngine:
 
         if isinstance(error, PeerFailureError):
             return EngineFailedError(f"the multi-host job is broken: {error}", unavailable=True)
+        if isinstance(error, EngineThreadDiedError):
+            return EngineFailedError(str(error), unavailable=True)
         return EngineFailedError(f"the engine failed while running this request: {type(error).__name__}: {error}")
 
     def _fail_all(self, error: Exception) -> list:

@@ -269,7 +269,8 @@ class Server:
         self.ready.set()
 
     def _on_broken(self, error: Exception) -> None:
-        """The multi-host job broke (a follower died or hung): stop serving, say so in health."""
+        """The engine broke for good (multi-host: a follower died or hung; or its thread ended):
+        stop serving, say so in health."""
         self.state = "failed"
         self.load_error = error
         for name in HEALTH_SERVICES:
@@ -579,7 +580,7 @@ class Server:
             kv_pages_total=eng.pool.capacity,
             kv_window_pages_total=0 if eng.window_pool is None else eng.window_pool.capacity,
             page_size=eng.page_size,
-            kv_cache_bytes=eng.cache.nbytes,
+            kv_cache_bytes=eng.kv_cache_bytes,
             kv_bytes_per_token=eng.cfg.kv_bytes_per_token,  # KV-head copies on a mesh included
             max_num_seqs=eng.max_num_seqs,
             max_num_batched_tokens=eng.max_num_batched_tokens,

@@ -1,5 +1,6 @@
 """The public API and CLI: outputs, stopping, batching, and clear errors for bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -315,6 +316,79 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(llm, monkeypatc
     assert after.token_ids == before.token_ids
     for a, b in zip(after.logprobs, before.logprobs, strict=True):
         assert a.top.keys() == b.top.keys() and np.allclose([a.top[t] for t in a.top], [b.top[t] for t in a.top])
+
+
+def test_a_lost_cache_whose_replacement_fails_is_made_again_at_the_next_step(llm, monkeypatch):
+    """The new cache itself can fail (out of memory): the error is raised, and the next step tries
+    again instead of running on no cache for good."""
+    expected = llm.generate(prompt_token_ids=[[1, 9] * 6], sampling_params=GREEDY)[0].token_ids
+    engine, real_new_cache = llm.engine, llm.engine._new_cache
+
+    def new_cache_fails_once():
+        monkeypatch.setattr(engine, "_new_cache", real_new_cache)
+        raise RuntimeError("RESOURCE_EXHAUSTED: injected allocation failure")
+
+    monkeypatch.setattr(engine, "_new_cache", new_cache_fails_once)
+    for leaf in jax.tree.leaves(engine.cache):  # what a failed step leaves of the cache donated to it
+        leaf.delete()
+    with pytest.raises(RuntimeError, match="injected allocation failure"):
+        llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=GREEDY)
+    assert llm.generate(prompt_token_ids=[[1, 9] * 6], sampling_params=GREEDY)[0].token_ids == expected
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_an_abort_ends_every_sample_even_when_the_text_cannot_be_decoded(llm, monkeypatch):
+    """A request of n samples whose held-back text fails to decode at the abort: every sample still
+    ends and frees its pages (sample 1 used to stay running with no request, failing every later
+    call)."""
+    expected = llm.generate(prompt_token_ids=[[1, 9] * 6], sampling_params=GREEDY)[0].token_ids
+    tok, real_decode = llm.tokenizer, llm.tokenizer.decode
+
+    def decode(ids, *args, **kwargs):
+        if 6 in ids:
+            raise RuntimeError("this tokenizer cannot decode 6")
+        return real_decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", decode)
+    with pytest.raises(RuntimeError, match="cannot decode 6"):
+        llm.generate(prompt_token_ids=[[1, 5, 6] * 5], sampling_params=dataclasses.replace(GREEDY, n=2))
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    assert llm.generate(prompt_token_ids=[[1, 9] * 6], sampling_params=GREEDY)[0].token_ids == expected
+
+
+def test_a_stream_ended_by_a_step_that_then_raised_still_gets_its_last_tokens(llm, monkeypatch):
+    """Stream A's step finishes stream B, then raises (Ctrl-C) while handling A: B's last update,
+    held by the engine for its next step, reaches B (B used to end with an empty delta)."""
+    from jaxinfer import scheduler as scheduler_lib
+
+    a_params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    b_params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    b_prompt = [1, 9, 20, 33] * 5  # the longer row: handled first in a decode step
+    expected = [
+        (d.token_ids, d.text, d.finish_reason) for d in llm.stream(prompt_token_ids=b_prompt, sampling_params=b_params)
+    ]
+    a = llm.stream(prompt_token_ids=[1, 5, 6] * 5, sampling_params=a_params)
+    next(a)
+    b = llm.stream(prompt_token_ids=b_prompt, sampling_params=b_params)
+    got = [next(b)]
+    next(a)
+    a_id = next(r for r, req in llm.engine.requests.items() if req.params is a_params)
+    real = scheduler_lib.Scheduler.register_full_pages
+
+    def interrupted(self, seq):
+        if seq.request_id == a_id:
+            monkeypatch.setattr(scheduler_lib.Scheduler, "register_full_pages", real)
+            raise KeyboardInterrupt
+        return real(self, seq)
+
+    monkeypatch.setattr(scheduler_lib.Scheduler, "register_full_pages", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(a)  # one decode step: B's last token, then the interrupt
+    a.close()
+    got += list(b)
+    assert [(d.token_ids, d.text, d.finish_reason) for d in got] == expected
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
 
 def test_a_huge_text_prompt_is_refused_before_tokenizing(llm):

@@ -361,6 +361,30 @@ def test_a_device_fault_fails_the_requests_in_flight_and_the_server_serves_on(se
         assert c.generate("before the fault", params).token_ids == expected
 
 
+def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
+    """Something other than an Exception out of a step (SystemExit here) ends the engine's thread:
+    the requests in flight fail with UNAVAILABLE at once and health says NOT_SERVING (before, they
+    waited for their deadlines while health said SERVING)."""
+    s = ServerThread(LLM(**ENGINE))
+    engine = s.server.llm.engine
+
+    def dies():
+        raise SystemExit("injected")
+
+    engine.step = dies
+    try:
+        with Client(s.address) as c:
+            with pytest.raises(ServerError) as e:
+                c.generate("in flight", SamplingParams(max_tokens=4), timeout=20)
+            assert e.value.code == "UNAVAILABLE" and "engine thread stopped on SystemExit" in e.value.details
+            assert c.health() == "NOT_SERVING"
+            with pytest.raises(ServerError) as e:
+                c.generate("later", SamplingParams(max_tokens=4), timeout=20)
+            assert e.value.code == "UNAVAILABLE"
+    finally:
+        s.stop()
+
+
 def _raw_call(address: str, method: str, payload: bytes):
     """Sends hand-made bytes, as a client with a different (or broken) encoder would."""
     with grpc.insecure_channel(address) as ch:
