@@ -388,6 +388,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> list:
         batch = []
         failure = self._failure(error)
+        self.engine.take_undelivered()  # updates of the requests failed here: none is sent after its failure
         for rid in list(self.engine.requests):
             try:
                 self.engine.abort(rid)
