@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -185,29 +184,40 @@ def host_free_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_cache_fits(cfg, *, num_kv_pages: int, num_window_pages: int | None, page_size: int, mesh=None) -> None:
-    """A KV cache larger than a device's free memory is refused here, by name, not by the allocator
-    (an out-of-memory error deep in JAX, or the process killed). On a mesh what must fit is one
-    device's share of every pool (KV heads split over `model`, or copied where fewer; see
-    `sharding.kv_head_copies`)."""
-
-    def shapes(c):
-        return jax.eval_shape(
-            lambda: KVCache.create(c, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages)
-        )
-
+def cache_bytes_to_fit(cfg, *, num_kv_pages: int, num_window_pages: int | None, page_size: int, mesh=None):
+    """(bytes, where): what of a KV cache must fit in the memory `free_device_bytes` reports. On a
+    mesh, one device's share of every pool (KV heads split over `model`, or copied where fewer, see
+    `sharding.kv_head_copies`; pages whole on every `data` device); on CPU devices, which share the
+    host's memory, this process's devices' shares together."""
+    create = functools.partial(
+        KVCache.create, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages
+    )
     if mesh is None:
-        per_leaf = jax.tree.map(lambda x: x.size * x.dtype.itemsize, shapes(cfg))
-    else:
-        from jaxinfer import sharding
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: create(cfg)))), ""
+    from jaxinfer import sharding
 
-        wide = shapes(dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * sharding.kv_head_copies(cfg, mesh)))
-        per_leaf = jax.tree.map(
-            lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize,
-            wide,
-            sharding.cache_shardings(wide, mesh),
-        )
-    need, free, where = sum(jax.tree.leaves(per_leaf)), free_device_bytes(), str(jax.local_devices()[0])
+    wide = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * sharding.kv_head_copies(cfg, mesh))
+    shapes = jax.eval_shape(lambda: create(wide))
+    held = sharding.shard_bytes(shapes, sharding.cache_shardings(shapes, mesh))
+    mine = [b for d, b in held.items() if d.process_index == jax.process_index()]
+    if devices_share_host_memory():
+        return sum(mine), f" on this process's CPU devices ({len(mine)}, sharing the host's memory)"
+    return max(mine), " per device"
+
+
+def devices_share_host_memory() -> bool:
+    """CPU devices (one, or several forced with --xla_force_host_platform_device_count) are all the
+    host's one RAM."""
+    return jax.local_devices()[0].platform == "cpu"
+
+
+def check_cache_fits(cfg, *, num_kv_pages: int, num_window_pages: int | None, page_size: int, mesh=None) -> None:
+    """A KV cache larger than the free memory is refused here, by name, not by the allocator (an
+    out-of-memory error deep in JAX, or the process killed); see `cache_bytes_to_fit`."""
+    need, per = cache_bytes_to_fit(
+        cfg, num_kv_pages=num_kv_pages, num_window_pages=num_window_pages, page_size=page_size, mesh=mesh
+    )
+    free, where = free_device_bytes(), str(jax.local_devices()[0])
     if jax.process_count() > 1:  # every process must decide alike: else one refuses, the others wait on it
         from jaxinfer import distributed
 
@@ -216,8 +226,7 @@ def check_cache_fits(cfg, *, num_kv_pages: int, num_window_pages: int | None, pa
     if need > free:
         raise InvalidRequestError(
             f"num_kv_pages x page_size = {num_kv_pages} x {page_size} tokens: the KV cache would take "
-            f"{need / 2**30:.1f} GiB{'' if mesh is None else ' per device'}, more than the "
-            f"{free / 2**30:.1f} GiB free on {where}"
+            f"{need / 2**30:.1f} GiB{per}, more than the {free / 2**30:.1f} GiB free on {where}"
         )
 
 
@@ -301,6 +310,7 @@ class Engine:
         )
         check_max_model_len(cfg, max_model_len)
         self.cfg = cfg
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token  # the model's own (a mesh may store copies)
         self.params = params
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -382,7 +392,13 @@ class Engine:
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
             self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
         self.cache = self._new_cache()
+        # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
+        # for the `model` axis, pages whole on every `data` device).
         self.kv_cache_bytes = self.cache.nbytes
+        if mesh is not None:
+            from jaxinfer.sharding import shard_bytes
+
+            self.kv_cache_bytes = sum(shard_bytes(self.cache).values())
         self._undelivered: list[SeqUpdate] = []  # made by a step, not yet returned (see `step`)
         self.metrics = EngineMetrics(
             kv_pages_total=self.pool.capacity,
@@ -885,7 +901,7 @@ class Engine:
                 }
             ),
             "kv_cache_bytes": self.kv_cache_bytes,
-            "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             **self.memory_per_device(),
             "running": len(s.running),
             "waiting": len(s.waiting),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from jaxinfer.engine import (
     Engine,
     Logprob,
     Request,
+    cache_bytes_to_fit,
     check_capacity,
     check_max_model_len,
     default_max_model_len,
@@ -112,13 +114,17 @@ def _token_ids(p, field: str) -> list[int]:
     return [int(t) for t in p]
 
 
-def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pages) -> int:
+def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pages, mesh=None) -> int:
     """Enough pages for every slot at full length, capped at a quarter of free memory. A hybrid
     model's sliding-window layers take `window_pages` pages of their own where the count comes out
-    larger than that (`window_pool_pages`): the other layers share what they leave."""
+    larger than that (`window_pool_pages`): the other layers share what they leave. On a mesh the
+    quarter is of what must fit (`cache_bytes_to_fit`: one device's share, or on CPU all of them)."""
     want = max_num_seqs * pages_needed(max_model_len, page_size) + 1
     layer_page = layer_page_bytes(cfg, page_size)
     budget = int(free_device_bytes() * 0.25)
+    if mesh is not None:  # in bytes of the unsharded cache, which the counts below are sized in
+        fit = functools.partial(cache_bytes_to_fit, cfg, num_kv_pages=2, num_window_pages=None, page_size=page_size)
+        budget = int(budget * fit()[0] / fit(mesh=mesh)[0])
     if window_pages is not None:
         windowed = sum(cfg.in_window_pool(i) for i in range(cfg.num_layers))
         split = (budget - windowed * window_pages * layer_page) // ((cfg.num_layers - windowed) * layer_page)
@@ -336,6 +342,7 @@ class LLM:
                 max_model_len=max_model_len,
                 page_size=page_size,
                 window_pages=window_pages,
+                mesh=device_mesh,
             )
             if multi_process:  # each process measured its own free memory: all take the leader's count
                 num_kv_pages = distributed.leader_value(num_kv_pages)

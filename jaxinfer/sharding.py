@@ -204,6 +204,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def shard_bytes(tree, shardings=None) -> dict:
+    """{device: bytes} the arrays of `tree` (or their abstract shapes, with `shardings`) put on every
+    device of their mesh, every process's included: a dimension split over an axis counts its slice,
+    a replicated one counts whole on each device that holds it."""
+    out: dict = {}
+    leaves = jax.tree.leaves(tree)
+    shardings = [x.sharding for x in leaves] if shardings is None else jax.tree.leaves(shardings)
+    for leaf, sh in zip(leaves, shardings, strict=True):
+        for device, index in sh.devices_indices_map(leaf.shape).items():
+            n = math.prod(len(range(*sl.indices(d))) for sl, d in zip(index, leaf.shape))
+            out[device] = out.get(device, 0) + n * leaf.dtype.itemsize
+    return out
+
+
 def bytes_per_device(tree) -> dict[str, int]:
     """{device: bytes} held by the arrays of `tree` (what each device actually stores)."""
     out: dict[str, int] = {}

@@ -581,7 +581,7 @@ class Server:
             kv_window_pages_total=0 if eng.window_pool is None else eng.window_pool.capacity,
             page_size=eng.page_size,
             kv_cache_bytes=eng.kv_cache_bytes,
-            kv_bytes_per_token=eng.cfg.kv_bytes_per_token,  # KV-head copies on a mesh included
+            kv_bytes_per_token=eng.kv_bytes_per_token,
             max_num_seqs=eng.max_num_seqs,
             max_num_batched_tokens=eng.max_num_batched_tokens,
             eos_token_ids=list(cfg.eos_token_ids),

@@ -316,15 +316,17 @@ def test_processes_started_with_different_settings_are_refused_by_name(tmp_path,
 
 
 def test_a_kv_cache_no_device_holds_is_refused_by_every_process(tmp_path, model_dir):
-    """Each device's share is checked against the least free memory of all processes, so every
-    process refuses alike (one refusing alone would leave the other waiting for it)."""
+    """What must fit (on CPU: this process's devices' shares together) is checked against the least
+    free memory of all processes, so every process refuses alike (one refusing alone would leave the
+    other waiting for it)."""
     job = Job(tmp_path, model_dir, "data=1,model=8", "--num-kv-pages", str(2**30), wait=False)
     try:
         codes = {role: p.wait(timeout=READY_TIMEOUT) for role, p in job.procs.items()}
         assert codes == {"leader": 2, "follower": 2}, (codes, job.log("leader")[-2000:], job.log("follower")[-2000:])
         for role in codes:
             log = job.log(role)
-            assert "GiB per device, more than the" in log and "free on the device of the process with the least" in log
+            assert "GiB on this process's CPU devices (4, sharing the host's memory), more than the" in log
+            assert "free on the device of the process with the least" in log
     finally:
         job.close()
 

@@ -12,10 +12,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import LLM, InvalidRequestError, SamplingParams
+from jaxinfer import engine as engine_lib
 from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
 from jaxinfer.engine import Engine, num_compiles
 from jaxinfer.model import init_params
-from jaxinfer.sharding import RULES, make_mesh, parse_mesh, spec_for
+from jaxinfer.sharding import RULES, bytes_per_device, make_mesh, parse_mesh, spec_for
 
 # GQA with fewer KV heads (2) than the largest `model` axis (8): KV heads must be replicated there.
 CFG = ModelConfig(
@@ -115,6 +116,40 @@ def test_every_mesh_gives_the_single_device_tokens(params, single, spec, options
     if sizes["model"] > 1:
         assert mem["param_bytes_per_device"] < one["param_bytes_per_device"] / (sizes["model"] / 2)
         assert mem["kv_cache_bytes_per_device"] == one["kv_cache_bytes_per_device"] // 2
+
+
+@pytest.mark.parametrize("mesh, copies", [("data=2,model=4", 4), ("data=4,model=2", 4), ("data=8,model=1", 8)])
+def test_kv_cache_bytes_count_every_copy_the_mesh_holds(params, mesh, copies):
+    """kv_cache_bytes: device memory held, every device's share and copy counted (2x4 and 4x2 both
+    hold four copies of this 2-KV-head cache: 2 heads x 2 copies over model=4 on 2 data rows, or 2
+    heads whole over model=2 on 4); kv_bytes_per_token: the model's own. Before, 2x4 reported 2
+    copies, 4x2 and 8x1 one."""
+    e = _engine(CFG, params, make_mesh(mesh))
+    logical = engine_lib.kv_cache_bytes(CFG, num_kv_pages=40, page_size=8)
+    stats = e.stats()
+    assert stats["kv_cache_bytes"] == copies * logical == sum(bytes_per_device(e.cache).values())
+    assert stats["kv_bytes_per_token"] == CFG.kv_bytes_per_token
+    assert stats["kv_cache_bytes_per_device"] == max(bytes_per_device(e.cache).values())
+
+
+def test_the_default_page_count_is_sized_by_what_must_fit_on_the_mesh(monkeypatch):
+    """A quarter of the free memory, of what must fit there: on CPU every copy the mesh holds (8
+    `data` copies of the cache take 8 times the RAM), on accelerators one device's share (model=2
+    halves it, so twice the pages). Before, the mesh was ignored: data=8 on CPU asked for twice the
+    host's RAM, and model=8 on accelerators used an eighth of what it could."""
+    from jaxinfer import llm as llm_lib
+
+    page = engine_lib.layer_page_bytes(CFG, 8) * CFG.num_layers
+    monkeypatch.setattr(llm_lib, "free_device_bytes", lambda: 4 * 1000 * page)  # a quarter: 1000 pages
+
+    def default(mesh):
+        kw = dict(max_num_seqs=10**6, max_model_len=64, page_size=8, window_pages=None)
+        return llm_lib._default_num_pages(CFG, **kw, mesh=None if mesh is None else make_mesh(mesh))
+
+    assert default(None) == 1000
+    assert default("data=8,model=1") == 125 and default("data=1,model=2") == 1000
+    monkeypatch.setattr(engine_lib, "devices_share_host_memory", lambda: False)
+    assert default("data=8,model=1") == 1000 and default("data=1,model=2") == 2000
 
 
 def test_no_compilation_after_warmup_on_a_mesh(params):
@@ -228,9 +263,11 @@ def test_hf_checkpoint_is_read_straight_onto_the_mesh(tmp_path, monkeypatch):
 
 
 def test_a_kv_cache_too_big_for_a_device_is_refused_with_or_without_a_mesh(monkeypatch):
-    """What must fit is one device's share: KV heads split over `model` (or copied, then split),
-    whole on every `data` device. Before, a mesh skipped the check: a huge --num-kv-pages with
-    --mesh was an out-of-memory kill instead of an error."""
+    """What must fit on an accelerator is one device's share: KV heads split over `model` (or
+    copied, then split), whole on every `data` device. Before, a mesh skipped the check: a huge
+    --num-kv-pages with --mesh was an out-of-memory kill instead of an error. CPU devices share the
+    host's RAM, so there all their shares must fit together (before, 8 `data` copies of a cache
+    were checked as one)."""
     import jaxinfer.engine as engine_lib
 
     fits = dict(cfg=CFG, num_kv_pages=64, num_window_pages=None, page_size=8)
@@ -238,10 +275,18 @@ def test_a_kv_cache_too_big_for_a_device_is_refused_with_or_without_a_mesh(monke
     monkeypatch.setattr(engine_lib, "free_device_bytes", lambda: int(total * 0.75))
     with pytest.raises(InvalidRequestError, match=r"num_kv_pages x page_size = 64 x 8 tokens: the KV cache would take"):
         engine_lib.check_cache_fits(**fits)
+    monkeypatch.setattr(engine_lib, "devices_share_host_memory", lambda: False)  # an accelerator's rule
     engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=1,model=2"))  # half of it per device
     engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=1,model=8"))  # 2 heads x 4 copies over 8: half
     with pytest.raises(InvalidRequestError, match="per device"):
         engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=2,model=1"))  # rows split, the cache whole
+    monkeypatch.setattr(engine_lib, "devices_share_host_memory", lambda: True)  # this machine's rule
+    for mesh, copies in (("data=1,model=2", 1), ("data=2,model=1", 2), ("data=1,model=8", 4), ("data=8,model=1", 8)):
+        with pytest.raises(InvalidRequestError, match=r"GiB on this process's CPU devices \((2|8), sharing"):
+            engine_lib.check_cache_fits(**fits, mesh=make_mesh(mesh))
+        monkeypatch.setattr(engine_lib, "free_device_bytes", lambda c=copies: total * c)
+        engine_lib.check_cache_fits(**fits, mesh=make_mesh(mesh))
+        monkeypatch.setattr(engine_lib, "free_device_bytes", lambda: int(total * 0.75))
     monkeypatch.undo()
-    with pytest.raises(InvalidRequestError, match="GiB per device, more than the"):
+    with pytest.raises(InvalidRequestError, match="GiB on this process's CPU devices"):
         LLM("embedded:tiny-random", mesh="data=1,model=1", max_model_len=64, num_kv_pages=2**30)
