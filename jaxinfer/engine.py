@@ -33,6 +33,7 @@ from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, QuantizedP
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, is_int, sample
 from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
+from jaxinfer.sharding import shard_bytes
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -394,11 +395,7 @@ class Engine:
         self.cache = self._new_cache()
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
         # for the `model` axis, pages whole on every `data` device).
-        self.kv_cache_bytes = self.cache.nbytes
-        if mesh is not None:
-            from jaxinfer.sharding import shard_bytes
-
-            self.kv_cache_bytes = sum(shard_bytes(self.cache).values())
+        self.kv_cache_bytes = sum(shard_bytes(self.cache).values())
         self._undelivered: list[SeqUpdate] = []  # made by a step, not yet returned (see `step`)
         self.metrics = EngineMetrics(
             kv_pages_total=self.pool.capacity,

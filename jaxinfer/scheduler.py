@@ -225,22 +225,23 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._requeue(seq)
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to the head of the queue with no pages, to compute from its first token again."""
         self._release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
-        self.running.remove(seq)
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def recompute_all(self) -> None:
         """The KV cache was lost (a device failure): every sequence gives its pages back and starts
         over from its first token, as after a preemption (not counted as one), and the prefix cache
         forgets every page."""
         for seq in reversed(self.running):
-            self._release(seq)
-            seq.num_computed = 0
-            seq.status = SeqStatus.WAITING
-            self.waiting.appendleft(seq)
+            self._requeue(seq)
         self.running.clear()
         for seq in self.waiting:  # holding nothing between steps, unless a step failed mid-schedule
             self._release(seq)

@@ -219,10 +219,5 @@ def shard_bytes(tree, shardings=None) -> dict:
 
 
 def bytes_per_device(tree) -> dict[str, int]:
-    """{device: bytes} held by the arrays of `tree` (what each device actually stores)."""
-    out: dict[str, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            key = str(shard.device)
-            out[key] = out.get(key, 0) + shard.data.nbytes
-    return out
+    """{device name: bytes} held by the arrays of `tree` on this process's devices."""
+    return {str(d): b for d, b in shard_bytes(tree).items() if d.process_index == jax.process_index()}
