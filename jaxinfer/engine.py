@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import _interrupts
 from jaxinfer import model as model_lib
 from jaxinfer.config import ModelConfig
 from jaxinfer.detokenizer import IncrementalDetokenizer
@@ -595,6 +596,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model has none")
 
+    @_interrupts.deferred()  # half-added, a request would run with no owner
     def add_request(
         self,
         prompt_ids: list[int],
@@ -641,6 +643,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    @_interrupts.deferred()  # half-aborted, a request would keep samples running
     def abort(self, request_id: str) -> list[SeqUpdate]:
         """Ends a request now (finish reason 'abort') and frees its pages; unknown ids are ignored."""
         req = self.requests.get(request_id)
@@ -679,14 +682,15 @@ class Engine:
         A step that fails on the device (out of memory, a device error) has consumed the cache it
         was donated: the engine then makes a new, empty cache before re-raising, and every
         sequence starts over from its first token, so the engine serves on."""
-        if self.cache is None:  # the replacement for a lost cache failed too (out of memory): again
-            self.cache = self._new_cache()
-        try:
-            return self._step()
-        except BaseException:
-            if self.channel is None and self._cache_lost():  # multi-host: the job is broken anyway
-                self._renew_cache()
-            raise
+        with _interrupts.deferred():  # Ctrl-C only while compiling or waiting for the device
+            if self.cache is None:  # the replacement for a lost cache failed too (out of memory): again
+                self.cache = self._new_cache()
+            try:
+                return self._step()
+            except BaseException:
+                if self.channel is None and self._cache_lost():  # multi-host: the job is broken anyway
+                    self._renew_cache()
+                raise
 
     def take_undelivered(self) -> list[SeqUpdate]:
         """The updates of a step that raised after some sequences advanced (or ended), which the
@@ -732,22 +736,28 @@ class Engine:
             return updates
         calls = []
         started = time.perf_counter()
-        if plan.prefill:
-            t = bucket(max(c.length for c in plan.prefill), minimum=16)
-            calls.append(("prefill", plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
-        if plan.decode:
-            # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
-            # group at its longest row, so rows of similar length should be neighbours.
-            decode = sorted(plan.decode, key=lambda c: -c.start)
-            mp = self._decode_mp(decode[0].start + 1)
-            calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
+        # A Ctrl-C while the calls compile or run leaves every sequence as it was (the cache keeps
+        # what they wrote, rewritten alike when they run again); it is held back everywhere else.
+        with _interrupts.allowed():
+            if plan.prefill:
+                t = bucket(max(c.length for c in plan.prefill), minimum=16)
+                calls.append(("prefill", plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
+            if plan.decode:
+                # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
+                # group at its longest row, so rows of similar length should be neighbours.
+                decode = sorted(plan.decode, key=lambda c: -c.start)
+                mp = self._decode_mp(decode[0].start + 1)
+                calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
         updates = self._undelivered
         now = None
         m = self.metrics
         for phase, chunks, out in calls:
-            tokens = np.asarray(out.tokens)
             want_lp = any(c.seq.logprobs is not None for c in chunks)
-            lp = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if want_lp else None
+            with _interrupts.allowed():
+                tokens = np.asarray(out.tokens)
+                lp = None
+                if want_lp:
+                    lp = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
             now = time.perf_counter()
             # The calls run one after the other on the device, so each one's time runs from the
             # previous one's results (or the step's start) to its own.

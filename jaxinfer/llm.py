@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxinfer import default_model
+from jaxinfer import _interrupts, default_model
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import (
     Engine,
@@ -659,7 +659,7 @@ class LLM:
                 self._end(req)
 
     def _start(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        with self._lock:
+        with self._lock, _interrupts.deferred():
             req = self.engine.add_request(prompt_ids, params)
             self._updates[req.request_id] = []
             return req
@@ -672,7 +672,9 @@ class LLM:
     def _step(self) -> None:
         """One engine step; each update is filed under its request, whichever call (or thread)
         asked for the step."""
-        with self._lock:
+        # Ctrl-C is held back over the bookkeeping and lets through only while the engine compiles or
+        # waits for the device; waiting for the lock stays interruptible.
+        with self._lock, _interrupts.deferred():
             self._stepping = True
             updates = []
             try:
@@ -690,7 +692,7 @@ class LLM:
 
     def _end(self, req: Request) -> None:
         """Aborts the request if it is still running and forgets it and its updates."""
-        with self._lock:
+        with self._lock, _interrupts.deferred():
             if self._stepping:  # the garbage collector, finalizing a stream inside this thread's step
                 self._deferred_ends.append(req)
                 return

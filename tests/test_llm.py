@@ -391,6 +391,89 @@ def test_a_stream_ended_by_a_step_that_then_raised_still_gets_its_last_tokens(ll
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
 
+@pytest.mark.parametrize("where", ["register_full_pages", "detokenizer"])
+def test_a_ctrl_c_during_a_steps_bookkeeping_waits_for_its_end(llm, monkeypatch, where):
+    """A real SIGINT landing while a step books another open stream's token (its chunk counted as
+    computed, its token not yet appended; or appended, its text not yet made): the interrupt is
+    held back to the end of the step. Before, it tore B's state: B stalled ("scheduler made no
+    progress") or lost a token's text."""
+    import signal
+
+    from jaxinfer import detokenizer as detokenizer_lib
+    from jaxinfer import scheduler as scheduler_lib
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    b_prompt = [1, 9, 20, 33] * 5
+    alone = llm.stream(prompt_token_ids=b_prompt, sampling_params=params)
+    expected = [(d.token_ids, d.text, d.finish_reason) for d in alone]
+    a = llm.stream(prompt_token_ids=[1, 5, 6] * 5, sampling_params=params)
+    next(a)
+    b = llm.stream(prompt_token_ids=b_prompt, sampling_params=params)
+    got = [next(b)]
+    next(a)  # A's token from B's prefill step
+    b_id = next(r for r, req in llm.engine.requests.items() if req.prompt_ids == b_prompt)
+    owner, name = (
+        (scheduler_lib.Scheduler, "register_full_pages")
+        if where == "register_full_pages"
+        else (detokenizer_lib.IncrementalDetokenizer, "add")
+    )
+    real = getattr(owner, name)
+
+    def interrupted(self, arg, *rest):
+        request_id = arg.request_id if where == "register_full_pages" else None
+        if request_id == b_id or (request_id is None and self is b_detok):
+            monkeypatch.setattr(owner, name, real)
+            signal.raise_signal(signal.SIGINT)  # the handler raises KeyboardInterrupt at the next bytecode
+        return real(self, arg, *rest)
+
+    b_detok = llm.engine.requests[b_id].seqs[0].detok
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(a)  # one decode step for both streams; the interrupt comes while B's token is booked
+    a.close()
+    got += list(b)
+    assert [(d.token_ids, d.text, d.finish_reason) for d in got] == expected
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_a_held_back_ctrl_c_is_delivered_once_when_the_outermost_region_ends():
+    import signal
+    import threading
+
+    from jaxinfer import _interrupts
+
+    handler = signal.getsignal(signal.SIGINT)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts.deferred():
+            with _interrupts.deferred():
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+                seen.append("inner")
+            seen.append("outer")  # the inner region's end delivers nothing
+    assert seen == ["inner", "outer"] and signal.getsignal(signal.SIGINT) is handler
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts.deferred():
+            with _interrupts.allowed():  # waiting for the device: Ctrl-C acts at once
+                signal.raise_signal(signal.SIGINT)
+                seen.append("not reached")
+    assert "not reached" not in seen and signal.getsignal(signal.SIGINT) is handler
+    errors = []  # off the main thread (the server's engine thread) both are no-ops: no signal.signal there
+    thread = threading.Thread(target=lambda: errors.extend(_check_off_main_thread(_interrupts)))
+    thread.start()
+    thread.join()
+    assert errors == []
+
+
+def _check_off_main_thread(_interrupts):
+    try:
+        with _interrupts.deferred(), _interrupts.allowed():
+            pass
+    except Exception as e:  # signal.signal raises ValueError off the main thread
+        return [e]
+    return []
+
+
 def test_a_huge_text_prompt_is_refused_before_tokenizing(llm):
     # The size bound's message (after tokenizing, the engine would count tokens: "prompt has ...").
     with pytest.raises(InvalidRequestError, match=r"prompts\[1\]: 4000000 bytes of text cannot fit in 63 tokens"):
