@@ -9,6 +9,10 @@ RequestOutput, not a list; concurrency is the server's job (send calls from seve
     with Client("127.0.0.1:9000") as c:
         print(c.generate("In the beginning", SamplingParams(max_tokens=32)).text)
 
+`generate` and `stream` also take `request_id` (shown in the server's log line) and `cache_salt`:
+requests share prefix-cache pages only with requests of the same salt, so a salt per tenant keeps
+tenants from probing each other's prompts through the time of cache hits.
+
 A refused or failed call raises `ServerError` with the gRPC status code and the server's message.
 Leaving a `stream` early cancels the RPC, which aborts the request on the server. A server that
 stops answering (its process frozen, its host gone) is noticed by HTTP/2 keepalive pings: the call
@@ -36,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer.engine import Logprob
 from jaxinfer.errors import InvalidRequestError, JaxinferError
+from jaxinfer.kv_cache import check_cache_salt
 from jaxinfer.llm import CompletionOutput, RequestOutput, StreamDelta
 from jaxinfer.sampling import SamplingParams, _is_number, is_int
 from jaxinfer.tokenizer import require_unicode
@@ -165,14 +170,17 @@ def _prompt_ids(ids) -> list[int]:
     return out
 
 
-def _request(prompt, sampling_params, prompt_token_ids, request_id) -> pb.GenerateRequest:
+def _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt=None) -> pb.GenerateRequest:
     """The request both clients send, every argument checked first (InvalidRequestError names it)."""
     if (prompt is None) == (prompt_token_ids is None):
         raise InvalidRequestError("pass exactly one of prompt or prompt_token_ids")
+    check_cache_salt(cache_salt)
     req = pb.GenerateRequest(
         sampling_params=_params(sampling_params),
         request_id="" if request_id is None else _text(request_id, "request_id"),
     )
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
     if prompt is not None:
         req.text = _text(prompt, "prompt")
     else:
@@ -328,9 +336,10 @@ class Client(_Stubs):
         *,
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
         timeout: float | None = None,
     ) -> RequestOutput:
-        req = _request(prompt, sampling_params, prompt_token_ids, request_id)
+        req = _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
         timeout = _seconds(timeout, "timeout", default=self.timeout)
         try:
             resp = self._stub.Generate(req, timeout=timeout)
@@ -345,11 +354,12 @@ class Client(_Stubs):
         *,
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
         timeout: float | None = None,
     ) -> Iterator[StreamDelta]:
         """The request's deltas as they come; the arguments are checked at this call, the RPC starts
         at the first `next`."""
-        req = _request(prompt, sampling_params, prompt_token_ids, request_id)
+        req = _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
         timeout = _seconds(timeout, "timeout", default=self.timeout)
         return self._stream(self._stub, req, timeout)
 
@@ -443,9 +453,10 @@ class AsyncClient(_Stubs):
         *,
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
         timeout: float | None = None,
     ) -> RequestOutput:
-        req = _request(prompt, sampling_params, prompt_token_ids, request_id)
+        req = _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
         timeout = _seconds(timeout, "timeout", default=self.timeout)
         try:
             resp = await self._stub.Generate(req, timeout=timeout)
@@ -460,11 +471,12 @@ class AsyncClient(_Stubs):
         *,
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """The request's deltas as they come (`async for`); the arguments are checked at this call,
         the RPC starts at the first step."""
-        req = _request(prompt, sampling_params, prompt_token_ids, request_id)
+        req = _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
         timeout = _seconds(timeout, "timeout", default=self.timeout)
         return self._stream(req, timeout)
 

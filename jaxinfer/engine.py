@@ -30,7 +30,16 @@ from jaxinfer import model as model_lib
 from jaxinfer.config import ModelConfig
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.kv_cache import SCRATCH_PAGE, Batch, KVCache, PagePool, QuantizedPages, pages_needed
+from jaxinfer.kv_cache import (
+    SCRATCH_PAGE,
+    Batch,
+    KVCache,
+    PagePool,
+    QuantizedPages,
+    check_cache_salt,
+    pages_needed,
+    salt_digest,
+)
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, is_int, sample
 from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
@@ -604,10 +613,14 @@ class Engine:
         *,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queues a request. `arrival_time` (time.perf_counter()): when it arrived, if earlier than now
-        (a server that received it while a step ran); latency metrics count from it."""
+        (a server that received it while a step ran); latency metrics count from it. `cache_salt`:
+        prefix-cache pages are shared only between requests with the same salt (or none)."""
         self.validate(prompt_ids, params)
+        check_cache_salt(cache_salt)
+        salt = salt_digest(cache_salt)
         prompt_ids = [int(t) for t in prompt_ids]
         if request_id is not None and not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -627,6 +640,7 @@ class Engine:
                 tokens=list(prompt_ids),
                 prompt_len=len(prompt_ids),
                 arrival_time=now,
+                salt=salt,
             )
             seq.detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if self.tokenizer is not None else None

@@ -29,6 +29,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import InvalidRequestError
 
 SCRATCH_PAGE = 0
 
@@ -163,6 +164,36 @@ def page_hash(parent: bytes, tokens) -> bytes:
     different tokens, so it must be out of reach of anyone choosing prompts.
     """
     return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def salt_digest(cache_salt: str | None) -> bytes:
+    """The parent key of a request's first page: b"" without a salt, else a digest of the salt.
+
+    Requests with different salts (tenants) then never share prefix pages, so one cannot learn from
+    its time to first token whether another sent the same prompt (vLLM's `cache_salt`). A page key
+    chains its parent's, so every page of a salted request differs from every unsalted one."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
+
+
+def check_cache_salt(cache_salt, field: str = "cache_salt") -> None:
+    """Refuses a salt that is not a non-empty string of at most MAX_CACHE_SALT_CHARS characters."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise InvalidRequestError(f"{field} must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
+        )
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{field} is not valid Unicode text (a lone surrogate at {e.start})") from None
 
 
 class PagePool:

@@ -29,7 +29,7 @@ from jaxinfer.engine import (
     window_pool_pages,
 )
 from jaxinfer.errors import CheckpointError, InvalidRequestError
-from jaxinfer.kv_cache import pages_needed
+from jaxinfer.kv_cache import check_cache_salt, pages_needed
 from jaxinfer.sampling import SamplingParams, generation_defaults, is_int
 from jaxinfer.sharding import make_mesh
 from jaxinfer.tokenizer import (
@@ -416,25 +416,28 @@ class LLM:
             )
         return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=field)
 
-    def _prompt_item(self, p, i: int) -> tuple[str | None, list[int]]:
-        """(text, ids) of prompts[i]: a string, or a vLLM-style prompt dict ({"prompt": text} or
-        {"prompt_token_ids": [...]})."""
+    def _prompt_item(self, p, i: int) -> tuple[str | None, list[int], str | None]:
+        """(text, ids, cache salt) of prompts[i]: a string, or a vLLM-style prompt dict ({"prompt":
+        text} or {"prompt_token_ids": [...]}, and optionally "cache_salt")."""
         if not isinstance(p, Mapping):
-            return p, self._encode(p, f"prompts[{i}]")
-        keys = set(p)
+            return p, self._encode(p, f"prompts[{i}]"), None
+        keys = set(p) - {"cache_salt"}
         if unknown := sorted(map(str, keys - {"prompt", "prompt_token_ids"})):
             raise InvalidRequestError(
                 f"prompts[{i}]: unsupported prompt field(s) {unknown}; a prompt dict holds 'prompt' (text) "
-                "or 'prompt_token_ids'"
+                "or 'prompt_token_ids', and optionally 'cache_salt'"
             )
         if len(keys) != 1:
             raise InvalidRequestError(f"prompts[{i}] must hold exactly one of 'prompt' or 'prompt_token_ids'")
+        salt = p.get("cache_salt")
+        check_cache_salt(salt, f"prompts[{i}].cache_salt")
         if "prompt" in p:
-            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt")
-        return None, _token_ids(p["prompt_token_ids"], f"prompts[{i}].prompt_token_ids")
+            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt"), salt
+        return None, _token_ids(p["prompt_token_ids"], f"prompts[{i}].prompt_token_ids"), salt
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
-        """Normalises and validates inputs; returns (texts, ids, params). Raises before any work starts.
+        """Normalises and validates inputs; returns (texts, ids, params, cache salts). Raises before any
+        work starts.
 
         `name_of(i)`: what a refusal calls prompt i (chat: the caller's messages[i], not ids made of them)."""
         if (prompts is None) == (prompt_token_ids is None):
@@ -446,8 +449,7 @@ class LLM:
                 f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}"
             )
         if prompts is not None:
-            items = [self._prompt_item(p, i) for i, p in enumerate(prompts)]
-            texts, ids = [text for text, _ in items], [p_ids for _, p_ids in items]
+            texts, ids, salts = map(list, zip(*[self._prompt_item(p, i) for i, p in enumerate(prompts)]))
             field = "prompts"
         else:
             if (
@@ -458,7 +460,7 @@ class LLM:
                 raise InvalidRequestError("prompt_token_ids must be a list of token-id lists (or one list of ids)")
             if len(prompt_token_ids) and all(is_int(t) for t in prompt_token_ids):
                 prompt_token_ids = [prompt_token_ids]  # one prompt, as a flat list of ids
-            texts = [None] * len(prompt_token_ids)
+            texts = salts = [None] * len(prompt_token_ids)
             ids = [_token_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
             field = "prompt_token_ids"
         if sampling_params is None:
@@ -481,7 +483,7 @@ class LLM:
                 self.engine.validate(p, sp)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"{name_of(i) if name_of else f'{field}[{i}]'}: {e}") from None
-        return texts, ids, sampling_params
+        return texts, ids, sampling_params, salts
 
     def generate(
         self,
@@ -494,20 +496,22 @@ class LLM:
         """Generates for every prompt (text or token ids); returns outputs in prompt order.
 
         A prompt is a string or, as in vLLM, a dict: {"prompt": text} or {"prompt_token_ids": ids};
-        one list may mix them. Without sampling_params, `get_default_sampling_params()` applies.
-        `use_tqdm=True` shows a progress bar over the finished prompts (needs the tqdm package).
+        one list may mix them. A dict may add "cache_salt" (a string, as in vLLM): its prompt shares
+        prefix-cache pages only with prompts of the same salt. Without sampling_params,
+        `get_default_sampling_params()` applies. `use_tqdm=True` shows a progress bar over the
+        finished prompts (needs the tqdm package).
 
         All prompts run through the continuous-batching engine together. Every prompt is validated
         before any work starts, so a bad one loses nothing.
         """
         return self._generate(*self._prompts(prompts, sampling_params, prompt_token_ids), use_tqdm=use_tqdm)
 
-    def _generate(self, texts, ids, params, *, use_tqdm: bool = False) -> list[RequestOutput]:
+    def _generate(self, texts, ids, params, salts, *, use_tqdm: bool = False) -> list[RequestOutput]:
         bar = _progress_bar(len(ids)) if use_tqdm else None
         requests = []
         try:
-            for p, sp in zip(ids, params):
-                requests.append(self._start(p, sp))
+            for p, sp, salt in zip(ids, params, salts):
+                requests.append(self._start(p, sp, salt))
             done = 0
             while not self._all_finished(requests):
                 self._step()
@@ -616,15 +620,15 @@ class LLM:
                 f"stream takes one prompt (a string or a prompt dict), got a {type(prompt).__name__}; "
                 "generate takes several"
             )
-        texts, ids, params = self._prompts(
+        texts, ids, params, salts = self._prompts(
             None if prompt is None else [prompt],
             sampling_params,
             None if prompt_token_ids is None else [prompt_token_ids],
         )
-        return self._stream(ids[0], params[0])
+        return self._stream(ids[0], params[0], salts[0])
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
-        req = self._start(prompt_ids, params)
+    def _stream(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> Iterator[StreamDelta]:
+        req = self._start(prompt_ids, params, salt)
         mine = self._updates[req.request_id]
         ended = set()  # samples whose finish_reason has been yielded
         try:
@@ -658,9 +662,9 @@ class LLM:
             if not sys.is_finalizing():
                 self._end(req)
 
-    def _start(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def _start(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> Request:
         with self._lock, _interrupts.deferred():
-            req = self.engine.add_request(prompt_ids, params)
+            req = self.engine.add_request(prompt_ids, params, cache_salt=salt)
             self._updates[req.request_id] = []
             return req
 

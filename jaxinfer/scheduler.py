@@ -90,6 +90,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_keyed: int = 0  # leading pages it holds that are in the prefix cache (taken from it or registered)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its tokens' full pages
+    salt: bytes = b""  # the parent digest of its first page: kv_cache.salt_digest(its request's cache_salt)
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
     first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)
@@ -317,7 +318,7 @@ class Scheduler:
         s = self.page_size
         while len(seq.digests) <= i:
             j = len(seq.digests)
-            seq.digests.append(page_hash(seq.digests[-1] if seq.digests else b"", seq.tokens[j * s : (j + 1) * s]))
+            seq.digests.append(page_hash(seq.digests[-1] if seq.digests else seq.salt, seq.tokens[j * s : (j + 1) * s]))
         return seq.digests[i]
 
     # -- scheduling -------------------------------------------------------------------------

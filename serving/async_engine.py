@@ -169,11 +169,18 @@ class AsyncEngine:
     # -- event-loop side --------------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None, interval: int = 1
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        interval: int = 1,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queues a validated request for the engine. Raises QueueFullError or DrainingError.
 
         `interval`: deltas reach the stream once a sample has that many new tokens (see `_offer`).
+        `cache_salt`: see `Engine.add_request`.
         """
         if self.broken is not None:
             raise self._failure(self.broken)
@@ -196,7 +203,7 @@ class AsyncEngine:
             interval=interval,
         )
         self._streams[rid] = stream
-        self._commands.put(("add", rid, prompt_ids, params, stream.arrival))
+        self._commands.put(("add", rid, prompt_ids, params, stream.arrival, cache_salt))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -346,10 +353,10 @@ class AsyncEngine:
     def _apply(self, cmd: tuple, batch: list) -> None:
         engine = self.engine
         if cmd[0] == "add":
-            _, rid, prompt_ids, params, arrival = cmd
+            _, rid, prompt_ids, params, arrival, salt = cmd
             try:
                 # The server's arrival time: TTFT and latency include the wait for the engine thread.
-                engine.add_request(prompt_ids, params, request_id=rid, arrival_time=arrival)
+                engine.add_request(prompt_ids, params, request_id=rid, arrival_time=arrival, cache_salt=salt)
             except Exception as e:  # validated already; anything left is reported, not raised
                 batch.append((rid, e))
         elif cmd[0] == "abort":

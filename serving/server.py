@@ -30,6 +30,7 @@ import jaxinfer
 from jaxinfer.client import MIN_KEEPALIVE
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
+from jaxinfer.kv_cache import check_cache_salt
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import format_mesh
 from jaxinfer.tokenizer import encode_prompt
@@ -337,13 +338,24 @@ class Server:
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
 
-    def _admit(self, prompt_ids, params: SamplingParams, field: str, info: dict, *, interval: int = 1) -> RequestStream:
+    def _admit(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        field: str,
+        info: dict,
+        *,
+        interval: int = 1,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         try:
             self.llm.engine.validate(prompt_ids, params)
         except InvalidRequestError as e:  # about the prompt, or about a sampling parameter
             raise _invalid(f"{'sampling_params' if str(e).startswith('SamplingParams.') else field}: {e}") from None
         try:
-            return self.engine.submit(prompt_ids, params, request_id=info["id"], interval=interval)
+            return self.engine.submit(
+                prompt_ids, params, request_id=info["id"], interval=interval, cache_salt=cache_salt
+            )
         except QueueFullError as e:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except DrainingError as e:
@@ -501,9 +513,14 @@ class Server:
             params = wire.sampling_params(request.sampling_params, self.llm.get_default_sampling_params())
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        try:
+            check_cache_salt(salt)
+        except InvalidRequestError as e:
+            raise _invalid(str(e)) from None
         # A unary call only needs the end: holding every delta until then spares a wake-up per step.
         interval = self.config.stream_interval if streaming else 2**31
-        stream = self._admit(ids, params, which, info, interval=interval)
+        stream = self._admit(ids, params, which, info, interval=interval, cache_salt=salt)
         info["stream"] = stream
         return stream
 

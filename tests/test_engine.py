@@ -140,6 +140,34 @@ def test_prefix_cache_hit_gives_same_output(params):
     assert got == expected
 
 
+def test_a_cache_salt_shares_prefix_pages_only_with_the_same_salt(params):
+    """vLLM's cache_salt: tenants with different salts never hit each other's prefix pages (a hit
+    shows in the time to first token, which would tell one tenant what another asked)."""
+    rng = np.random.default_rng(6)
+    prefix = rng.integers(3, 128, 70).tolist()
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = run(make_engine(params, enable_prefix_caching=False), [prefix + [9, 10]], [sp])[0][0]
+    e = make_engine(params)
+
+    def hit_tokens(salt):
+        before = e.stats()["prefix_cache_hit_tokens"]
+        req = e.add_request(prefix + [9, 10], sp, cache_salt=salt)
+        while e.has_unfinished():
+            e.step()
+        assert req.seqs[0].output_ids == expected
+        return e.stats()["prefix_cache_hit_tokens"] - before
+
+    assert hit_tokens("tenant-a") == 0  # the first of its salt
+    assert hit_tokens("tenant-b") == 0  # the same prompt, another tenant's pages
+    assert hit_tokens(None) == 0  # unsalted requests share only with unsalted ones
+    assert hit_tokens("tenant-a") == 64  # its own 8 full pages
+    assert hit_tokens(None) == 64
+    for bad, message in [("", "non-empty"), ("x" * 1025, "at most 1024"), (7, "must be a string")]:
+        with pytest.raises(InvalidRequestError, match=f"cache_salt .*{message}"):
+            e.add_request([1, 2, 3], sp, cache_salt=bad)
+    assert not e.requests or all(r.finished for r in e.requests.values())
+
+
 @pytest.mark.parametrize("placed", [False, True], ids=["host-params", "device-params"])
 def test_no_compilation_after_warmup(params, placed):
     # Restored checkpoints are committed to a device, which changes the jit cache key of everything

@@ -498,6 +498,27 @@ def test_prompt_dicts_as_in_vllm(llm):
     assert streamed == outs[1].token_ids
 
 
+def test_a_prompt_dicts_cache_salt_separates_its_prefix_pages(llm):
+    """{"prompt": ..., "cache_salt": ...} as in vLLM: hits only from prompts of the same salt."""
+    ids = [1] + [(13 * i) % 120 + 3 for i in range(40)]  # 2 full pages of 16
+
+    def hits(prompt):
+        before = llm.stats()["prefix_cache_hit_tokens"]
+        out = llm.generate(prompt, GREEDY)[0]
+        return llm.stats()["prefix_cache_hit_tokens"] - before, out.token_ids
+
+    first, tokens = hits({"prompt_token_ids": ids, "cache_salt": "mine"})
+    assert first == 0
+    assert hits({"prompt_token_ids": ids, "cache_salt": "yours"}) == (0, tokens)
+    assert hits({"prompt_token_ids": ids, "cache_salt": "mine"}) == (32, tokens)
+    streamed = [t for d in llm.stream({"prompt_token_ids": ids, "cache_salt": "mine"}, GREEDY) for t in d.token_ids]
+    assert streamed == tokens
+    with pytest.raises(InvalidRequestError, match=r"prompts\[1\].cache_salt must be a non-empty string"):
+        llm.generate(["fine", {"prompt": "x", "cache_salt": ""}], GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"unsupported prompt field\(s\) \['salt'\]"):
+        llm.generate({"prompt": "x", "salt": "s"}, GREEDY)
+
+
 def test_vllm_call_habits_use_tqdm_and_get_tokenizer(llm, capsys):
     """`use_tqdm=` (vLLM's generate and chat take it) shows a bar over finished prompts and changes
     nothing else; `get_tokenizer()` is the tokenizer."""

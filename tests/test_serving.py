@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from jax.experimental import io_callback
 
-from jaxinfer import LLM, SamplingParams, default_model
+from jaxinfer import LLM, InvalidRequestError, SamplingParams, default_model
 from jaxinfer import model as model_lib
 from jaxinfer.client import AsyncClient, Client, ServerError
 from jaxinfer.jetstream import jetstream_pb2 as js
@@ -385,6 +385,26 @@ def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
         s.stop()
 
 
+def test_cache_salt_keeps_tenants_out_of_each_others_prefix_pages(server):
+    """GenerateRequest.cache_salt reaches the engine: the same long prompt hits the prefix cache only
+    from a request with the same salt, and the tokens are the same either way."""
+    prompt = [1] + [(11 * i) % 200 + 3 for i in range(70)]  # 4 full pages of 16
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def hits(c, **salt):
+        before = server.wait_idle()["prefix_cache_hit_tokens"]
+        out = c.generate(prompt_token_ids=prompt, sampling_params=params, timeout=60, **salt)
+        return server.wait_idle()["prefix_cache_hit_tokens"] - before, out.token_ids
+
+    with Client(server.address) as c:
+        first, tokens = hits(c, cache_salt="tenant-a")  # no other test uses these salts
+        assert first == 0 and len(tokens) == 4
+        assert hits(c, cache_salt="tenant-b") == (0, tokens)
+        assert hits(c, cache_salt="tenant-a") == (64, tokens)
+        with pytest.raises(InvalidRequestError, match="cache_salt must be a string"):
+            c.generate("hi", params, cache_salt=b"bytes")
+
+
 def _raw_call(address: str, method: str, payload: bytes):
     """Sends hand-made bytes, as a client with a different (or broken) encoder would."""
     with grpc.insecure_channel(address) as ch:
@@ -412,6 +432,9 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(min_p=float("nan"))), "SamplingParams.min_p"),
     (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=1000)), None),  # fine: stops at the length
+    (dict(text="hi", cache_salt=""), "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
+    (dict(text="hi", cache_salt="s" * 1025), "cache_salt must be a non-empty string of at most 1024"),
+    (dict(text="hi", cache_salt="tenant"), None),
 ]
 
 
