@@ -273,19 +273,40 @@ def context_mesh():
     return None if mesh.empty or "model" not in mesh.axis_names else mesh
 
 
-def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """ "auto" -> "pallas" on TPU (the Mosaic kernel) and GPU (the Triton-lowered kernel), "xla" on
-    CPU (the tiled pure-JAX attention), "reference" elsewhere.
+# The GPU kernel's "auto" floor: Ampere. Its dots run on tensor cores in the cache's dtype, and
+# Triton has no bfloat16 tensor-core dot before compute capability 8.0 (a T4, Colab's free GPU, is
+# 7.5). It was compiled and timed only on Hopper (8.0 and 8.9 are untested).
+MIN_GPU_KERNEL_CAPABILITY = (8, 0)
+
+
+def resolve_backend(backend: str, platform: str | None = None, *, compute_capability: str | None = None) -> str:
+    """ "auto" -> "pallas" on TPU (the Mosaic kernel) and GPU (the Triton-lowered kernel) from
+    Ampere on, "xla" on CPU (the tiled pure-JAX attention), "reference" elsewhere (older GPUs too).
 
     The GPU kernel is the GPU default since it was checked and timed on an H100 (WORKSPACE.md,
     2026-11-23: same tokens as the reference end to end; decode attention 2.1-3.5x faster than the
     reference's gather in bfloat16, ~2x with int8 pools). On CPU "pallas" runs the TPU kernel in
-    interpret mode: slow, but the code path the accelerator runs.
+    interpret mode: slow, but the code path the accelerator runs. `compute_capability` ("7.5"):
+    the GPU's, read from the first device when not given.
     """
     platform = platform or jax.default_backend()
-    if backend == "auto":
-        return {"tpu": "pallas", "gpu": "pallas", "cpu": "xla"}.get(platform, "reference")
-    return backend
+    if backend != "auto":
+        return backend
+    if platform == "gpu":
+        if compute_capability is None and platform == jax.default_backend():
+            compute_capability = getattr(jax.devices()[0], "compute_capability", None)
+        if compute_capability is not None and _capability(compute_capability) < MIN_GPU_KERNEL_CAPABILITY:
+            return "reference"
+    return {"tpu": "pallas", "gpu": "pallas", "cpu": "xla"}.get(platform, "reference")
+
+
+def _capability(text: str) -> tuple[int, int]:
+    """ "8.6" -> (8, 6); an unreadable one counts as new (the kernel is tried)."""
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (99, 0)
 
 
 def paged_attention(

@@ -183,6 +183,11 @@ def test_backend_resolution():
     assert resolve_backend("auto", "tpu") == "pallas"
     assert resolve_backend("auto", "cpu") == "xla"
     assert resolve_backend("auto", "gpu") == "pallas"
+    assert resolve_backend("auto", "gpu", compute_capability="9.0") == "pallas"
+    assert resolve_backend("auto", "gpu", compute_capability="8.0") == "pallas"
+    # Before Ampere (a T4, Colab's free GPU: 7.5) Triton has no bfloat16 tensor-core dot.
+    assert resolve_backend("auto", "gpu", compute_capability="7.5") == "reference"
+    assert resolve_backend("pallas", "gpu", compute_capability="7.5") == "pallas"  # asked for by name
     assert resolve_backend("xla", "gpu") == "xla"
     assert resolve_backend("pallas", "cpu") == "pallas"
     assert resolve_backend("pallas", "gpu") == "pallas"
