@@ -4,7 +4,9 @@ Decode streams every weight (and the whole live KV cache) once per step, so its 
 memory bandwidth: we report bytes a step must read / step time, as a fraction of the fastest
 streaming read this process can do on the same device right now (the larger of an XLA reduction and
 an XLA matrix-vector product over a buffer much larger than the caches). Prefill is compute-bound;
-we report its achieved FLOP/s (2 x params x tokens, attention excluded) next to TTFT.
+we report its achieved FLOP/s next to TTFT: 2 x the weights' parameters (the embedding table is a
+lookup, not a product) x tokens, the LM head once (only the last token's logits are computed), and
+attention's own products.
 
 With --vs-hf, Hugging Face transformers runs `generate` on the same weights in the same process,
 and the ratios are printed side by side. Timings are medians over repeats; compilation is excluded

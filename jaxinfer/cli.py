@@ -32,7 +32,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
-        help="paged attention: auto = the Pallas kernel on TPU and GPU, the tiled pure-JAX 'xla' on CPU; or forced",
+        help=(
+            "paged attention: auto = the Pallas kernel on TPU and on GPUs from compute capability 8.0 on "
+            "(the reference on older GPUs), the tiled pure-JAX 'xla' on CPU; or forced"
+        ),
     )
     e.add_argument(
         "--mesh",

@@ -231,8 +231,9 @@ class LLM:
         max_num_seqs: sequences running together at most.
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share the KV pages of common prompt prefixes between requests.
-        attention_backend: "auto" (the Pallas kernel on TPU and GPU, "xla" on CPU; on GPU the
-            reference where the kernel cannot tile the shape: page size or head_dim not a power of two),
+        attention_backend: "auto" (the Pallas kernel on TPU and on GPUs from compute capability 8.0
+            on, "xla" on CPU; on GPU the reference before Ampere and where the kernel cannot tile
+            the shape: page size or head_dim not a power of two),
             "reference" (plain pure JAX: the oracle), "xla" (pure JAX in cache-sized tiles that stop
             at each row group's length: the fast one on CPU), or "pallas" (the kernel; on CPU in
             interpret mode: slow, for checking).

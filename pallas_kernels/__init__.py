@@ -8,5 +8,6 @@
 - sharded: both under shard_map over the mesh's KV-head axis.
 
 `jaxinfer.attention.paged_attention` is the one dispatch point that picks them (attention_backend
-"pallas", the default on TPU and GPU); `bench` times them against a measured copy bandwidth.
+"pallas", the default on TPU and on GPUs from compute capability 8.0 on); `bench` times them against
+a measured copy bandwidth.
 """

@@ -124,6 +124,22 @@ def summarize(outcomes, wall: float) -> dict:
     }
 
 
+# How long a server may take to load and warm up before the load starts. Not --duration-limit,
+# which bounds the load itself: a short one could never cover a model's start.
+STARTUP_LIMIT = 1800.0
+
+
+def _wait_serving(client, proc: subprocess.Popen | None) -> None:
+    """Until the server reports SERVING; the server this bench started must not exit meanwhile."""
+    deadline = time.monotonic() + STARTUP_LIMIT
+    while client.health() != "SERVING":
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"error: the server exited with status {proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: {client.target} was not SERVING after {STARTUP_LIMIT:g} s")
+        time.sleep(0.2)
+
+
 def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--dtype", args.dtype, "--max-model-len", str(max_model_len)]
@@ -161,8 +177,8 @@ def run(args, model_dir: str | None) -> dict:
             if status == "UNREACHABLE" and proc is None:  # `jaxinfer serve` listens while it loads
                 raise SystemExit(f"error: --server {address}: nothing answers there (is `jaxinfer serve` running?)")
             if status != "SERVING":
-                print(f"waiting up to {args.duration_limit:g} s for {address} to report SERVING", file=sys.stderr)
-            c.wait_ready(timeout=args.duration_limit)
+                print(f"waiting up to {STARTUP_LIMIT:g} s for {address} to report SERVING", file=sys.stderr)
+            _wait_serving(c, proc)
             info = c.model_info()
         rate = "all at once" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
         print(

@@ -789,7 +789,9 @@ def test_bench_serve_smoke(capsys):
     args += ["--prompt-len-range", "4,24", "--output-len-range", "2,9"]
     # --concurrency below --max-num-seqs: the offline engine is capped to 3 as well (same work on both sides).
     args += ["--max-num-seqs", "4", "--concurrency", "3", "--vs-offline", "--json"]
-    args += ["--repeats", "1"]
+    # A --duration-limit shorter than the server's start (~20 s here) bounds the load, not the wait
+    # for SERVING (which it used to cut short: "not SERVING after 8 s").
+    args += ["--repeats", "1", "--duration-limit", "8"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
