@@ -34,22 +34,26 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._byte_ids = getattr(tokenizer, "byte_ids", frozenset())
+        self._unsearched = 0  # text taken in without a search (see `add`): no stop string ends in it
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text (the earliest in it)
 
-    def add(self, token_id: int) -> None:
-        """Appends one generated token; sets `stopped` if the text now contains a stop string."""
+    def add(self, token_id: int, *, find_stops: bool = True) -> None:
+        """Appends one generated token; sets `stopped` if the text now contains a stop string.
+
+        `find_stops=False` (short of min_tokens): the text is not searched, and a stop string that
+        ends in the text taken in meanwhile is never one; one it began and a later token ends is."""
         if self.stopped:
             return
         self._ids.append(token_id)
-        self._advance(final=False)
+        self._advance(final=False, find_stops=find_stops)
 
     def flush(self) -> None:
         """At the end of generation: takes in whatever is pending, even an incomplete character."""
         if not self.stopped and self._read < len(self._ids):
             self._advance(final=True)
 
-    def _advance(self, *, final: bool) -> None:
+    def _advance(self, *, final: bool, find_stops: bool = True) -> None:
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
         start = max(0, len(self.text) - self._holdback)
@@ -59,7 +63,7 @@ class IncrementalDetokenizer:
             # A character or byte run is still incomplete: keep the window open, but a stop string may
             # already be complete in the text before it (a token can end one character and begin the next).
             whole = after.rstrip("\ufffd")
-            if len(whole) > len(before):
+            if find_stops and len(whole) > len(before):
                 self._find_stop(self.text + whole[len(before) :], start)
             return
         if pending:  # the window is full: take it in up to its last whole character
@@ -68,7 +72,10 @@ class IncrementalDetokenizer:
             return  # nothing new yet
         self._prefix, self._read = self._read, end
         self.text += after[len(before) :]
-        self._find_stop(self.text, start)
+        if find_stops:
+            self._find_stop(self.text, start)
+        else:
+            self._unsearched = len(self.text)
 
     def _whole_prefix(self, before: str, after: str) -> tuple[int, str]:
         """The longest run of the window's tokens that decodes to more than `before` without ending in
@@ -82,7 +89,9 @@ class IncrementalDetokenizer:
         return len(self._ids), after
 
     def _find_stop(self, text: str, start: int) -> None:
-        hits = [(i, s) for s in self._stop if (i := text.find(s, start)) >= 0]
+        """Ends the text at the earliest stop string that begins at or after `start` and ends past
+        the text taken in unsearched."""
+        hits = [(i, s) for s in self._stop if (i := text.find(s, max(start, self._unsearched - len(s) + 1))) >= 0]
         if hits:
             at, self.stop_string = min(hits, key=lambda hit: hit[0])  # ties: the first listed
             self.text = text[:at]

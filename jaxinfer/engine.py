@@ -41,7 +41,15 @@ from jaxinfer.kv_cache import (
     salt_digest,
 )
 from jaxinfer.metrics import EngineMetrics
-from jaxinfer.sampling import SamplingBatch, SamplingParams, history_width, history_widths, is_int, sample
+from jaxinfer.sampling import (
+    MAX_STOP_TOKEN_IDS,
+    SamplingBatch,
+    SamplingParams,
+    history_width,
+    history_widths,
+    is_int,
+    sample,
+)
 from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
 from jaxinfer.sharding import shard_bytes
 from jaxinfer.tokenizer import Tokenizer
@@ -322,6 +330,8 @@ class Engine:
         check_max_model_len(cfg, max_model_len)
         self.cfg = cfg
         self.kv_bytes_per_token = cfg.kv_bytes_per_token  # the model's own (a mesh may store copies)
+        # One width for every min_tokens ban list (a row's stop ids and EOS ids): one program per batch size.
+        self._ban_width = bucket(MAX_STOP_TOKEN_IDS + len(cfg.eos_token_ids))
         self.params = params
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -477,6 +487,7 @@ class Engine:
                 logits = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
             for w in history_widths(self.max_model_len):
                 sample(logits, SamplingBatch.from_rows([], b, w))
+            sample(logits, SamplingBatch.from_rows([], b, ban_width=self._ban_width))  # min_tokens' bans
         jax.block_until_ready(self.cache)
         if self.poison_reused_pages and self.channel is None:
             # A step hands out any number of pages, padded to a power of two: one program per size.
@@ -796,7 +807,7 @@ class Engine:
         q = np.zeros(b, np.int32)
         kv = np.zeros(b, np.int32)
         tables = [np.full((b, mp), SCRATCH_PAGE, np.int32) for _ in self.scheduler.groups]
-        rows = []
+        rows, bans = [], []
         for i, c in enumerate(chunks):
             seq = c.seq
             tok[i, : c.length] = seq.tokens[c.start : c.start + c.length]
@@ -804,13 +815,20 @@ class Engine:
             for table, held in zip(tables, seq.groups):
                 table[i, : len(held.pages)] = held.pages
             history = seq.token_array() if seq.params.has_penalties else seq.tokens
-            rows.append((seq.params, seq.seed, len(seq.tokens) - seq.prompt_len, history, seq.prompt_len))
+            generated = len(seq.tokens) - seq.prompt_len
+            rows.append((seq.params, seq.seed, generated, history, seq.prompt_len))
+            bans.append(self._stop_ids(seq.params) if generated < seq.params.min_tokens else None)
         window_table = tables[1] if len(tables) > 1 else None
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=tables[0], window_page_table=window_table)
         logits = self._model_step(batch, t)
         # The token history is only sent (and only as wide as needed) when some row has a penalty.
         width = history_width(rows, maximum=self.max_model_len)
-        return sample(logits, SamplingBatch.from_rows(rows, b, width))
+        ban_width = self._ban_width if any(bans) else 1
+        return sample(logits, SamplingBatch.from_rows(rows, b, width, bans=bans, ban_width=ban_width))
+
+    def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
+        """The ids that would end a sequence: what min_tokens keeps it from drawing."""
+        return p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.cfg.eos_token_ids)
 
     def _append(self, seq: Sequence, token: int, now: float, lp) -> SeqUpdate:
         p = seq.params
@@ -838,11 +856,11 @@ class Engine:
             seq.logprobs.append(
                 Logprob(token, float(chosen[i]), {int(a): float(b) for a, b in zip(top_ids[i, :n], top_lps[i, :n])})
             )
+        generated = len(seq.tokens) - seq.prompt_len  # (seq.output_ids would copy them)
         if seq.detok is not None:
-            seq.detok.add(token)
+            seq.detok.add(token, find_stops=generated >= p.min_tokens)  # (as vLLM counts min_tokens)
             if seq.detok.stopped:
                 return self._finish(seq, [token], "stop")
-        generated = len(seq.tokens) - seq.prompt_len  # (seq.output_ids would copy them)
         if generated >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, [token], "length")
         text = seq.detok.pop_delta() if seq.detok is not None else ""

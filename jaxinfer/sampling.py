@@ -43,6 +43,7 @@ MAX_N = 64  # samples per prompt, at most
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+NO_ID = 2**31 - 1  # pads lists of token ids: past any vocabulary, so a scatter with mode="drop" skips it
 
 
 # Temperatures below this are greedy: dividing by them only turns float32 rounding noise between
@@ -57,6 +58,10 @@ class SamplingParams:
     Attributes:
         max_tokens: tokens to generate at most (>= 1); None: up to the model's length limit
             (`max_model_len`, prompt included), as in vLLM.
+        min_tokens: tokens to generate before EOS, `stop_token_ids` or a `stop` string may end the
+            output, as in vLLM (HF's min_new_tokens): those ids cannot be drawn before, and a stop
+            string that the text completes before is not one. In [0, max_tokens]; the model's length
+            limit still ends it.
         temperature: logits are divided by it (>= 0); 0, and anything below `GREEDY_TEMPERATURE` (1e-5,
             vLLM's threshold), means greedy.
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
@@ -78,6 +83,7 @@ class SamplingParams:
     """
 
     max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -104,6 +110,10 @@ class SamplingParams:
 
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "must be an integer >= 1, or None for up to the model's length limit")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens < 2**31:
+            bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must be at most max_tokens ({self.max_tokens})")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "must be a finite number >= 0")
         if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
@@ -144,7 +154,7 @@ class SamplingParams:
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
-        for field in ("max_tokens", "top_k", "seed", "logprobs", "n"):
+        for field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n"):
             if (v := getattr(self, field)) is not None:
                 object.__setattr__(self, field, int(v))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -220,13 +230,15 @@ class SamplingBatch:
     want_logprobs: jax.Array  # [B] bool
     history: jax.Array  # [B, W] int32: prompt then output ids, -1 past the end; W = 1 when no row has a penalty
     prompt_lens: jax.Array  # [B] int32: history[:, :prompt_len] is prompt, the rest output
+    banned: jax.Array  # [B, N] int32: ids a row may not draw yet (min_tokens), NO_ID past its list; N = 1: none
 
     @classmethod
-    def from_rows(cls, rows, batch_size: int, history_len: int = 1) -> SamplingBatch:
+    def from_rows(cls, rows, batch_size: int, history_len: int = 1, *, bans=None, ban_width: int = 1) -> SamplingBatch:
         """rows: (params, seed, step, tokens, prompt_len) per live row; padded with greedy rows.
 
         `history_len` must hold the tokens of every row that uses a penalty (see `history_width`);
-        rows without penalties leave their history at -1.
+        rows without penalties leave their history at -1. `bans`: per row, the ids it may not draw
+        (or None), at most `ban_width` of them (> 1 when any row has some).
         """
         b = batch_size
         temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
@@ -236,6 +248,10 @@ class SamplingBatch:
         want = np.zeros(b, bool)
         history = np.full((b, history_len), -1, np.int32)
         prompt_lens = np.zeros(b, np.int32)
+        banned = np.full((b, ban_width), NO_ID, np.int32)
+        for i, ids in enumerate(bans or ()):
+            if ids:
+                banned[i, : len(ids)] = ids
         for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
             temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else min(p.temperature, _FLOAT32_MAX)
             top_k[i], top_p[i], min_p[i] = max(p.top_k, 0), p.top_p, p.min_p
@@ -257,6 +273,7 @@ class SamplingBatch:
             want_logprobs=want,
             history=history,
             prompt_lens=prompt_lens,
+            banned=banned,
         )
 
 
@@ -404,8 +421,17 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
         history, so it compiles once per row count, not once per row count and history width (a
         warm-up compiles every pair, and the sampler is the costlier program to compile).
     """
-    processed = logits if params.history.shape[1] == 1 else _apply_penalties(logits, params)
-    return _sample(logits, processed, params.replace(history=None, prompt_lens=None))
+    # Each stage sees only its own inputs: its programs are keyed on their shapes alone.
+    processed = logits if params.history.shape[1] == 1 else _apply_penalties(logits, params.replace(banned=None))
+    if params.banned.shape[1] > 1:  # some row is short of its min_tokens: its stop ids cannot be drawn
+        processed = _apply_bans(processed, params.banned)
+    return _sample(logits, processed, params.replace(history=None, prompt_lens=None, banned=None))
+
+
+@jax.jit
+def _apply_bans(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, banned].set(-jnp.inf, mode="drop")
 
 
 @jax.jit

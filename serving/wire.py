@@ -96,7 +96,18 @@ class Parser:
             return BadMessage(found or f"the request is not a valid {self.cls.DESCRIPTOR.full_name}: {e}")
 
 
-_OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "logprobs", "n")
+_OPTIONAL = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "logprobs",
+    "n",
+)
 _PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos")
 
 

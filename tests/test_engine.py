@@ -189,6 +189,8 @@ def test_no_compilation_after_warmup(params, placed):
             logprobs=(i % 4) or None,
             n=1 + i % 2,
             seed=i,
+            min_tokens=i % 4,
+            stop_token_ids=[3 + i % 7] * (i % 2),
         )
         for i in range(24)
     ]

@@ -254,3 +254,38 @@ def test_bfloat16_kv_cache_holds_what_transformers_caches(family, tmp_path):
         ours = np.asarray(pool[:, table[0]].astype(jnp.float32))  # [K, pages, S, H]
         ours = ours.reshape(ours.shape[0], -1, ours.shape[-1])[:, :n]
         assert np.mean(ours == ref) > 0.999, np.mean(ours == ref)
+
+
+@pytest.mark.parametrize("via", ["stop_token_ids", "eos"])
+def test_min_tokens_matches_transformers_min_new_tokens(via, tmp_path):
+    """SamplingParams.min_tokens against transformers' min_new_tokens: the stop id cannot be drawn
+    before, so greedy takes the next best token there, and stops at the stop id after."""
+    hf = make_hf_model("llama3.1")
+    free = _hf_greedy(hf, PROMPT, NEW)
+    # A token greedy picks third and not before: without min_tokens generation ends after two.
+    stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    at = free.index(stop)
+    if via == "eos":
+        hf.config.eos_token_id = hf.generation_config.eos_token_id = stop
+    save_hf_model(hf, tmp_path)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=NEW,
+            do_sample=False,
+            min_new_tokens=at + 3,
+            eos_token_id=stop,
+            pad_token_id=0,
+        )
+    hf_tokens = out[0, len(PROMPT) :].tolist()
+    expected = hf_tokens[:-1] if hf_tokens[-1] == stop else hf_tokens  # we never emit the stop token
+    assert stop not in expected and len(expected) >= at + 3
+
+    llm = LLM(str(tmp_path), num_kv_pages=64, page_size=4, max_num_batched_tokens=16)
+    kw = dict(max_tokens=NEW, temperature=0.0)
+    kw.update(stop_token_ids=[stop], ignore_eos=True) if via == "stop_token_ids" else None
+    plain = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(**kw))[0]
+    assert plain.token_ids == free[:at] and plain.finish_reason == "stop"
+    ours = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(min_tokens=at + 3, **kw))[0]
+    assert ours.token_ids == expected
+    assert ours.finish_reason == ("stop" if hf_tokens[-1] == stop else "length")

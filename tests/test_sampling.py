@@ -177,6 +177,9 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
         (dict(stop_token_ids=[2**31]), r"stop_token_ids must be a list of integers in \[0, 2\*\*31\)"),
         # A lone surrogate (invalid UTF-8 from a command line) has no UTF-8 form to match against.
         (dict(stop=["ok", "bad\udcff"]), r"SamplingParams.stop\[1\] is not valid Unicode"),
+        (dict(min_tokens=-1), r"SamplingParams.min_tokens must be an integer >= 0"),
+        (dict(min_tokens=True), r"SamplingParams.min_tokens must be an integer >= 0"),
+        (dict(min_tokens=17), r"SamplingParams.min_tokens must be at most max_tokens \(16\), got 17"),
     ],
 )
 def test_bad_values_name_the_field(kw, field):

@@ -9,6 +9,7 @@ the tokens it gets alone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -185,6 +186,19 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
         np.testing.assert_allclose([x.logprob for x in a.logprobs], [x.logprob for x in r.logprobs], rtol=1e-5)
         assert all(len(x.top) == 3 for x in a.logprobs)
     assert got.prompt_token_ids == ref.prompt_token_ids
+
+
+def test_min_tokens_crosses_the_wire(server, llm):
+    """SamplingParams.min_tokens reaches the server's engine: the request's first token, made a stop
+    token, ends it at once without min_tokens and only after min_tokens with it, as offline."""
+    prompt = [5, 9, 14, 20]
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=list(first.token_ids))
+    with Client(server.address) as c:
+        assert c.generate(prompt_token_ids=prompt, sampling_params=p).outputs[0].token_ids == []
+        got = c.generate(prompt_token_ids=prompt, sampling_params=dataclasses.replace(p, min_tokens=5)).outputs[0]
+    ref = llm.generate(prompt_token_ids=[prompt], sampling_params=dataclasses.replace(p, min_tokens=5))[0].outputs[0]
+    assert got.token_ids == ref.token_ids and len(got.token_ids) >= 5 and first.token_ids[0] not in got.token_ids[:5]
 
 
 def test_max_tokens_none_generates_up_to_the_length_limit_here_and_over_the_wire(server, llm):
@@ -432,6 +446,7 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(min_p=float("nan"))), "SamplingParams.min_p"),
     (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=1000)), None),  # fine: stops at the length
+    (dict(text="hi", sampling_params=pb.SamplingParams(min_tokens=5, max_tokens=2)), "min_tokens must be at most"),
     (dict(text="hi", cache_salt=""), "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
     (dict(text="hi", cache_salt="s" * 1025), "cache_salt must be a non-empty string of at most 1024"),
     (dict(text="hi", cache_salt="tenant"), None),

@@ -1,5 +1,6 @@
 """Incremental detokenization and streaming: UTF-8, leading spaces, stop strings, cancellation."""
 
+import dataclasses
 import time
 
 import pytest
@@ -362,3 +363,30 @@ def test_stats_from_another_thread_while_steps_donate_the_cache(llm):
     assert not errors, errors[0]
     assert all(len(o.token_ids) == 24 for o in outs)
     assert llm.stats()["kv_cache_bytes_per_device"] == llm.stats()["kv_cache_bytes"]  # one device, whole cache
+
+
+def test_min_tokens_ignores_a_stop_string_the_text_completes_before_it():
+    """As vLLM: with min_tokens=k, a stop string that ends in the text of the first k - 1 tokens does
+    not stop (it is not searched there); the first one ending after that text does, and the text
+    and tokens up to it are those of the run without any stop."""
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM()  # the trained default model: English text, so "e" comes early and again later
+    prompt = "And God said"
+    free = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    texts = [
+        llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].text
+        for n in range(1, 41)
+    ]
+    j = next(n for n, t in enumerate(texts, 1) if "e" in t)  # the token whose text completes the first "e"
+    stop = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=["e"])
+    early = llm.generate(prompt, stop)[0]
+    assert early.text == free.text[: free.text.index("e")] and early.finish_reason == "stop"
+    late = llm.generate(prompt, dataclasses.replace(stop, min_tokens=j + 1))[0]
+    cut = free.text.index("e", len(texts[j - 1]))  # the first "e" past the unsearched text
+    assert late.text == free.text[:cut] and late.finish_reason == "stop" and late.stop_reason == "e"
+    assert late.token_ids == free.token_ids[: len(late.token_ids)] and len(late.token_ids) >= j + 1
+    streamed = "".join(d.text for d in llm.stream(prompt, dataclasses.replace(stop, min_tokens=j + 1)))
+    assert streamed == late.text
+    # min_tokens = j: the token completing the first "e" is searched, so it stops there, as without.
+    assert llm.generate(prompt, dataclasses.replace(stop, min_tokens=j))[0].text == early.text
