@@ -419,12 +419,12 @@ def test_a_ctrl_c_during_a_steps_bookkeeping_waits_for_its_end(llm, monkeypatch,
     )
     real = getattr(owner, name)
 
-    def interrupted(self, arg, *rest):
+    def interrupted(self, arg, *rest, **kw):
         request_id = arg.request_id if where == "register_full_pages" else None
         if request_id == b_id or (request_id is None and self is b_detok):
             monkeypatch.setattr(owner, name, real)
             signal.raise_signal(signal.SIGINT)  # the handler raises KeyboardInterrupt at the next bytecode
-        return real(self, arg, *rest)
+        return real(self, arg, *rest, **kw)
 
     b_detok = llm.engine.requests[b_id].seqs[0].detok
     monkeypatch.setattr(owner, name, interrupted)

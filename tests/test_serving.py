@@ -192,7 +192,8 @@ def test_min_tokens_crosses_the_wire(server, llm):
     """SamplingParams.min_tokens reaches the server's engine: the request's first token, made a stop
     token, ends it at once without min_tokens and only after min_tokens with it, as offline."""
     prompt = [5, 9, 14, 20]
-    first = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=one)[0]
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=list(first.token_ids))
     with Client(server.address) as c:
         assert c.generate(prompt_token_ids=prompt, sampling_params=p).outputs[0].token_ids == []
