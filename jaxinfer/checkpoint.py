@@ -196,7 +196,7 @@ def load_config(ckpt_dir: str, *, dtype: str | None = None) -> ModelConfig:
             info = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt_dir!r} is not a jaxinfer checkpoint (no {MARKER})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{marker} is corrupt: {e}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
         raise CheckpointError(f"{marker}: expected format {FORMAT!r} version {VERSION}, got {info!r}")
@@ -206,7 +206,7 @@ def load_config(ckpt_dir: str, *, dtype: str | None = None) -> ModelConfig:
             d = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt_dir!r} has no config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is corrupt: {e}") from None
     cfg = config_from_dict(d, source=path)
     return dataclasses.replace(cfg, dtype=dtype) if dtype is not None else cfg

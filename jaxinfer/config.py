@@ -773,7 +773,7 @@ def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
     try:
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # (nested past Python's limit)
         raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(hf, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object")
@@ -786,9 +786,19 @@ def load_hf_config(model_dir: str, *, dtype: str = "float32") -> ModelConfig:
                 gen = json.load(f)
             eos = gen.get("eos_token_id")
             extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
+            # Ids only: `true` is not token 1, nor "2" token 2 (config.json refuses both).
+            extra = [e for e in extra if type(e) is int and e >= 0]
+            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
             cfg = dataclasses.replace(cfg, eos_token_ids=merged)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError, AttributeError, UnsupportedModelError):
+        except (
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            RecursionError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            UnsupportedModelError,
+        ):
             pass  # generation_config is advisory; a broken one must not block loading
     return cfg
 

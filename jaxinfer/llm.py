@@ -152,7 +152,7 @@ def _auto_dtype(model) -> str:
             hf = json.load(f)
         text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
         stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    except (OSError, ValueError, AttributeError, CheckpointError):
+    except (OSError, ValueError, RecursionError, AttributeError, CheckpointError):
         return "float32"  # loading names what is wrong with the directory
     return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
 

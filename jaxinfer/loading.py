@@ -61,7 +61,7 @@ class SafetensorsFile:
                 raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file {size})")
             try:
                 header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                 raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
@@ -82,7 +82,7 @@ class SafetensorsFile:
             if not isinstance(info, dict):
                 raise CheckpointError(f"{bad} ({info!r})")
             dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-            if dtype not in _ST_DTYPES:
+            if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r}")
             if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                 raise CheckpointError(f"{bad} (shape {shape!r})")
@@ -125,7 +125,7 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed index ({e!r})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to file names)")
@@ -276,6 +276,10 @@ def _text_decoder_names(names) -> dict[str, str]:
     For a vision-language checkpoint the vision tensors are left out, so they are neither loaded
     nor reported as unexpected."""
     if not any(n.startswith(tuple(p for p, _ in _TEXT_DECODER_PREFIXES)) for n in names):
+        if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names:
+            # Written by the base class (LlamaModel: no "model." prefix); transformers' from_pretrained
+            # adds the prefix, and so do we.
+            return {(n if n.startswith("lm_head.") else f"model.{n}"): n for n in names}
         return {n: n for n in names}
     out = {}
     for n in names:
@@ -304,12 +308,15 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
         # tensors): the embedding is that tensor, as transformers ties it.
         names["model.embed_tokens.weight"] = names.pop("lm_head.weight")
     files = {n: stored[s] for n, s in names.items()}
+    todo = list(_hf_names(cfg))
+    # Before tracing the model (~30 ms a layer): a config.json with too many layers fails at once.
+    if missing := next((n for hf_names, _, _ in todo for n in hf_names if n not in files), None):
+        raise CheckpointError(f"checkpoint in {model_dir!r} is missing tensor {missing!r}")
     abstract = abstract_params(cfg)
     opened: dict[str, SafetensorsFile] = {}
     params: dict = {}
     expected = set()
     target_dtype = np.dtype(cfg.dtype) if cfg.dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
-    todo = list(_hf_names(cfg))
     progress = _Progress(len(todo), f"loading {os.path.basename(os.path.normpath(model_dir))}")
     for hf_names, path, convert in todo:
         raws = []

@@ -192,7 +192,7 @@ def generation_defaults(model_dir: str | None) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             gen = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(gen, dict):
         return {}

@@ -1,5 +1,6 @@
 """Checkpoint and tokenizer loading: good files load, bad files fail naming the file or tensor."""
 
+import dataclasses
 import json
 import os
 import re
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from hf_models import make_hf_model, save_hf_model, train_sentencepiece
 
-from jaxinfer import LLM, CheckpointError, SamplingParams
+from jaxinfer import LLM, CheckpointError, JaxinferError, SamplingParams
 from jaxinfer.loading import load_hf_checkpoint
 from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
 
@@ -50,6 +51,66 @@ def test_malformed_config(ckpt, tmp_path):
     (d / "config.json").write_text("{not json")
     with pytest.raises(Exception, match="config.json is not valid JSON"):
         load_hf_checkpoint(str(d))
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON nested past Python's recursion limit
+
+
+def test_json_nested_too_deep_is_named_or_ignored(ckpt, tmp_path):
+    """From a loading audit: json raises RecursionError, not JSONDecodeError, on such a file, and it
+    escaped every reader as a traceback. A required file is now "not valid JSON"; the advisory
+    generation_config.json is ignored, as a broken one always was."""
+    d = _copy(ckpt, tmp_path)
+    expected = load_hf_checkpoint(str(d))[0]
+    (d / "generation_config.json").write_text(DEEP)
+    assert load_hf_checkpoint(str(d))[0] == expected
+    for name in ("config.json", "tokenizer_config.json"):
+        e = _copy(ckpt, tmp_path / name)
+        (e / name).write_text(DEEP)
+        with pytest.raises(JaxinferError, match=f"{name} is not valid JSON"):
+            LLM(str(e), num_kv_pages=16, max_model_len=32, warmup=False)
+
+
+def test_generation_config_eos_ids_must_be_ids(ckpt, tmp_path):
+    """`"eos_token_id": true` in generation_config.json became token 1 (int(True)); config.json
+    refuses it. Entries that are not non-negative integers are now left out."""
+    d = _copy(ckpt, tmp_path)
+    base = load_hf_checkpoint(str(d))[0].eos_token_ids
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [True, "7", -1, 5]}))
+    assert 5 not in base and load_hf_checkpoint(str(d))[0].eos_token_ids == (*base, 5)
+
+
+def test_too_many_layers_fail_before_the_model_is_traced(ckpt, tmp_path, monkeypatch):
+    """A config.json promising far more layers than the files hold (a typo) failed only after tracing
+    every layer (~30 ms each: an hour at 100000); the tensor names are now checked first."""
+    from jaxinfer import loading
+
+    d = _copy(ckpt, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+
+    def traced(cfg):
+        raise AssertionError("the model was traced before the tensor names were checked")
+
+    monkeypatch.setattr(loading, "abstract_params", traced)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.input_layernorm.weight'"):
+        load_hf_checkpoint(str(d))
+
+
+def test_tensor_names_without_the_model_prefix_load(tmp_path):
+    """A base-class checkpoint (LlamaModel writes embed_tokens.weight, layers.0..., norm.weight):
+    transformers' from_pretrained adds the "model." prefix and loads it; so do we (it was refused as
+    missing 'model.embed_tokens.weight')."""
+    from safetensors.numpy import load_file, save_file
+
+    save_hf_model(make_hf_model("llama3.2-tied"), tmp_path / "full")
+    expected = load_hf_checkpoint(str(tmp_path / "full"))
+    d = _copy(tmp_path / "full", tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, d / "model.safetensors")
+    cfg, params = load_hf_checkpoint(str(d))
+    assert cfg == dataclasses.replace(expected[0], name=cfg.name)  # (named after its directory)
+    jax.tree.map(np.testing.assert_array_equal, params, expected[1])
 
 
 def test_missing_tensor_is_named(ckpt, tmp_path):
@@ -179,6 +240,7 @@ def _overlap(h):
         (lambda h: {**h, _first(h): "x"}, "corrupt header entry"),
         (_set("dtype", None), "unsupported dtype None"),
         (_set("dtype", "F8_E4M3"), "unsupported dtype 'F8_E4M3'"),
+        (_set("dtype", ["F32"]), r"unsupported dtype \['F32'\]"),  # was a TypeError (unhashable) from the check
         (_set("data_offsets", None), "data_offsets None"),
         (_set("shape", [-4, -16]), "shape"),
         # Silently read the header (a negative start) or a neighbour's bytes (overlap) as weights:
