@@ -30,6 +30,7 @@ from flax import struct
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.tokenizer import require_unicode
 
 SCRATCH_PAGE = 0
 
@@ -190,10 +191,7 @@ def check_cache_salt(cache_salt, field: str = "cache_salt") -> None:
         raise InvalidRequestError(
             f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
         )
-    try:
-        cache_salt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{field} is not valid Unicode text (a lone surrogate at {e.start})") from None
+    require_unicode(cache_salt, field)
 
 
 class PagePool:

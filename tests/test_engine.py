@@ -162,7 +162,8 @@ def test_a_cache_salt_shares_prefix_pages_only_with_the_same_salt(params):
     assert hit_tokens(None) == 0  # unsalted requests share only with unsalted ones
     assert hit_tokens("tenant-a") == 64  # its own 8 full pages
     assert hit_tokens(None) == 64
-    for bad, message in [("", "non-empty"), ("x" * 1025, "at most 1024"), (7, "must be a string")]:
+    bads = [("", "non-empty"), ("x" * 1025, "at most 1024"), (7, "must be a string"), ("a\udcff", "Unicode")]
+    for bad, message in bads:
         with pytest.raises(InvalidRequestError, match=f"cache_salt .*{message}"):
             e.add_request([1, 2, 3], sp, cache_salt=bad)
     assert not e.requests or all(r.finished for r in e.requests.values())
