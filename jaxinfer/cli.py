@@ -10,13 +10,35 @@ import sys
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 
 
-def _prompt_ids(s: str) -> list[int]:
-    if not s.strip():
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
-    try:
-        return [int(x) for x in s.split(",")]  # "1,,2" is a typo, not [1, 2]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
+def _id_list(flag: str):
+    """An argparse type: comma-separated integers, as `flag` takes them."""
+
+    def parse(s: str) -> list[int]:
+        if not s.strip():
+            raise argparse.ArgumentTypeError(f"{flag} is empty")
+        try:
+            return [int(x) for x in s.split(",")]  # "1,,2" is a typo, not [1, 2]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be comma-separated integers, got {s!r}") from None
+
+    return parse
+
+
+_prompt_ids = _id_list("--prompt-ids")
+
+
+def _logit_bias(s: str) -> dict[int, float]:
+    """`ID=BIAS[,ID=BIAS...]` as a dict."""
+    out = {}
+    for item in s.split(","):
+        key, _, value = item.partition("=")
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--logit-bias takes comma-separated ID=BIAS pairs (e.g. 50256=-100), got {item!r}"
+            ) from None
+    return out
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +123,20 @@ def _parser() -> argparse.ArgumentParser:
         "--server: the served model's, as its ModelInfo shows them); none: always the command's own",
     )
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument(
+        "--stop-token-ids", type=_id_list("--stop-token-ids"), default=[], help="ids that end the output, e.g. 2,7"
+    )
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS, a stop id or a stop string may end it")
+    g.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        action="append",
+        default=[],
+        help="ID=BIAS pairs added to those tokens' logits, bias in [-100, 100] (comma-separated or repeated)",
+    )
+    g.add_argument(
+        "--allowed-token-ids", type=_id_list("--allowed-token-ids"), default=None, help="only these ids may be drawn"
+    )
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--logprobs", type=int, default=None, help="top-n log-probabilities per token (JSON output)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -200,7 +236,17 @@ def _generate(args) -> int:
     if args.stream and (len(args.prompt) + len(args.prompt_ids or []) != 1 or args.n != 1):
         raise InvalidRequestError("--stream takes exactly one prompt and --n 1")
     given = {k: getattr(args, k) for k in _SAMPLING_DEFAULTS if getattr(args, k) is not None}
-    fixed = dict(seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop, n=args.n, logprobs=args.logprobs)
+    fixed = dict(
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop,
+        n=args.n,
+        logprobs=args.logprobs,
+        stop_token_ids=args.stop_token_ids,
+        min_tokens=args.min_tokens,
+        logit_bias={k: v for d in args.logit_bias for k, v in d.items()} or None,
+        allowed_token_ids=args.allowed_token_ids,
+    )
 
     def params_over(recommended: dict) -> SamplingParams:
         """Flags given, else the model's generation_config.json, else the command's defaults."""

@@ -31,7 +31,7 @@ import asyncio
 import math
 import reprlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -136,7 +136,18 @@ def _params(p: SamplingParams | None) -> pb.SamplingParams:
     msg = pb.SamplingParams()
     for f in msg.DESCRIPTOR.fields:
         value, field = getattr(p, f.name), f"sampling_params.{f.name}"
-        if f.is_repeated:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:  # logit_bias
+            if value is not None:
+                key, val = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+                getattr(msg, f.name).update(
+                    {
+                        _wire_value(f"{field} key", key, k): _wire_value(f"{field}[{k}]", val, v)
+                        for k, v in value.items()
+                    }
+                )
+        elif f.is_repeated and value is None:  # allowed_token_ids None: any id
+            pass
+        elif f.is_repeated:
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
                 raise InvalidRequestError(f"{field} must be a list, got {_show(value)}")
             getattr(msg, f.name).extend(_wire_value(f"{field}[{i}]", f, v) for i, v in enumerate(value))
@@ -232,7 +243,10 @@ def _model_info(msg: pb.ModelInfo) -> dict:
     info = {
         f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
     }
-    defaults = {f.name: tuple(v) if f.is_repeated else v for f, v in msg.default_sampling_params.ListFields()}
+    defaults = {
+        f.name: dict(v) if isinstance(v, Mapping) else tuple(v) if f.is_repeated else v
+        for f, v in msg.default_sampling_params.ListFields()
+    }
     info["default_sampling_params"] = SamplingParams(**defaults)
     info["default_sampling_overrides"] = defaults
     return info

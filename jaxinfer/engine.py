@@ -42,6 +42,8 @@ from jaxinfer.kv_cache import (
 )
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     SamplingBatch,
     SamplingParams,
@@ -330,8 +332,10 @@ class Engine:
         check_max_model_len(cfg, max_model_len)
         self.cfg = cfg
         self.kv_bytes_per_token = cfg.kv_bytes_per_token  # the model's own (a mesh may store copies)
-        # One width for every min_tokens ban list (a row's stop ids and EOS ids): one program per batch size.
-        self._ban_width = bucket(MAX_STOP_TOKEN_IDS + len(cfg.eos_token_ids))
+        # One width for every row's logit_bias with its min_tokens bans (stop ids and EOS ids), one for
+        # allowed_token_ids (distinct ids in the vocabulary): two bias programs per batch size.
+        self._bias_width = bucket(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(cfg.eos_token_ids))
+        self._allowed_width = max(2, min(MAX_ALLOWED_TOKEN_IDS, bucket(cfg.vocab_size)))
         self.params = params
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -487,7 +491,8 @@ class Engine:
                 logits = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
             for w in history_widths(self.max_model_len):
                 sample(logits, SamplingBatch.from_rows([], b, w))
-            sample(logits, SamplingBatch.from_rows([], b, ban_width=self._ban_width))  # min_tokens' bans
+            for allowed_width in (1, self._allowed_width):  # logit_bias, min_tokens, allowed_token_ids
+                sample(logits, SamplingBatch.from_rows([], b, bias_width=self._bias_width, allowed_width=allowed_width))
         jax.block_until_ready(self.cache)
         if self.poison_reused_pages and self.channel is None:
             # A step hands out any number of pages, padded to a power of two: one program per size.
@@ -595,10 +600,20 @@ class Engine:
         bad = [t for t in prompt_ids if not (0 <= t < self.cfg.vocab_size)]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size]
-        if bad:
+        for field in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, field) or () if t >= self.cfg.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"SamplingParams.{field}: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                )
+        if (
+            params.allowed_token_ids
+            and params.min_tokens
+            and set(params.allowed_token_ids) <= set(self._stop_ids(params))
+        ):
             raise InvalidRequestError(
-                f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                "SamplingParams.allowed_token_ids holds only ids that end the output (EOS or stop_token_ids), "
+                f"which min_tokens ({params.min_tokens}) forbids: no token could be drawn"
             )
         length = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         for group, name in zip(self.scheduler.groups, ("num_kv_pages", "num_window_kv_pages")):
@@ -823,8 +838,17 @@ class Engine:
         logits = self._model_step(batch, t)
         # The token history is only sent (and only as wide as needed) when some row has a penalty.
         width = history_width(rows, maximum=self.max_model_len)
-        ban_width = self._ban_width if any(bans) else 1
-        return sample(logits, SamplingBatch.from_rows(rows, b, width, bans=bans, ban_width=ban_width))
+        allowed = any(p.allowed_token_ids for p, *_ in rows)
+        biased = allowed or any(bans) or any(p.logit_bias for p, *_ in rows)
+        sb = SamplingBatch.from_rows(
+            rows,
+            b,
+            width,
+            bans=bans,
+            bias_width=self._bias_width if biased else 1,
+            allowed_width=self._allowed_width if allowed else 1,
+        )
+        return sample(logits, sb)
 
     def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
         """The ids that would end a sequence: what min_tokens keeps it from drawing."""

@@ -43,6 +43,9 @@ MAX_N = 64  # samples per prompt, at most
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most, as OpenAI's API bounds it
+MAX_ALLOWED_TOKEN_IDS = 4096  # entries of one request's allowed_token_ids
 NO_ID = 2**31 - 1  # pads lists of token ids: past any vocabulary, so a scatter with mode="drop" skips it
 
 
@@ -80,6 +83,12 @@ class SamplingParams:
             the chosen token; None for none. Log-probabilities are those of the model's raw
             distribution (before penalties, temperature and filtering).
         n: independent samples per prompt (1..64); sample i uses seed + i when a seed is given.
+        logit_bias: {token id: bias} added to those tokens' logits before sampling, as in OpenAI's API
+            and vLLM; biases in [-100, 100], at most 1024 entries (an empty dict is None). Added before
+            the penalties, as vLLM and transformers' `sequence_bias` add it (a repetition penalty
+            then scales the biased logit).
+        allowed_token_ids: only these ids may be drawn (vLLM's); None: any. Non-empty, at most 4096,
+            kept sorted and without repeats. EOS and stop ids outside it can never end the output.
     """
 
     max_tokens: int | None = 16
@@ -97,6 +106,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         def bad(field, value, limit):
@@ -153,12 +164,40 @@ class SamplingParams:
             bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
+        self._check_logit_bias(bad)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if isinstance(allowed, np.ndarray):
+                allowed = allowed.tolist() if allowed.ndim == 1 else allowed
+            if not isinstance(allowed, (list, tuple)) or not all(is_int(t) and 0 <= t < 2**31 for t in allowed):
+                bad("allowed_token_ids", allowed, "must be None or a list of integers in [0, 2**31)")
+            allowed = tuple(sorted({int(t) for t in allowed}))
+            if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                bad("allowed_token_ids", self.allowed_token_ids, f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} distinct ids")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
         for field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n"):
             if (v := getattr(self, field)) is not None:
                 object.__setattr__(self, field, int(v))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, field, float(getattr(self, field)))
+
+    def _check_logit_bias(self, bad) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            bad("logit_bias", bias, "must be None or a dict of token id -> bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", bias, f"must hold at most {MAX_LOGIT_BIAS} entries")
+        out = {}
+        for t, b in bias.items():
+            if not is_int(t) or not 0 <= t < 2**31:
+                bad("logit_bias", bias, f"keys must be token ids, integers in [0, 2**31); one is {reprlib.repr(t)}")
+            if not _is_number(b) or not math.isfinite(b) or abs(b) > LOGIT_BIAS_LIMIT:
+                bad(f"logit_bias[{int(t)}]", b, f"must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+            out[int(t)] = float(b)
+        object.__setattr__(self, "logit_bias", out or None)
 
     @property
     def has_penalties(self) -> bool:
@@ -230,15 +269,28 @@ class SamplingBatch:
     want_logprobs: jax.Array  # [B] bool
     history: jax.Array  # [B, W] int32: prompt then output ids, -1 past the end; W = 1 when no row has a penalty
     prompt_lens: jax.Array  # [B] int32: history[:, :prompt_len] is prompt, the rest output
-    banned: jax.Array  # [B, N] int32: ids a row may not draw yet (min_tokens), NO_ID past its list; N = 1: none
+    # Added to the logits before the penalties (logit_bias; -inf bans the ids min_tokens holds back):
+    bias_ids: jax.Array  # [B, N] int32, NO_ID past a row's list; N = 1: no row has any
+    bias: jax.Array  # [B, N] float32
+    allowed: jax.Array  # [B, A] int32: allowed_token_ids, NO_ID past the list (all NO_ID: any); A = 1: none
 
     @classmethod
-    def from_rows(cls, rows, batch_size: int, history_len: int = 1, *, bans=None, ban_width: int = 1) -> SamplingBatch:
+    def from_rows(
+        cls,
+        rows,
+        batch_size: int,
+        history_len: int = 1,
+        *,
+        bans=None,
+        bias_width: int = 1,
+        allowed_width: int = 1,
+    ) -> SamplingBatch:
         """rows: (params, seed, step, tokens, prompt_len) per live row; padded with greedy rows.
 
         `history_len` must hold the tokens of every row that uses a penalty (see `history_width`);
-        rows without penalties leave their history at -1. `bans`: per row, the ids it may not draw
-        (or None), at most `ban_width` of them (> 1 when any row has some).
+        rows without penalties leave their history at -1. `bans`: per row, the ids it may not draw yet
+        (or None). `bias_width` must hold a row's logit_bias and bans together (1 when no row has
+        either), `allowed_width` its allowed_token_ids (1 when no row has them).
         """
         b = batch_size
         temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
@@ -248,10 +300,21 @@ class SamplingBatch:
         want = np.zeros(b, bool)
         history = np.full((b, history_len), -1, np.int32)
         prompt_lens = np.zeros(b, np.int32)
-        banned = np.full((b, ban_width), NO_ID, np.int32)
-        for i, ids in enumerate(bans or ()):
-            if ids:
-                banned[i, : len(ids)] = ids
+        bias_ids = np.full((b, bias_width), NO_ID, np.int32)
+        bias = np.zeros((b, bias_width), np.float32)
+        allowed = np.full((b, allowed_width), NO_ID, np.int32)
+        bans = bans or [None] * len(rows)
+        for i, ((p, *_), ban) in enumerate(zip(rows, bans)):
+            k = 0
+            if p.logit_bias:
+                k = len(p.logit_bias)
+                bias_ids[i, :k] = list(p.logit_bias)
+                bias[i, :k] = list(p.logit_bias.values())
+            if ban:
+                bias_ids[i, k : k + len(ban)] = ban
+                bias[i, k : k + len(ban)] = -np.inf
+            if p.allowed_token_ids:
+                allowed[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
         for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
             temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else min(p.temperature, _FLOAT32_MAX)
             top_k[i], top_p[i], min_p[i] = max(p.top_k, 0), p.top_p, p.min_p
@@ -273,7 +336,9 @@ class SamplingBatch:
             want_logprobs=want,
             history=history,
             prompt_lens=prompt_lens,
-            banned=banned,
+            bias_ids=bias_ids,
+            bias=bias,
+            allowed=allowed,
         )
 
 
@@ -422,16 +487,25 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
         warm-up compiles every pair, and the sampler is the costlier program to compile).
     """
     # Each stage sees only its own inputs: its programs are keyed on their shapes alone.
-    processed = logits if params.history.shape[1] == 1 else _apply_penalties(logits, params.replace(banned=None))
-    if params.banned.shape[1] > 1:  # some row is short of its min_tokens: its stop ids cannot be drawn
-        processed = _apply_bans(processed, params.banned)
-    return _sample(logits, processed, params.replace(history=None, prompt_lens=None, banned=None))
+    processed = logits
+    if params.bias_ids.shape[1] > 1 or params.allowed.shape[1] > 1:
+        processed = _apply_bias(processed, params.bias_ids, params.bias, params.allowed)
+    if params.history.shape[1] > 1:
+        processed = _apply_penalties(processed, params.replace(bias_ids=None, bias=None, allowed=None))
+    return _sample(
+        logits, processed, params.replace(history=None, prompt_lens=None, bias_ids=None, bias=None, allowed=None)
+    )
 
 
 @jax.jit
-def _apply_bans(logits: jax.Array, banned: jax.Array) -> jax.Array:
+def _apply_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array, allowed: jax.Array) -> jax.Array:
+    """allowed_token_ids (every other id -inf), then logit_bias and min_tokens' bans (-inf) added."""
     rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    if allowed.shape[1] > 1:
+        ok = jnp.zeros(logits.shape, jnp.bool_).at[rows, allowed].set(True, mode="drop")
+        restricted = allowed[:, :1] != NO_ID  # rows with a list (sorted: an empty one starts with NO_ID)
+        logits = jnp.where(restricted & ~ok, -jnp.inf, logits)
+    return logits.at[rows, bias_ids].add(bias, mode="drop")
 
 
 @jax.jit

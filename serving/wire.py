@@ -118,7 +118,12 @@ def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams | None = No
     kw = {f: getattr(msg, f) for f in _OPTIONAL if msg.HasField(f)}
     kw.update({f: getattr(msg, f) for f in _PLAIN})
     return dataclasses.replace(
-        defaults or SamplingParams(), **kw, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids)
+        defaults or SamplingParams(),
+        **kw,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=tuple(msg.allowed_token_ids) or None,
     )
 
 
@@ -128,8 +133,10 @@ def sampling_fields_proto(fields: dict) -> pb.SamplingParams:
     can tell the model's recommendations from SamplingParams' own defaults."""
     msg = pb.SamplingParams()
     for f, value in fields.items():
-        if f in ("stop", "stop_token_ids"):
-            getattr(msg, f).extend(value)
+        if f in ("stop", "stop_token_ids", "allowed_token_ids"):
+            getattr(msg, f).extend(value or ())
+        elif f == "logit_bias":
+            msg.logit_bias.update(value or {})
         elif value is not None:
             setattr(msg, f, value)
     return msg

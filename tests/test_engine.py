@@ -192,6 +192,8 @@ def test_no_compilation_after_warmup(params, placed):
             seed=i,
             min_tokens=i % 4,
             stop_token_ids=[3 + i % 7] * (i % 2),
+            logit_bias={5: -2.0, 9 + i: 1.5} if i % 3 == 1 else None,
+            allowed_token_ids=list(range(i, 60 + i)) if i % 5 == 2 else None,
         )
         for i in range(24)
     ]

@@ -289,3 +289,42 @@ def test_min_tokens_matches_transformers_min_new_tokens(via, tmp_path):
     ours = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(min_tokens=at + 3, **kw))[0]
     assert ours.token_ids == expected
     assert ours.finish_reason == ("stop" if hf_tokens[-1] == stop else "length")
+
+
+@pytest.mark.parametrize("case", ["logit_bias+repetition_penalty", "allowed_token_ids", "both+min_tokens"])
+def test_logit_bias_and_allowed_token_ids_match_transformers(case, tmp_path):
+    """logit_bias against transformers' sequence_bias (single-token sequences), added before the
+    repetition penalty as there; allowed_token_ids against a prefix_allowed_tokens_fn that always
+    allows the same ids; greedy, token for token."""
+    hf = make_hf_model("llama3.1")
+    save_hf_model(hf, tmp_path)
+    free = _hf_greedy(hf, PROMPT, NEW)
+    # Push greedy off its own path (its first and third tokens), towards prompt tokens (which the
+    # repetition penalty then divides: the order of the two matters).
+    bias = {free[0]: -100.0, free[2]: -6.0, PROMPT[3]: 3.0, PROMPT[7]: 2.5}
+    allowed = sorted({*range(0, 128, 3), free[1], PROMPT[3]})
+    kw, hf_kw = dict(max_tokens=NEW, temperature=0.0, ignore_eos=True), dict(min_new_tokens=NEW)
+    if "bias" in case or case.startswith("both"):
+        kw["logit_bias"] = bias
+        hf_kw["sequence_bias"] = {(t,): b for t, b in bias.items()}
+    if case == "logit_bias+repetition_penalty":
+        kw["repetition_penalty"] = hf_kw["repetition_penalty"] = 1.4
+    if "allowed" in case or case.startswith("both"):
+        kw["allowed_token_ids"] = allowed
+        hf_kw["prefix_allowed_tokens_fn"] = lambda batch_id, ids: allowed
+    if case.startswith("both"):  # EOS, allowed: banned for 5 tokens, then it may end the output
+        kw.update(ignore_eos=False, min_tokens=5)
+        hf_kw["min_new_tokens"] = 5
+        hf.config.eos_token_id = hf.generation_config.eos_token_id = allowed[1]
+        save_hf_model(hf, tmp_path)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, **hf_kw)
+    hf_tokens = out[0, len(PROMPT) :].tolist()
+    if case.startswith("both") and allowed[1] in hf_tokens:
+        hf_tokens = hf_tokens[: hf_tokens.index(allowed[1])]  # we never emit the stop token
+    assert hf_tokens != free[: len(hf_tokens)]
+    if "allowed" in case or case.startswith("both"):
+        assert set(hf_tokens) <= set(allowed)
+    llm = LLM(str(tmp_path), num_kv_pages=64, page_size=4, max_num_batched_tokens=16)
+    ours = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(**kw))[0]
+    assert ours.token_ids == hf_tokens

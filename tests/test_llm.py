@@ -243,6 +243,19 @@ def test_generation_stops_at_max_model_len(llm):
             lambda m: m.generate(["a"], SamplingParams(stop_token_ids=[3, 10**6])),
             r"prompts\[0\]: SamplingParams.stop_token_ids: 1000000 is outside the vocabulary \[0, 259\)",
         ),
+        (
+            lambda m: m.generate(["a"], SamplingParams(logit_bias={3: 1.0, 259: -1.0})),
+            r"prompts\[0\]: SamplingParams.logit_bias: 259 is outside the vocabulary \[0, 259\)",
+        ),
+        (
+            lambda m: m.generate(["a"], SamplingParams(allowed_token_ids=[3, 300])),
+            r"SamplingParams.allowed_token_ids: 300 is outside the vocabulary \[0, 259\)",
+        ),
+        # Would have drawn a token outside the list: every allowed id is held back by min_tokens.
+        (
+            lambda m: m.generate(["a"], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2)),
+            r"SamplingParams.allowed_token_ids holds only ids that end the output .* min_tokens \(2\) forbids",
+        ),
         (lambda m: validate_messages([{"role": "us\udcffer", "content": "hi"}]), r"messages\[0\]\.role is not valid"),
         (
             lambda m: validate_messages([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
@@ -644,10 +657,39 @@ def test_cli_json(capsys):
     assert [json.loads(x)["prompt_token_ids"] for x in lines] == [[1, 5, 6], [1, 7]]
 
 
+def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
+    """--stop-token-ids, --min-tokens, --logit-bias and --allowed-token-ids give what LLM.generate
+    gives with those fields (the default model: the CLI's own)."""
+    flags = ["--max-tokens", "6", "--json", "--prompt-ids", "1,1029,261"]
+    assert main(["generate", *flags]) == 0
+    free = json.loads(capsys.readouterr().out)["token_ids"]
+    extra = [
+        *("--stop-token-ids", f"{free[1]},{free[3]}", "--min-tokens", "2"),
+        *("--logit-bias", f"{free[0]}=-100", "--logit-bias", "7=1.5,9=-2"),
+        *("--allowed-token-ids", ",".join(map(str, [*free, 7, 9, 300, 301]))),
+    ]
+    assert main(["generate", *flags, *extra]) == 0
+    got = json.loads(capsys.readouterr().out)
+    p = SamplingParams(
+        max_tokens=6,
+        temperature=0.0,
+        stop_token_ids=[free[1], free[3]],
+        min_tokens=2,
+        logit_bias={free[0]: -100.0, 7: 1.5, 9: -2.0},
+        allowed_token_ids=[*free, 7, 9, 300, 301],
+    )
+    ref = LLM(max_model_len=64, num_kv_pages=16).generate(prompt_token_ids=[[1, 1029, 261]], sampling_params=p)[0]
+    assert got["token_ids"] == ref.token_ids and got["finish_reason"] == ref.finish_reason
+    assert got["token_ids"] != free[: len(got["token_ids"])]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["generate", "--max-tokens", "0", "x"], "max_tokens"),
+        (["generate", "--logit-bias", "5", "x"], "--logit-bias takes comma-separated ID=BIAS pairs"),
+        (["generate", "--logit-bias", "5=101", "x"], "SamplingParams.logit_bias[5] must be a number in [-100, 100]"),
+        (["generate", "--allowed-token-ids", "3,x", "x"], "--allowed-token-ids must be comma-separated integers"),
         (["generate", "--temperature", "-1", "x"], "temperature"),
         (["generate", "--top-p", "0", "x"], "top_p"),
         (["generate", "--model", "/no/such/dir", "x"], "does not exist"),

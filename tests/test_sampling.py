@@ -180,6 +180,17 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
         (dict(min_tokens=-1), r"SamplingParams.min_tokens must be an integer >= 0"),
         (dict(min_tokens=True), r"SamplingParams.min_tokens must be an integer >= 0"),
         (dict(min_tokens=17), r"SamplingParams.min_tokens must be at most max_tokens \(16\), got 17"),
+        (dict(logit_bias=[(1, 2.0)]), r"SamplingParams.logit_bias must be None or a dict of token id -> bias"),
+        (dict(logit_bias={-1: 2.0}), r"SamplingParams.logit_bias keys must be token ids.*one is -1"),
+        (dict(logit_bias={"50256": 2.0}), r"SamplingParams.logit_bias keys must be token ids.*one is '50256'"),
+        (dict(logit_bias={3: 100.5}), r"SamplingParams.logit_bias\[3\] must be a number in \[-100, 100\], got 100.5"),
+        (dict(logit_bias={3: float("-inf")}), r"SamplingParams.logit_bias\[3\] must be a number in \[-100, 100\]"),
+        (dict(logit_bias={3: "1"}), r"SamplingParams.logit_bias\[3\] must be a number"),
+        (dict(logit_bias=dict.fromkeys(range(1025), 1.0)), r"SamplingParams.logit_bias must hold at most 1024"),
+        (dict(allowed_token_ids=[]), r"SamplingParams.allowed_token_ids must hold 1 to 4096 distinct ids"),
+        (dict(allowed_token_ids=[3, -1]), r"SamplingParams.allowed_token_ids must be None or a list of integers"),
+        (dict(allowed_token_ids=7), r"SamplingParams.allowed_token_ids must be None or a list of integers"),
+        (dict(allowed_token_ids=list(range(4097))), r"SamplingParams.allowed_token_ids must hold 1 to 4096"),
     ],
 )
 def test_bad_values_name_the_field(kw, field):
@@ -289,3 +300,48 @@ def test_logprobs_are_raw_log_softmax():
 def test_bad_engine_sampling_values_name_the_field(kw, field):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**kw)
+
+
+def test_logit_bias_and_allowed_token_ids_match_numpy():
+    """Greedy rows take the argmax of the NumPy-biased logits restricted to their allowed ids;
+    stochastic rows draw only allowed ids, with the biased distribution's frequencies; rows with
+    neither are untouched beside them. Log-probabilities stay the raw model's."""
+    bias = {int(np.argmax(LOGITS)): -100.0, 7: 3.5, 11: -2.0}
+    allowed = (2, 7, 11, 30, 31)
+    biased = LOGITS.astype(np.float64).copy()
+    for t, b in bias.items():
+        biased[t] += b
+    # Greedy: bias alone, allowed alone, both; and a plain row.
+    cases = [
+        (SamplingParams(temperature=0.0, logit_bias=bias), int(np.argmax(biased))),
+        (SamplingParams(temperature=0.0, allowed_token_ids=allowed), max(allowed, key=lambda t: LOGITS[t])),
+        (
+            SamplingParams(temperature=0.0, logit_bias=bias, allowed_token_ids=allowed),
+            max(allowed, key=lambda t: biased[t]),
+        ),
+        (SamplingParams(temperature=0.0, logprobs=2), int(np.argmax(LOGITS))),
+    ]
+    rows = [(p, 0, 0, [], 0) for p, _ in cases]
+    out = sample(jnp.asarray(np.tile(LOGITS, (4, 1))), SamplingBatch.from_rows(rows, 4, bias_width=8, allowed_width=8))
+    assert np.asarray(out.tokens).tolist() == [want for _, want in cases]
+    assert len({want for _, want in cases}) == 4  # each case picks a token of its own
+    raw = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    np.testing.assert_allclose(float(out.logprob[3]), raw[cases[3][1]], rtol=1e-5)
+
+    n = 3000
+    p = SamplingParams(temperature=1.0, seed=3, logit_bias=bias, allowed_token_ids=allowed)
+    rows = [(p, 3, i, [], 0) for i in range(n)]
+    sb = SamplingBatch.from_rows(rows, n, bias_width=8, allowed_width=8)
+    got = np.asarray(sample(jnp.asarray(np.tile(LOGITS, (n, 1))), sb).tokens)
+    probs = np.exp(biased[list(allowed)] - biased[list(allowed)].max())
+    probs /= probs.sum()
+    assert set(got.tolist()) <= set(allowed)
+    for tok, q in zip(allowed, probs):
+        assert abs(np.mean(got == tok) - q) < 4 * np.sqrt(q * (1 - q) / n) + 1e-3, tok
+
+
+def test_logit_bias_and_allowed_token_ids_normalise():
+    p = SamplingParams(logit_bias={np.int64(4): np.float32(1.5), 9: 0}, allowed_token_ids=np.array([9, 4, 9]))
+    assert p.logit_bias == {4: 1.5, 9: 0.0} and all(type(k) is int for k in p.logit_bias)
+    assert p.allowed_token_ids == (4, 9)
+    assert SamplingParams(logit_bias={}).logit_bias is None

@@ -202,6 +202,31 @@ def test_min_tokens_crosses_the_wire(server, llm):
     assert got.token_ids == ref.token_ids and len(got.token_ids) >= 5 and first.token_ids[0] not in got.token_ids[:5]
 
 
+def test_logit_bias_and_allowed_token_ids_cross_the_wire(server, llm):
+    """Both reach the server's engine, on the sync and the asyncio client: the first token banned by
+    a -100 bias, the rest drawn from a short list, the same tokens as offline."""
+    prompt = [5, 9, 14, 20]
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, temperature=0.0))[0]
+    banned = first.outputs[0].token_ids[0]
+    p = SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        ignore_eos=True,
+        logit_bias={banned: -100.0, 17: 2.0},
+        allowed_token_ids=[banned, 17, 30, 41, 52],
+    )
+    ref = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0].outputs[0]
+    assert ref.token_ids[0] != banned and set(ref.token_ids) <= {banned, 17, 30, 41, 52}
+    with Client(server.address) as c:
+        assert c.generate(prompt_token_ids=prompt, sampling_params=p).outputs[0].token_ids == ref.token_ids
+
+    async def streamed():
+        async with AsyncClient(server.address) as c:
+            return [t async for d in c.stream(prompt_token_ids=prompt, sampling_params=p) for t in d.token_ids]
+
+    assert asyncio.run(streamed()) == ref.token_ids
+
+
 def test_max_tokens_none_generates_up_to_the_length_limit_here_and_over_the_wire(server, llm):
     """vLLM's `max_tokens=None`: up to the model's length limit, prompt included (the client sends it
     as a value past the limit). Before, None was refused."""
@@ -448,6 +473,14 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=1000)), None),  # fine: stops at the length
     (dict(text="hi", sampling_params=pb.SamplingParams(min_tokens=5, max_tokens=2)), "min_tokens must be at most"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(logit_bias={-4: 1.0})), "SamplingParams.logit_bias keys"),
+    (
+        dict(text="hi", sampling_params=pb.SamplingParams(logit_bias={4: 101})),
+        "logit_bias[4] must be a number in [-100, 100]",
+    ),
+    (dict(text="hi", sampling_params=pb.SamplingParams(logit_bias={10**6: 1})), "logit_bias: 1000000 is outside"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(allowed_token_ids=[-3])), "SamplingParams.allowed_token_ids"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(allowed_token_ids=[4, 10**6])), "1000000 is outside"),
     (dict(text="hi", cache_salt=""), "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
     (dict(text="hi", cache_salt="s" * 1025), "cache_salt must be a non-empty string of at most 1024"),
     (dict(text="hi", cache_salt="tenant"), None),
