@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--stop-token-ids", type=_id_list("--stop-token-ids"), default=[], help="ids that end the output, e.g. 2,7"
     )
+    g.add_argument(
+        "--include-stop-str-in-output", action="store_true", help="the text ends after the stop string, not before"
+    )
     g.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS, a stop id or a stop string may end it")
     g.add_argument(
         "--logit-bias",
@@ -243,6 +246,7 @@ def _generate(args) -> int:
         n=args.n,
         logprobs=args.logprobs,
         stop_token_ids=args.stop_token_ids,
+        include_stop_str_in_output=args.include_stop_str_in_output,
         min_tokens=args.min_tokens,
         logit_bias={k: v for d in args.logit_bias for k, v in d.items()} or None,
         allowed_token_ids=args.allowed_token_ids,

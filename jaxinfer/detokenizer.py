@@ -12,7 +12,8 @@ it is taken in up to its last whole character (a long run of valid text is not c
 
 Stop strings: the text is searched for them as it grows; the last `max(len(stop)) - 1` characters
 are held back from the stream until they can no longer begin a stop string, so a stop string is
-never emitted, not even in part.
+never emitted, not even in part. With `include_stop` (vLLM's include_stop_str_in_output) the text
+ends after the stop string instead, and nothing is held back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ _MAX_PENDING = 16  # tokens a window may hold back (an incomplete character or b
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), *, include_stop: bool = False
+    ):
         self._tok = tokenizer
         self._ids = list(prompt_ids[-_CONTEXT:])
         self._prefix = 0  # start of the decoding window
@@ -32,7 +35,9 @@ class IncrementalDetokenizer:
         self.text = ""  # the output text so far (stop string and what follows removed)
         self._emitted = 0  # characters of `text` already returned by `pop_delta`
         self._stop = stop
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._search_back = max((len(s) for s in stop), default=1) - 1  # old text a new stop string may start in
+        self._include_stop = include_stop
+        self._holdback = 0 if include_stop else self._search_back  # text not yet streamed
         self._byte_ids = getattr(tokenizer, "byte_ids", frozenset())
         self._unsearched = 0  # text taken in without a search (see `add`): no stop string ends in it
         self.stopped = False
@@ -56,7 +61,7 @@ class IncrementalDetokenizer:
     def _advance(self, *, final: bool, find_stops: bool = True) -> None:
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
-        start = max(0, len(self.text) - self._holdback)
+        start = max(0, len(self.text) - self._search_back)
         end = len(self._ids)
         pending = (after.endswith("\ufffd") or self._ids[-1] in self._byte_ids) and not final
         if pending and end - self._read < _MAX_PENDING:
@@ -94,7 +99,7 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self._stop if (i := text.find(s, max(start, self._unsearched - len(s) + 1))) >= 0]
         if hits:
             at, self.stop_string = min(hits, key=lambda hit: hit[0])  # ties: the first listed
-            self.text = text[:at]
+            self.text = text[: at + len(self.stop_string) if self._include_stop else at]
             self.stopped = True
 
     def pop_delta(self, *, final: bool = False) -> str:

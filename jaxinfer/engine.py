@@ -669,7 +669,11 @@ class Engine:
                 salt=salt,
             )
             seq.detok = (
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if self.tokenizer is not None else None
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output
+                )
+                if self.tokenizer is not None
+                else None
             )
             seq.logprobs = [] if params.logprobs is not None else None
             seq.siblings = seqs

@@ -75,9 +75,11 @@ class SamplingParams:
         repetition_penalty: > 1 discourages tokens seen in the prompt or output (positive logits are
             divided by it, negative ones multiplied), in (0, 2]; 1 is off.
         seed: makes sampling reproducible for this request, independent of its batch mates.
-        stop: strings that end generation when they appear in the text (not included in the text);
-            at most 64, of at most 1024 characters each.
+        stop: strings that end generation when they appear in the text (not included in the text
+            unless `include_stop_str_in_output`); at most 64, of at most 1024 characters each.
         stop_token_ids: extra token ids that end generation (not included in the output); at most 256.
+        include_stop_str_in_output: the text ends after the stop string that ended it, not before
+            (vLLM's); what followed it in the same token is still cut.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: also return the log-probabilities of the top-n tokens (0..20) at each step, and of
             the chosen token; None for none. Log-probabilities are those of the model's raw
@@ -103,6 +105,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -158,8 +161,9 @@ class SamplingParams:
         if len(ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", self.ignore_eos, "must be a bool")
+        for field in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, getattr(self, field), "must be a bool")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:

@@ -108,7 +108,7 @@ _OPTIONAL = (
     "logprobs",
     "n",
 )
-_PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos")
+_PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos", "include_stop_str_in_output")
 
 
 def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams | None = None) -> SamplingParams:

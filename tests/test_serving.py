@@ -227,6 +227,17 @@ def test_logit_bias_and_allowed_token_ids_cross_the_wire(server, llm):
     assert asyncio.run(streamed()) == ref.token_ids
 
 
+def test_include_stop_str_in_output_crosses_the_wire(server, llm):
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["the quick brown"], sp)[0].outputs[0].text
+    stop = free[4:7]
+    p = dataclasses.replace(sp, stop=[stop], include_stop_str_in_output=True)
+    with Client(server.address) as c:
+        got = c.generate("the quick brown", p).outputs[0]
+        streamed = "".join(d.text for d in c.stream("the quick brown", p))
+    assert got.text == streamed == free[: free.index(stop) + len(stop)] and got.stop_reason == stop
+
+
 def test_max_tokens_none_generates_up_to_the_length_limit_here_and_over_the_wire(server, llm):
     """vLLM's `max_tokens=None`: up to the model's length limit, prompt included (the client sends it
     as a value past the limit). Before, None was refused."""

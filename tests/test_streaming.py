@@ -11,8 +11,8 @@ from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.tokenizer import ByteTokenizer, SentencePieceTokenizer
 
 
-def feed(tok, prompt_ids, ids, stop=()):
-    d = IncrementalDetokenizer(tok, prompt_ids, stop)
+def feed(tok, prompt_ids, ids, stop=(), **kw):
+    d = IncrementalDetokenizer(tok, prompt_ids, stop, **kw)
     deltas = []
     for i in ids:
         d.add(i)
@@ -54,6 +54,24 @@ def test_stop_string_never_leaks_into_the_stream():
     deltas, d = feed(tok, [1], tok.encode("abc END tail")[1:], stop=("END", "zz"))
     assert d.stopped and d.text == "abc "
     assert "".join(deltas) == "abc " and not any("E" in x for x in deltas)
+
+
+def test_include_stop_str_in_output_ends_the_text_after_it_and_holds_nothing_back():
+    """vLLM's include_stop_str_in_output: the stop string stays, what follows it in the same token is
+    cut, and since nothing needs hiding the stream is not held back (one token, one delta)."""
+    tok = ByteTokenizer()
+    deltas, d = feed(tok, [1], tok.encode("abc END tail")[1:], stop=("END", "zz"), include_stop=True)
+    assert d.stopped and d.stop_string == "END" and d.text == "abc END"
+    assert "".join(deltas) == "abc END" and deltas[:7] == list("abc END")
+    # A stop string spread over several tokens, ending mid-token: cut after it.
+    ids = [tok.encode(x)[1:] for x in ("ab", "c E", "NDxy")]
+    d = IncrementalDetokenizer(tok, [1], ("END",), include_stop=True)
+    got = []
+    for group in ids:
+        for i in group:
+            d.add(i)
+        got.append(d.pop_delta())
+    assert d.stopped and got == ["ab", "c E", "ND"]
 
 
 def test_earliest_stop_string_wins():
@@ -216,6 +234,17 @@ def test_stop_strings_end_generation_through_the_api(llm):
     deltas = list(llm.stream("The", params))
     assert stop not in "".join(d.text for d in deltas)
     assert deltas[-1].stop_reason == stop and all(d.stop_reason is None for d in deltas[:-1])
+
+
+def test_include_stop_str_in_output_through_the_api(llm):
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["The"], sp)[0]
+    stop = free.text[5:8]
+    params = dataclasses.replace(sp, stop=[stop], include_stop_str_in_output=True)
+    out = llm.generate(["The"], params)[0]
+    want = free.text[: free.text.index(stop) + len(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == want
+    assert "".join(d.text for d in llm.stream("The", params)) == want
 
 
 def test_closing_a_stream_aborts_and_frees_pages(llm):
