@@ -126,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--stop-token-ids", type=_id_list("--stop-token-ids"), default=[], help="ids that end the output, e.g. 2,7"
     )
+    g.add_argument("--bad-word", action="append", default=[], help="a word the output must not contain (repeatable)")
     g.add_argument(
         "--include-stop-str-in-output", action="store_true", help="the text ends after the stop string, not before"
     )
@@ -247,6 +248,7 @@ def _generate(args) -> int:
         logprobs=args.logprobs,
         stop_token_ids=args.stop_token_ids,
         include_stop_str_in_output=args.include_stop_str_in_output,
+        bad_words=args.bad_word,
         min_tokens=args.min_tokens,
         logit_bias={k: v for d in args.logit_bias for k, v in d.items()} or None,
         allowed_token_ids=args.allowed_token_ids,

@@ -43,6 +43,7 @@ from jaxinfer.kv_cache import (
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     SamplingBatch,
@@ -334,7 +335,7 @@ class Engine:
         self.kv_bytes_per_token = cfg.kv_bytes_per_token  # the model's own (a mesh may store copies)
         # One width for every row's logit_bias with its min_tokens bans (stop ids and EOS ids), one for
         # allowed_token_ids (distinct ids in the vocabulary): two bias programs per batch size.
-        self._bias_width = bucket(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(cfg.eos_token_ids))
+        self._bias_width = bucket(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(cfg.eos_token_ids) + 2 * MAX_BAD_WORDS)
         self._allowed_width = max(2, min(MAX_ALLOWED_TOKEN_IDS, bucket(cfg.vocab_size)))
         self.params = params
         self.tokenizer = tokenizer
@@ -645,6 +646,7 @@ class Engine:
         (a server that received it while a step ran); latency metrics count from it. `cache_salt`:
         prefix-cache pages are shared only between requests with the same salt (or none)."""
         self.validate(prompt_ids, params)
+        bad_words = self.bad_word_ids(params.bad_words)
         check_cache_salt(cache_salt)
         salt = salt_digest(cache_salt)
         prompt_ids = [int(t) for t in prompt_ids]
@@ -667,6 +669,7 @@ class Engine:
                 prompt_len=len(prompt_ids),
                 arrival_time=now,
                 salt=salt,
+                bad_words=bad_words,
             )
             seq.detok = (
                 IncrementalDetokenizer(
@@ -683,6 +686,22 @@ class Engine:
         self.requests[rid] = req
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return req
+
+    def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids as the tokenizer encodes it alone and after a space (where that
+        differs: a word starting a line and one inside a sentence are different tokens), leading
+        whitespace dropped first. A word the tokenizer encodes as nothing is left out."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise InvalidRequestError("SamplingParams.bad_words needs the model's tokenizer; this model has none")
+        out = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -836,7 +855,10 @@ class Engine:
             history = seq.token_array() if seq.params.has_penalties else seq.tokens
             generated = len(seq.tokens) - seq.prompt_len
             rows.append((seq.params, seq.seed, generated, history, seq.prompt_len))
-            bans.append(self._stop_ids(seq.params) if generated < seq.params.min_tokens else None)
+            ban = self._stop_ids(seq.params) if generated < seq.params.min_tokens else ()
+            if seq.bad_words and c.samples:
+                ban = (*ban, *self._bad_word_bans(seq))
+            bans.append(ban or None)
         window_table = tables[1] if len(tables) > 1 else None
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=tables[0], window_page_table=window_table)
         logits = self._model_step(batch, t)
@@ -853,6 +875,16 @@ class Engine:
             allowed_width=self._allowed_width if allowed else 1,
         )
         return sample(logits, sb)
+
+    @staticmethod
+    def _bad_word_bans(seq: Sequence) -> list[int]:
+        """The last token of every bad word whose other tokens end the sequence's tokens."""
+        tokens = seq.tokens
+        return [
+            w[-1]
+            for w in seq.bad_words
+            if len(w) == 1 or (len(w) <= len(tokens) + 1 and tokens[1 - len(w) :] == list(w[:-1]))
+        ]
 
     def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
         """The ids that would end a sequence: what min_tokens keeps it from drawing."""

@@ -46,6 +46,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most, as OpenAI's API bounds it
 MAX_ALLOWED_TOKEN_IDS = 4096  # entries of one request's allowed_token_ids
+MAX_BAD_WORDS = 64  # bad_words of one request, each tokenized two ways (see Engine.bad_word_ids)
+MAX_BAD_WORD_CHARS = 256
 NO_ID = 2**31 - 1  # pads lists of token ids: past any vocabulary, so a scatter with mode="drop" skips it
 
 
@@ -89,6 +91,11 @@ class SamplingParams:
             and vLLM; biases in [-100, 100], at most 1024 entries (an empty dict is None). Added before
             the penalties, as vLLM and transformers' `sequence_bias` add it (a repetition penalty
             then scales the biased logit).
+        bad_words: words the output must not contain (vLLM's), as token sequences: each word as the
+            tokenizer encodes it alone and after a space. When the tokens before the next one are a
+            word's tokens but its last, that last token cannot be drawn. The tokens before may be the
+            prompt's, as in transformers' bad_words_ids (vLLM looks at the output only). At most 64
+            non-blank words of at most 256 characters; needs the model's tokenizer.
         allowed_token_ids: only these ids may be drawn (vLLM's); None: any. Non-empty, at most 4096,
             kept sorted and without repeats. EOS and stop ids outside it can never end the output.
     """
@@ -111,6 +118,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self):
         def bad(field, value, limit):
@@ -169,6 +177,18 @@ class SamplingParams:
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         self._check_logit_bias(bad)
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            bad("bad_words", words, "must be a list of strings")
+        if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+            bad(
+                "bad_words",
+                words,
+                f"must hold at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_BAD_WORD_CHARS} characters",
+            )
+        for i, w in enumerate(words):
+            require_unicode(w, f"SamplingParams.bad_words[{i}]")
+        object.__setattr__(self, "bad_words", tuple(words))
         allowed = self.allowed_token_ids
         if allowed is not None:
             if isinstance(allowed, np.ndarray):

@@ -91,6 +91,7 @@ class Sequence:
     num_keyed: int = 0  # leading pages it holds that are in the prefix cache (taken from it or registered)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # prefix digests of its tokens' full pages
     salt: bytes = b""  # the parent digest of its first page: kv_cache.salt_digest(its request's cache_salt)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # its params' bad_words as token ids (Engine.bad_word_ids)
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
     first_scheduled_time: float | None = None  # when it first left the queue (a preemption does not reset it)

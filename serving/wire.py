@@ -124,6 +124,7 @@ def sampling_params(msg: pb.SamplingParams, defaults: SamplingParams | None = No
         stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=tuple(msg.allowed_token_ids) or None,
+        bad_words=tuple(msg.bad_words),
     )
 
 
@@ -133,7 +134,7 @@ def sampling_fields_proto(fields: dict) -> pb.SamplingParams:
     can tell the model's recommendations from SamplingParams' own defaults."""
     msg = pb.SamplingParams()
     for f, value in fields.items():
-        if f in ("stop", "stop_token_ids", "allowed_token_ids"):
+        if f in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             getattr(msg, f).extend(value or ())
         elif f == "logit_bias":
             msg.logit_bias.update(value or {})

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hf_models import FAMILIES, make_hf_model, save_hf_model
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, InvalidRequestError, SamplingParams
 from jaxinfer.kv_cache import Batch, KVCache
 from jaxinfer.loading import load_hf_checkpoint
 from jaxinfer.model import decode_step, prefill
@@ -328,3 +328,46 @@ def test_logit_bias_and_allowed_token_ids_match_transformers(case, tmp_path):
     llm = LLM(str(tmp_path), num_kv_pages=64, page_size=4, max_num_batched_tokens=16)
     ours = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(**kw))[0]
     assert ours.token_ids == hf_tokens
+    if case.startswith("both"):  # (this checkpoint has no tokenizer)
+        with pytest.raises(InvalidRequestError, match="SamplingParams.bad_words needs the model's tokenizer"):
+            llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(bad_words=["x"]))
+
+
+@pytest.mark.parametrize("length", [2, 1])
+def test_bad_words_match_transformers_bad_words_ids(length, tmp_path):
+    """bad_words against transformers' bad_words_ids, greedy, token for token: a word of the
+    free-running output made of `length` tokens, as the tokenizer encodes it alone and after a space.
+    Greedy runs as before up to the word's first appearance, then takes another way there."""
+    from hf_models import train_sentencepiece
+
+    from jaxinfer.tokenizer import SentencePieceTokenizer
+
+    hf = make_hf_model("llama3.1", vocab_size=36)  # the tokenizer's vocabulary
+    save_hf_model(hf, tmp_path)
+    tok = SentencePieceTokenizer(train_sentencepiece(tmp_path, vocab_size=36))
+    prompt = tok.encode("darkness upon")  # (a prompt whose greedy output does not fall into UNK tokens)
+    free = _hf_greedy(hf, prompt, NEW)
+    llm = LLM(str(tmp_path), num_kv_pages=64, page_size=4, max_num_batched_tokens=16)
+
+    def word_of(span):
+        """The word whose tokens (alone or after a space) are exactly `span`, if any."""
+        word = tok.decode(list(span)).strip()
+        return word if word and span in llm.engine.bad_word_ids((word,)) else None
+
+    at, word = next((i, w) for i in range(NEW - length + 1) if (w := word_of(tuple(free[i : i + length]))))
+    ids = llm.engine.bad_word_ids((word,))
+    assert len(ids) <= 2 and all(len(w) >= 1 for w in ids)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            bad_words_ids=[list(w) for w in ids],
+        )
+    hf_tokens = out[0, len(prompt) :].tolist()
+    last = at + length - 1  # where the word's last token was drawn
+    assert hf_tokens[:last] == free[:last] and hf_tokens[last] != free[last]
+    p = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0.0, bad_words=[word])  # EOS banned, as there
+    assert llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0].token_ids == hf_tokens

@@ -657,6 +657,24 @@ def test_cli_json(capsys):
     assert [json.loads(x)["prompt_token_ids"] for x in lines] == [[1, 5, 6], [1, 7]]
 
 
+def test_bad_words_look_back_into_the_prompt_and_never_appear(llm):
+    """With the byte tokenizer and the output held to eight letters: a word made of the prompt's last
+    letter and the first output letter changes the first token; a word from inside the output
+    changes it where the word would have been completed, not before; neither appears."""
+    letters = "abcdefgh"
+    sp = SamplingParams(max_tokens=10, temperature=0.0, allowed_token_ids=llm.tokenizer.encode(letters)[1:])
+    free = llm.generate(["xy"], sp)[0].text
+    assert len(free) == 10 and set(free) <= set(letters)
+    across = llm.generate(["xy"], dataclasses.replace(sp, bad_words=["y" + free[0]]))[0].text
+    assert across[0] != free[0] and not ("xy" + across).count("y" + free[0])
+    word = free[3:5]
+    out = llm.generate(["xy"], dataclasses.replace(sp, bad_words=[word, "  zz"]))[0].text
+    at = free.index(word) + 1  # where its last letter was drawn
+    assert out[:at] == free[:at] and out[at] != free[at] and word not in "xy" + out
+    with pytest.raises(InvalidRequestError, match="SamplingParams.bad_words must hold at most 64 non-blank"):
+        SamplingParams(bad_words=["ok", " \n"])
+
+
 def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
     """--stop-token-ids, --min-tokens, --logit-bias and --allowed-token-ids give what LLM.generate
     gives with those fields (the default model: the CLI's own)."""

@@ -214,9 +214,11 @@ def test_logit_bias_and_allowed_token_ids_cross_the_wire(server, llm):
         ignore_eos=True,
         logit_bias={banned: -100.0, 17: 2.0},
         allowed_token_ids=[banned, 17, 30, 41, 52],
+        bad_words=["\x1b&"],  # ids 30, 41 (the byte tokenizer's): 41 never follows 30
     )
     ref = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0].outputs[0]
     assert ref.token_ids[0] != banned and set(ref.token_ids) <= {banned, 17, 30, 41, 52}
+    assert "30, 41" not in str(ref.token_ids)
     with Client(server.address) as c:
         assert c.generate(prompt_token_ids=prompt, sampling_params=p).outputs[0].token_ids == ref.token_ids
 
@@ -492,6 +494,7 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(logit_bias={10**6: 1})), "logit_bias: 1000000 is outside"),
     (dict(text="hi", sampling_params=pb.SamplingParams(allowed_token_ids=[-3])), "SamplingParams.allowed_token_ids"),
     (dict(text="hi", sampling_params=pb.SamplingParams(allowed_token_ids=[4, 10**6])), "1000000 is outside"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(bad_words=["ok", ""])), "SamplingParams.bad_words must hold"),
     (dict(text="hi", cache_salt=""), "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
     (dict(text="hi", cache_salt="s" * 1025), "cache_salt must be a non-empty string of at most 1024"),
     (dict(text="hi", cache_salt="tenant"), None),
