@@ -206,6 +206,14 @@ class SamplingParams:
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, field, float(getattr(self, field)))
 
+    def __hash__(self) -> int:  # hashable as before logit_bias (a dict) joined the fields
+        return hash(
+            tuple(
+                tuple(sorted(v.items())) if isinstance(v, dict) else v
+                for v in (getattr(self, f.name) for f in dataclasses.fields(self))
+            )
+        )
+
     def _check_logit_bias(self, bad) -> None:
         bias = self.logit_bias
         if bias is None:

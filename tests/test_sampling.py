@@ -345,3 +345,6 @@ def test_logit_bias_and_allowed_token_ids_normalise():
     assert p.logit_bias == {4: 1.5, 9: 0.0} and all(type(k) is int for k in p.logit_bias)
     assert p.allowed_token_ids == (4, 9)
     assert SamplingParams(logit_bias={}).logit_bias is None
+    # Still hashable, equal parameters alike, whatever the dict's order.
+    assert hash(SamplingParams(logit_bias={4: 1.5, 9: 0})) == hash(SamplingParams(logit_bias={9: 0.0, 4: 1.5}))
+    assert len({SamplingParams(logit_bias={4: 1.5}), SamplingParams(logit_bias={4: 1.5}), SamplingParams()}) == 2
