@@ -98,6 +98,8 @@ class SamplingParams:
             non-blank words of at most 256 characters; needs the model's tokenizer.
         allowed_token_ids: only these ids may be drawn (vLLM's); None: any. Non-empty, at most 4096,
             kept sorted and without repeats. EOS and stop ids outside it can never end the output.
+            Where bad_words or min_tokens would ban every allowed id, those bans are lifted for that
+            token (with min_tokens alone, such a request is refused at once).
     """
 
     max_tokens: int | None = 16
@@ -531,13 +533,18 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
 
 @jax.jit
 def _apply_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array, allowed: jax.Array) -> jax.Array:
-    """allowed_token_ids (every other id -inf), then logit_bias and min_tokens' bans (-inf) added."""
+    """allowed_token_ids (every other id -inf), then logit_bias and the bans (-inf: min_tokens' stop
+    ids, bad words) added. Bans that would leave a row nothing to draw (its only allowed ids banned)
+    are lifted for this step: an allowed token is drawn, not an arbitrary one."""
     rows = jnp.arange(logits.shape[0])[:, None]
     if allowed.shape[1] > 1:
         ok = jnp.zeros(logits.shape, jnp.bool_).at[rows, allowed].set(True, mode="drop")
         restricted = allowed[:, :1] != NO_ID  # rows with a list (sorted: an empty one starts with NO_ID)
         logits = jnp.where(restricted & ~ok, -jnp.inf, logits)
-    return logits.at[rows, bias_ids].add(bias, mode="drop")
+    out = logits.at[rows, bias_ids].add(bias, mode="drop")
+    nothing_left = jnp.all(out == -jnp.inf, axis=-1, keepdims=True)
+    unbanned = logits.at[rows, bias_ids].add(jnp.where(bias == -jnp.inf, 0.0, bias), mode="drop")
+    return jnp.where(nothing_left, unbanned, out)
 
 
 @jax.jit

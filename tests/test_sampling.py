@@ -348,3 +348,15 @@ def test_logit_bias_and_allowed_token_ids_normalise():
     # Still hashable, equal parameters alike, whatever the dict's order.
     assert hash(SamplingParams(logit_bias={4: 1.5, 9: 0})) == hash(SamplingParams(logit_bias={9: 0.0, 4: 1.5}))
     assert len({SamplingParams(logit_bias={4: 1.5}), SamplingParams(logit_bias={4: 1.5}), SamplingParams()}) == 2
+
+
+def test_bans_that_would_leave_nothing_to_draw_are_lifted():
+    """A row whose allowed ids are all banned this step (a bad word, min_tokens) draws one of its
+    allowed ids, biased as asked, not token 0; its batch mate keeps its ban."""
+    p = SamplingParams(temperature=0.0, allowed_token_ids=(5, 9), logit_bias={5: 1.0, 9: 30.0})
+    rows = [(p, 0, 0, [], 0)] * 2
+    bans = [(5, 9), (9,)]
+    out = sample(
+        jnp.asarray(np.tile(LOGITS, (2, 1))), SamplingBatch.from_rows(rows, 2, bans=bans, bias_width=8, allowed_width=4)
+    )
+    assert np.asarray(out.tokens).tolist() == [9, 5]
