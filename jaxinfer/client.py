@@ -28,7 +28,6 @@ naming the argument or field, as `LLM` does, never protobuf's or gRPC's own exce
 from __future__ import annotations
 
 import asyncio
-import math
 import reprlib
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -42,7 +41,7 @@ from jaxinfer.engine import Logprob
 from jaxinfer.errors import InvalidRequestError, JaxinferError
 from jaxinfer.kv_cache import check_cache_salt
 from jaxinfer.llm import CompletionOutput, RequestOutput, StreamDelta
-from jaxinfer.sampling import SamplingParams, _is_number, is_int
+from jaxinfer.sampling import SamplingParams, _is_number, is_finite_number, is_int
 from jaxinfer.tokenizer import require_unicode
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from jaxinfer.v1 import jaxinfer_pb2_grpc as pb_grpc
@@ -94,7 +93,7 @@ def _seconds(value, field: str, *, optional: bool = True, default: float | None 
     InvalidRequestError naming `field`. grpc itself raises a bare TypeError from deep inside."""
     if value is None and optional:
         return default
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         none = " (or None)" if optional else ""
         raise InvalidRequestError(f"{field} must be a positive number of seconds{none}, got {_show(value)}")
     return float(value)

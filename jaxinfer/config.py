@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import reprlib
 from typing import Any
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
@@ -81,8 +82,12 @@ def _is_int(x) -> bool:
 
 
 def _check_positive(field: str, value, limit: str = "must be a positive number") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise UnsupportedModelError(f"config field {field!r} {limit}, got {value!r}")
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    except OverflowError:  # an int past a double's range: float() of it fails later
+        ok = False
+    if not ok:
+        raise UnsupportedModelError(f"config field {field!r} {limit}, got {reprlib.repr(value)}")
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
@@ -394,9 +399,18 @@ def _rope_number(params: dict[str, Any], key: str, kind: str, default: Any = _RE
         if default is _REQUIRED:
             raise UnsupportedModelError(f"rope_scaling of type {kind!r} is missing field {key!r}")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UnsupportedModelError(f"rope_scaling.{key} must be a number, got {value!r}")
-    return float(value)
+    return _as_float(value, f"rope_scaling.{key}")
+
+
+def _as_float(value, field: str) -> float:
+    """A JSON number as a float; an error naming `field` for anything else, or an integer past a
+    double's range (JSON allows any number of digits)."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError
+        return float(value)
+    except (TypeError, OverflowError):
+        raise UnsupportedModelError(f"{field} must be a number, got {reprlib.repr(value)}") from None
 
 
 def _original_context(params: dict[str, Any], kind: str) -> int:
@@ -641,9 +655,7 @@ def _float_field(hf: dict[str, Any], key: str, default: float) -> float:
     value = hf.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UnsupportedModelError(f"config.json field {key!r} must be a number, got {value!r}")
-    return float(value)
+    return _as_float(value, f"config.json field {key!r}")
 
 
 def _bool_field(hf: dict[str, Any], key: str, default: bool) -> bool:

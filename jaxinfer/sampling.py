@@ -36,6 +36,16 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+def is_finite_number(x) -> bool:
+    """A number (not a bool) that a double holds, finite: a 400-digit int is none (float() overflows)."""
+    if not _is_number(x):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 MAX_LOGPROBS = 20  # top-n logprobs per generated token, at most
 MAX_N = 64  # samples per prompt, at most
 # Stop conditions are checked on the host for every generated token, on the thread all requests
@@ -128,7 +138,7 @@ class SamplingParams:
 
         def number_in(field, lo, hi, *, lo_open=False):
             v = getattr(self, field)
-            ok = _is_number(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+            ok = is_finite_number(v) and (v > lo if lo_open else v >= lo) and v <= hi
             if not ok:
                 bad(field, v, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
 
@@ -138,7 +148,7 @@ class SamplingParams:
             bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must be at most max_tokens ({self.max_tokens})")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "must be a finite number >= 0")
         if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             bad("top_k", self.top_k, "must be an integer in [1, 2**31), or 0 / -1 to disable")
@@ -228,7 +238,7 @@ class SamplingParams:
         for t, b in bias.items():
             if not is_int(t) or not 0 <= t < 2**31:
                 bad("logit_bias", bias, f"keys must be token ids, integers in [0, 2**31); one is {reprlib.repr(t)}")
-            if not _is_number(b) or not math.isfinite(b) or abs(b) > LOGIT_BIAS_LIMIT:
+            if not is_finite_number(b) or abs(b) > LOGIT_BIAS_LIMIT:
                 bad(f"logit_bias[{int(t)}]", b, f"must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
             out[int(t)] = float(b)
         object.__setattr__(self, "logit_bias", out or None)
@@ -413,6 +423,9 @@ def apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     out_counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
     seen = jnp.zeros((b, v), jnp.bool_).at[rows, ids].max(valid)
     rep = sb.repetition[:, None]
+    # A banned or masked id stays -inf: a penalty that rounded to 0 in float32 made it -inf * 0 = NaN,
+    # which argmax picks.
+    seen &= logits > -jnp.inf
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - sb.frequency[:, None] * out_counts
     return logits - sb.presence[:, None] * (out_counts > 0)

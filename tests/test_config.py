@@ -141,6 +141,9 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(rope_theta=0, rope_parameters=None), "'rope_theta' must be a positive number, got 0"),
         (dict(rope_parameters=dict(rope_type="default", rope_theta=-5.0)), "'rope_theta' must be a positive"),
         (dict(rms_norm_eps=-1.0), "'rms_norm_eps' must be a positive number"),
+        # An int past a double's range (JSON allows it): float() of it raised OverflowError.
+        (dict(rope_theta=10**400, rope_parameters=None), r"rope_theta.? must be a (positive )?number, got 1000"),
+        (dict(rms_norm_eps=-(10**400)), r"'rms_norm_eps' must be a (positive )?number, got -1000"),
         (dict(rope_parameters=dict(rope_type="linear", factor=0.0, rope_theta=1e4)), "'rope_scaling.factor'"),
         (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false, got 'false'"),
         (dict(attention_bias="no"), "'attention_bias' must be true or false"),

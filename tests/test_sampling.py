@@ -180,6 +180,11 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
         (dict(min_tokens=-1), r"SamplingParams.min_tokens must be an integer >= 0"),
         (dict(min_tokens=True), r"SamplingParams.min_tokens must be an integer >= 0"),
         (dict(min_tokens=17), r"SamplingParams.min_tokens must be at most max_tokens \(16\), got 17"),
+        # Ints past a double's range: math.isfinite raised OverflowError.
+        (dict(temperature=10**400), r"SamplingParams.temperature must be a finite number >= 0"),
+        (dict(top_p=10**400), r"SamplingParams.top_p must be in \(0, 1\]"),
+        (dict(repetition_penalty=-(10**400)), r"SamplingParams.repetition_penalty must be in"),
+        (dict(logit_bias={5: 10**400}), r"SamplingParams.logit_bias\[5\] must be a number"),
         (dict(logit_bias=[(1, 2.0)]), r"SamplingParams.logit_bias must be None or a dict of token id -> bias"),
         (dict(logit_bias={-1: 2.0}), r"SamplingParams.logit_bias keys must be token ids.*one is -1"),
         (dict(logit_bias={"50256": 2.0}), r"SamplingParams.logit_bias keys must be token ids.*one is '50256'"),
@@ -360,3 +365,16 @@ def test_bans_that_would_leave_nothing_to_draw_are_lifted():
         jnp.asarray(np.tile(LOGITS, (2, 1))), SamplingBatch.from_rows(rows, 2, bans=bans, bias_width=8, allowed_width=4)
     )
     assert np.asarray(out.tokens).tolist() == [9, 5]
+
+
+@pytest.mark.parametrize("rep", [1e-46, 5e-324, 1e-40])  # 0 in float32 (or a denormal, flushed to 0)
+def test_a_repetition_penalty_that_rounds_to_zero_keeps_masked_ids_out(rep):
+    """A seen id that is masked (outside allowed_token_ids) or banned stays -inf: -inf * 0 was NaN,
+    which argmax picked."""
+    logits = jnp.asarray(np.tile(LOGITS, (2, 1)))
+    masked = SamplingParams(temperature=0.0, repetition_penalty=rep, allowed_token_ids=(9, 10))
+    banned = SamplingParams(temperature=0.0, repetition_penalty=rep)
+    rows = [(masked, 0, 0, [5, 6, 7], 3), (banned, 0, 0, [2, 5, 6], 3)]
+    sb = SamplingBatch.from_rows(rows, 2, history_len=4, bans=[None, (2, 5, 6)], bias_width=4, allowed_width=4)
+    tokens = np.asarray(sample(logits, sb).tokens).tolist()
+    assert tokens[0] in (9, 10) and tokens[1] not in (2, 5, 6)
