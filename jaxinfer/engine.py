@@ -607,6 +607,8 @@ class Engine:
                 raise InvalidRequestError(
                     f"SamplingParams.{field}: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
                 )
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError("SamplingParams.bad_words needs the model's tokenizer; this model has none")
         if (
             params.allowed_token_ids
             and params.min_tokens
@@ -693,8 +695,6 @@ class Engine:
         whitespace dropped first. A word the tokenizer encodes as nothing is left out."""
         if not words:
             return ()
-        if self.tokenizer is None:
-            raise InvalidRequestError("SamplingParams.bad_words needs the model's tokenizer; this model has none")
         out = []
         for w in words:
             for text in (w.lstrip(), " " + w.lstrip()):

@@ -294,6 +294,10 @@ def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_t
             assert offline.generate(prompt_token_ids=[prompt], sampling_params=p)[0].stop_reason == stop_at
             # ModelInfo sets just the file's fields, so a client can tell them from SamplingParams' own.
             assert c.model_info()["default_sampling_overrides"] == offline.generation_overrides
+            # bad_words need a tokenizer: refused before the engine thread sees the request.
+            with pytest.raises(ServerError, match="bad_words needs the model's tokenizer") as e:
+                c.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(bad_words=["x"]))
+            assert e.value.code == "INVALID_ARGUMENT"
         from jaxinfer import cli
 
         # `jaxinfer generate --server` samples as `jaxinfer generate --model` does: flags given, else
