@@ -70,6 +70,8 @@ class IncrementalDetokenizer:
             whole = after.rstrip("\ufffd")
             if find_stops and len(whole) > len(before):
                 self._find_stop(self.text + whole[len(before) :], start)
+            elif not find_stops:  # its whole characters are made now, unsearched, though taken in later
+                self._unsearched = max(self._unsearched, len(self.text) + len(whole) - len(before))
             return
         if pending:  # the window is full: take it in up to its last whole character
             end, after = self._whole_prefix(before, after)
@@ -80,7 +82,7 @@ class IncrementalDetokenizer:
         if find_stops:
             self._find_stop(self.text, start)
         else:
-            self._unsearched = len(self.text)
+            self._unsearched = max(self._unsearched, len(self.text))
 
     def _whole_prefix(self, before: str, after: str) -> tuple[int, str]:
         """The longest run of the window's tokens that decodes to more than `before` without ending in

@@ -419,3 +419,25 @@ def test_min_tokens_ignores_a_stop_string_the_text_completes_before_it():
     assert streamed == late.text
     # min_tokens = j: the token completing the first "e" is searched, so it stops there, as without.
     assert llm.generate(prompt, dataclasses.replace(stop, min_tokens=j))[0].text == early.text
+    # A character made of byte pieces before min_tokens is not searched either, though the byte run
+    # it is in is still open then (the text takes it in only when the run ends, past min_tokens).
+    tok = llm.tokenizer
+    ids = tok.encode(" \U0001f600,eh", add_special_tokens=False)  # the emoji is 4 byte pieces
+    made = next(k for k in range(1, len(ids) + 1) if "\U0001f600" in tok.decode(ids[:k]))
+    assert ids[made - 1] in tok.byte_ids  # the emoji's last piece: the byte run is still open after it
+    for include in (False, True):
+        d = IncrementalDetokenizer(tok, tok.encode("And"), ("\U0001f600",), include_stop=include)
+        for k, t in enumerate(ids, 1):
+            d.add(t, find_stops=k > made)
+        d.flush()
+        assert not d.stopped and d.text == " \U0001f600,eh"
+    # End to end: only the two byte pieces of "é" allowed, a stop string "é" and min_tokens 3: the
+    # first "é" (tokens 1-2) does not stop it, the second (tokens 3-4) does.
+    pieces = tok.encode("é", add_special_tokens=False)[-2:]
+    assert all(t in tok.byte_ids for t in pieces)
+    base = SamplingParams(temperature=2.0, seed=1, max_tokens=6, ignore_eos=True, allowed_token_ids=pieces)
+    assert llm.generate(prompt, base)[0].text == "ééé"  # (this seed draws the pieces in order)
+    p = dataclasses.replace(base, stop=["é"], min_tokens=3)
+    for include, want in ((False, "é"), (True, "éé")):
+        out = llm.generate(prompt, dataclasses.replace(p, include_stop_str_in_output=include))[0]
+        assert out.text == want and out.token_ids == [pieces[0], pieces[1]] * 2, (include, out)
