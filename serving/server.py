@@ -408,6 +408,9 @@ class Server:
                     if remaining is not None and remaining <= _DEADLINE_SLACK_S
                     else grpc.StatusCode.CANCELLED
                 )
+            if isinstance(e, InvalidRequestError):  # found only by the engine thread: still the request's fault
+                info["error"] = str(e)
+                return grpc.StatusCode.INVALID_ARGUMENT
             info["error"] = f"{type(e).__name__}: {e}"
             return grpc.StatusCode.INTERNAL
 

@@ -229,6 +229,24 @@ def test_logit_bias_and_allowed_token_ids_cross_the_wire(server, llm):
     assert asyncio.run(streamed()) == ref.token_ids
 
 
+def test_a_bad_request_found_only_by_the_engine_thread_is_invalid_argument(server, monkeypatch):
+    """The server validates before queueing; an InvalidRequestError that only `Engine.add_request`
+    raises (on its own thread) is still the request's fault, not INTERNAL, and the server stays up."""
+    engine = server.server.llm.engine
+
+    def refuse(*args, **kwargs):
+        raise InvalidRequestError("SamplingParams.example: refused by the engine thread")
+
+    monkeypatch.setattr(engine, "add_request", refuse)
+    with Client(server.address) as c:
+        for call in (lambda: c.generate("hi"), lambda: list(c.stream("hi"))):
+            with pytest.raises(ServerError, match="refused by the engine thread") as e:
+                call()
+            assert e.value.code == "INVALID_ARGUMENT"
+        monkeypatch.undo()
+        assert c.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True)).outputs[0].finish_reason == "length"
+
+
 def test_include_stop_str_in_output_crosses_the_wire(server, llm):
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     free = llm.generate(["the quick brown"], sp)[0].outputs[0].text
