@@ -83,8 +83,8 @@ def _is_int(x) -> bool:
 
 def _check_positive(field: str, value, limit: str = "must be a positive number") -> None:
     try:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-    except OverflowError:  # an int past a double's range: float() of it fails later
+        ok = math.isfinite(x := _as_float(value, field)) and x > 0
+    except UnsupportedModelError:  # not a number, or an int past a double's range
         ok = False
     if not ok:
         raise UnsupportedModelError(f"config field {field!r} {limit}, got {reprlib.repr(value)}")

@@ -528,10 +528,12 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
         params: SamplingBatch with [B] fields and a [B, W] history.
 
     Returns:
-        SampleOutput. The penalties run as their own small program, only when the history is wider
-        than one token (some row has a penalty, `history_width`); the sampler proper never sees the
-        history, so it compiles once per row count, not once per row count and history width (a
-        warm-up compiles every pair, and the sampler is the costlier program to compile).
+        SampleOutput. Two stages run as small programs of their own, only in steps that need them:
+        logit_bias, allowed_token_ids and the bans (`_apply_bias`, when the bias or allowed arrays
+        are wider than one entry), then the penalties (when the history is wider than one token:
+        some row has a penalty, `history_width`). The sampler proper sees neither stage's inputs, so
+        it compiles once per row count, not once per row count and stage width (a warm-up compiles
+        every pair, and the sampler is the costlier program to compile).
     """
     # Each stage sees only its own inputs: its programs are keyed on their shapes alone.
     processed = logits
