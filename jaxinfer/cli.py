@@ -143,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--logprobs", type=int, default=None, help="top-n log-probabilities per token (JSON output)")
+    g.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        help="top-n log-probabilities of every prompt token after the first (JSON output)",
+    )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     add_engine_arguments(g)
@@ -246,6 +252,7 @@ def _generate(args) -> int:
         stop=args.stop,
         n=args.n,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
         stop_token_ids=args.stop_token_ids,
         include_stop_str_in_output=args.include_stop_str_in_output,
         bad_words=args.bad_word,
@@ -327,6 +334,10 @@ def _print_stream(args, deltas, *, has_text: bool = True) -> None:
         print()
 
 
+def _logprob_json(lp) -> dict:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
+
+
 def _print_outputs(args, model_name: str, outs, *, has_text: bool = True) -> None:
     for out in outs:
         for o in out.outputs:
@@ -341,10 +352,9 @@ def _print_outputs(args, model_name: str, outs, *, has_text: bool = True) -> Non
                     "finish_reason": o.finish_reason,
                 }
                 if o.logprobs is not None:
-                    obj["logprobs"] = [
-                        {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
-                        for lp in o.logprobs
-                    ]
+                    obj["logprobs"] = [_logprob_json(lp) for lp in o.logprobs]
+                if out.prompt_logprobs is not None:
+                    obj["prompt_logprobs"] = [None if lp is None else _logprob_json(lp) for lp in out.prompt_logprobs]
                 print(json.dumps(obj))
             elif not has_text:  # no tokenizer: the ids, as --prompt-ids takes them
                 print(",".join(map(str, o.token_ids)))

@@ -202,7 +202,13 @@ def _logprobs(lps) -> list[Logprob]:
     return [Logprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top}) for lp in lps]
 
 
-def _output(prompt: str | None, want_logprobs: bool, resp: pb.GenerateResponse) -> RequestOutput:
+def _prompt_logprobs(req: pb.GenerateRequest, lps) -> list[Logprob | None] | None:
+    """RequestOutput.prompt_logprobs from the wire's (which leaves out the first token's None)."""
+    return [None, *_logprobs(lps)] if req.sampling_params.HasField("prompt_logprobs") else None
+
+
+def _output(prompt: str | None, req: pb.GenerateRequest, resp: pb.GenerateResponse) -> RequestOutput:
+    want_logprobs = req.sampling_params.HasField("logprobs")
     outputs = [
         CompletionOutput(
             index=c.index,
@@ -216,7 +222,11 @@ def _output(prompt: str | None, want_logprobs: bool, resp: pb.GenerateResponse) 
         for c in resp.completions
     ]
     return RequestOutput(
-        request_id=resp.request_id, prompt=prompt, prompt_token_ids=list(resp.prompt_token_ids), outputs=outputs
+        request_id=resp.request_id,
+        prompt=prompt,
+        prompt_token_ids=list(resp.prompt_token_ids),
+        outputs=outputs,
+        prompt_logprobs=_prompt_logprobs(req, resp.prompt_logprobs),
     )
 
 
@@ -225,13 +235,16 @@ def _stop_reason(msg) -> int | str | None:
     return None if which is None else getattr(msg, which)
 
 
-def _delta(msg: pb.GenerateStreamResponse) -> StreamDelta:
+def _delta(req: pb.GenerateRequest, msg: pb.GenerateStreamResponse, first: bool) -> StreamDelta:
+    """One message as a StreamDelta; `first`: sample 0's first (which carries the prompt's logprobs)."""
     return StreamDelta(
         token_ids=list(msg.token_ids),
         text=msg.text,
         finish_reason=_FINISH.get(msg.finish_reason),
         index=msg.index,
         stop_reason=_stop_reason(msg),
+        logprobs=_logprobs(msg.logprobs) if req.sampling_params.HasField("logprobs") else None,
+        prompt_logprobs=_prompt_logprobs(req, msg.prompt_logprobs) if first else None,
     )
 
 
@@ -358,7 +371,7 @@ class Client(_Stubs):
             resp = self._stub.Generate(req, timeout=timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
-        return _output(prompt, sampling_params is not None and sampling_params.logprobs is not None, resp)
+        return _output(prompt, req, resp)
 
     def stream(
         self,
@@ -379,9 +392,11 @@ class Client(_Stubs):
     @staticmethod
     def _stream(stub, req: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamDelta]:
         call = stub.GenerateStream(req, timeout=timeout)
+        first = True  # sample 0's first message not seen yet
         try:
             for msg in call:
-                yield _delta(msg)
+                yield _delta(req, msg, first and msg.index == 0)
+                first = first and msg.index != 0
         except grpc.RpcError as e:
             raise _server_error(e) from None
         finally:
@@ -475,7 +490,7 @@ class AsyncClient(_Stubs):
             resp = await self._stub.Generate(req, timeout=timeout)
         except grpc.RpcError as e:
             raise _server_error(e) from None
-        return _output(prompt, sampling_params is not None and sampling_params.logprobs is not None, resp)
+        return _output(prompt, req, resp)
 
     def stream(
         self,
@@ -495,9 +510,11 @@ class AsyncClient(_Stubs):
 
     async def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[StreamDelta]:
         call = self._stub.GenerateStream(req, timeout=timeout)  # at the first step: inside the loop
+        first = True  # sample 0's first message not seen yet
         try:
             async for msg in call:
-                yield _delta(msg)
+                yield _delta(req, msg, first and msg.index == 0)
+                first = first and msg.index != 0
         except grpc.RpcError as e:
             raise _server_error(e) from None
         finally:

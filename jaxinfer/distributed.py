@@ -37,7 +37,7 @@ import numpy as np
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import Batch
 
-_HEADER = 6
+_HEADER = 7  # op and its numbers; the last slot: the leader's peer timeout (ms)
 OP_STEP, OP_POISON, OP_STOP, OP_HEARTBEAT = 1, 2, 3, 4
 
 
@@ -258,11 +258,13 @@ class StepChannel:
                 self._broadcast(payload)
         self.last_sent = time.monotonic()
 
-    def send_step(self, batch: Batch, t: int) -> None:
+    def send_step(self, batch: Batch, t: int, targets: np.ndarray | None = None) -> None:
+        """A step's Batch, and the targets [B, t] of a prompt-logprobs step (see Engine._run_step)."""
         b, mp = batch.page_table.shape
         tables = (batch.page_table,) if batch.window_page_table is None else (batch.page_table, batch.window_page_table)
-        arrays = tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, *tables))
-        self._send([OP_STEP, b, t, mp, len(tables)], arrays)
+        extra = () if targets is None else (targets,)
+        arrays = tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, *tables, *extra))
+        self._send([OP_STEP, b, t, mp, len(tables), len(extra)], arrays)
 
     def send_poison(self, pages: np.ndarray, group: int) -> None:
         self._send([OP_POISON, len(pages), group], (np.asarray(pages, np.int32),))
@@ -275,7 +277,7 @@ class StepChannel:
         self._send([OP_HEARTBEAT], ())
 
     def recv(self):
-        """(op, payload) on a follower: (OP_STEP, (Batch, t)), (OP_POISON, (pages, group)),
+        """(op, payload) on a follower: (OP_STEP, (Batch, t, targets or None)), (OP_POISON, (pages, group)),
         (OP_HEARTBEAT, None) or (OP_STOP, None)."""
         with peer_wait():
             return self._recv()
@@ -286,16 +288,17 @@ class StepChannel:
         if head[_HEADER - 1] > 0:
             self.leader_peer_timeout = int(head[_HEADER - 1]) / 1000
         if op == OP_STEP:
-            b, t, mp, num_tables = (int(x) for x in head[1:5])
-            shapes = ((b, t), (b,), (b,)) + ((b, mp),) * num_tables
+            b, t, mp, num_tables, has_targets = (int(x) for x in head[1:6])
+            shapes = ((b, t), (b,), (b,)) + ((b, mp),) * num_tables + ((b, t),) * has_targets
             tokens, q_lens, kv_lens, *tables = (
                 np.asarray(x) for x in self._broadcast(tuple(np.zeros(s, np.int32) for s in shapes))
             )
+            targets = tables.pop() if has_targets else None
             window_table = tables[1] if num_tables > 1 else None
             batch = Batch(
                 tokens=tokens, q_lens=q_lens, kv_lens=kv_lens, page_table=tables[0], window_page_table=window_table
             )
-            return op, (batch, t)
+            return op, (batch, t, targets)
         if op == OP_POISON:
             (pages,) = self._broadcast((np.zeros(int(head[1]), np.int32),))
             return op, (np.asarray(pages), int(head[2]))
@@ -326,7 +329,8 @@ def run_follower(engine, channel: StepChannel, watchdog: Watchdog | None = None)
         try:
             with peer_wait():
                 if op == OP_STEP:
-                    jax.block_until_ready(engine._run_step(*payload))
+                    batch, t, targets = payload
+                    jax.block_until_ready(engine._run_step(batch, t, targets=targets))
                 elif op == OP_POISON:
                     engine._run_poison(*payload)
         except Exception as e:

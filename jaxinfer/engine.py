@@ -4,15 +4,19 @@ Each `step()` asks the scheduler for a `StepPlan` (which chunks of which sequenc
 into at most two model calls - `prefill` for prompt chunks ([B, T] rows), `decode_step` for
 single-token rows ([B, 1]) - each followed by the jitted sampler, dispatches everything before
 waiting on any of it, then feeds the sampled tokens back to their sequences: stop conditions,
-incremental detokenization, metrics.
+incremental detokenization, metrics. A prompt chunk of a request that asked for prompt_logprobs
+runs in `prefill_with_prompt_logprobs` instead, which also returns every position's log-probabilities.
 
 Shapes come from a fixed set of buckets decided at construction (`prefill_shapes`, `decode_shapes`),
-all compiled by `warmup()`, so a serving engine never compiles after it starts taking traffic.
+all compiled by `warmup()`, so a serving engine never compiles after it starts taking traffic. The
+prompt-logprobs programs are compiled there only when asked (always on a multi-process job); else
+each prefill shape's compiles at its first use.
 `LLM.generate` and the gRPC server both drive this one engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -45,6 +49,7 @@ from jaxinfer.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     SamplingBatch,
     SamplingParams,
@@ -337,6 +342,7 @@ class Engine:
         # allowed_token_ids (distinct ids in the vocabulary): two bias programs per batch size.
         self._bias_width = bucket(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(cfg.eos_token_ids) + 2 * MAX_BAD_WORDS)
         self._allowed_width = max(2, min(MAX_ALLOWED_TOKEN_IDS, bucket(cfg.vocab_size)))
+        self._top_n = min(MAX_LOGPROBS, cfg.vocab_size)  # prompt_logprobs' top-n, as the sampler's
         self.params = params
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -416,6 +422,12 @@ class Engine:
             outs = (sharding.replicated(mesh), cache_sh)
             jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
             self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
+            self._sharded_prompt_lp_step = jax.jit(
+                model_lib.forward_with_prompt_logprobs,
+                static_argnames=("cfg", "top_n"),
+                donate_argnames=("cache",),
+                out_shardings=(*outs, sharding.replicated(mesh)),
+            )
             self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
         self.cache = self._new_cache()
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
@@ -460,19 +472,26 @@ class Engine:
             t *= 2
         return shapes
 
-    def warmup(self, *, sampler: bool = True) -> int:
+    def warmup(self, *, sampler: bool = True, prompt_logprobs: bool | None = None) -> int:
         """Compiles every step shape now. Returns how many XLA compilations that took.
 
-        Multi-host: every process calls it (same shapes, same order); followers with sampler=False.
+        `prompt_logprobs`: also the prompt-logprobs program of every prefill shape (otherwise each
+        compiles at its first use). None: only where a compilation while serving would be mistaken
+        for a hung peer, on a multi-process job. Multi-host: every process calls it (same shapes,
+        same order); followers with sampler=False.
         """
-        compiled = self._warmup(sampler)
+        if prompt_logprobs is None:
+            prompt_logprobs = jax.process_count() > 1
+        compiled = self._warmup(sampler, prompt_logprobs)
         self._after_step()  # the gauges, compilations included, as of the end of the warm-up
         return compiled
 
-    def _warmup(self, sampler: bool) -> int:
+    def _warmup(self, sampler: bool, prompt_logprobs: bool) -> int:
         before = num_compiles()
         step_logits = {}  # rows -> logits exactly as a step returns them
-        for b, t, mp in self.decode_shapes() + self.prefill_shapes():
+        shapes = [(*shape, False) for shape in self.decode_shapes() + self.prefill_shapes()]
+        shapes += [(*shape, True) for shape in self.prefill_shapes()] if prompt_logprobs else []
+        for b, t, mp, with_targets in shapes:
             table = np.full((b, mp), SCRATCH_PAGE, np.int32)
             batch = Batch(
                 tokens=np.zeros((b, t), np.int32),
@@ -481,7 +500,8 @@ class Engine:
                 page_table=table,
                 window_page_table=None if self.window_pool is None else table.copy(),
             )
-            step_logits[b] = self._run_step(batch, t, multi_process_warmup=jax.process_count() > 1)
+            targets = np.zeros((b, t), np.int32) if with_targets else None
+            step_logits[b], _ = self._run_step(batch, t, targets=targets, multi_process_warmup=jax.process_count() > 1)
         if not sampler:
             return num_compiles() - before
         # The sampler is warmed on the steps' own logits: a jitted function's cache is keyed on its
@@ -504,22 +524,26 @@ class Engine:
                     n *= 2
         return num_compiles() - before
 
-    def _model_step(self, batch: Batch, t: int) -> jax.Array:
-        """One jitted prefill (t > 1) or decode (t == 1) call; replaces the cache, returns logits.
+    def _model_step(self, batch: Batch, t: int, targets: np.ndarray | None = None):
+        """One jitted prefill (t > 1) or decode (t == 1) call; replaces the cache. Returns (logits,
+        PromptLogprobs of `targets` or None): see `_run_step`.
 
-        Multi-host leader: broadcasts the inputs first; returns its local copy of the logits. Any
-        failure there is a failure of the job (a follower gone), reported as PeerFailureError.
+        Multi-host leader: broadcasts the inputs first; returns its local copies. Any failure there
+        is a failure of the job (a follower gone), reported as PeerFailureError.
         """
         if self.channel is None:
-            return self._run_step(batch, t)
+            return self._run_step(batch, t, targets=targets)
         from jaxinfer.distributed import PeerFailureError, peer_wait
 
         try:
             with peer_wait():
-                self.channel.send_step(batch, t)
-                logits = self._run_step(batch, t)
-                local = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
-                return local.block_until_ready()
+                self.channel.send_step(batch, t, targets)
+                out = self._run_step(batch, t, targets=targets)
+
+                def local(x):
+                    return next(s.data for s in x.addressable_shards if s.device == self._sample_device)
+
+                return jax.block_until_ready(jax.tree.map(local, out))
         except Exception as e:
             raise PeerFailureError(f"a step across the processes failed (a follower died?): {e}") from e
 
@@ -542,27 +566,39 @@ class Engine:
             self.channel.send_stop()
             self.channel = None
 
-    def _run_step(self, batch: Batch, t: int, *, multi_process_warmup: bool = False) -> jax.Array:
-        """One step on this process's devices. `multi_process_warmup`: compile first, then run and
-        wait for the step as a wait on the other processes (`peer_wait`), so that the startup
-        watchdog times the collective, not this process's own compilation."""
+    def _run_step(self, batch: Batch, t: int, *, targets=None, multi_process_warmup: bool = False):
+        """One step on this process's devices: (logits [B, V], None), or with `targets` [B, t] (the
+        token after each position) from `prefill_with_prompt_logprobs`: (logits, PromptLogprobs).
+
+        `multi_process_warmup`: compile first, then run and wait for the step as a wait on the other
+        processes (`peer_wait`), so that the startup watchdog times the collective, not this
+        process's own compilation."""
         if self.mesh is None:
+            if targets is not None:
+                logits, self.cache, plp = model_lib.prefill_with_prompt_logprobs(
+                    self.params, self.cache, batch, targets, cfg=self.cfg, top_n=self._top_n
+                )
+                return logits, plp
             fn = model_lib.decode_step if t == 1 else model_lib.prefill
             logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
-            return logits
+            return logits, None
         from jaxinfer import sharding
         from jaxinfer.distributed import peer_wait
 
-        batch = jax.device_put(batch, sharding.batch_shardings(batch, self.mesh))
-        step = self._sharded_steps[t == 1]
+        inputs = (batch,) if targets is None else (batch, targets)
+        inputs = jax.device_put(inputs, sharding.batch_shardings(inputs, self.mesh))
+        if targets is None:
+            step, kw = self._sharded_steps[t == 1], dict(cfg=self.cfg)
+        else:
+            step, kw = self._sharded_prompt_lp_step, dict(cfg=self.cfg, top_n=self._top_n)
         with jax.set_mesh(self.mesh):
-            if not multi_process_warmup:
-                logits, self.cache = step(self.params, self.cache, batch, cfg=self.cfg)
-                return logits
-            step.lower(self.params, self.cache, batch, cfg=self.cfg).compile()  # jit's own cache keeps it
-            with peer_wait():
-                logits, self.cache = step(self.params, self.cache, batch, cfg=self.cfg)
-                return jax.block_until_ready(logits)
+            if multi_process_warmup:
+                step.lower(self.params, self.cache, *inputs, **kw).compile()  # jit's own cache keeps it
+            with peer_wait() if multi_process_warmup else contextlib.nullcontext():
+                logits, self.cache, *plp = step(self.params, self.cache, *inputs, **kw)
+                if multi_process_warmup:
+                    jax.block_until_ready(logits)
+        return logits, (plp[0] if plp else None)
 
     def _poison(self, pages: np.ndarray, group: int) -> None:
         """Fills pages of one page group's pools with NaN."""
@@ -681,6 +717,8 @@ class Engine:
                 else None
             )
             seq.logprobs = [] if params.logprobs is not None else None
+            # One request's prompt: its log-probabilities are computed (and reported) once, by sample 0.
+            seq.prompt_logprobs = [] if params.prompt_logprobs is not None and i == 0 else None
             seq.siblings = seqs
             seqs.append(seq)
             self.scheduler.add(seq)
@@ -815,12 +853,15 @@ class Engine:
         now = None
         m = self.metrics
         for phase, chunks, out in calls:
+            out, plp = out
             want_lp = any(c.seq.logprobs is not None for c in chunks)
             with _interrupts.allowed():
                 tokens = np.asarray(out.tokens)
                 lp = None
                 if want_lp:
                     lp = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+                if plp is not None:
+                    plp = jax.tree.map(np.asarray, plp)
             now = time.perf_counter()
             # The calls run one after the other on the device, so each one's time runs from the
             # previous one's results (or the step's start) to its own.
@@ -831,6 +872,8 @@ class Engine:
                 seq = chunk.seq
                 if seq.finished:  # aborted while the step ran: its pages are gone already
                     continue
+                if plp is not None and seq.pending_prompt_logprobs:
+                    self._add_prompt_logprobs(seq, chunk, plp, i)
                 seq.num_computed += chunk.length
                 self.scheduler.register_full_pages(seq)
                 if chunk.samples:
@@ -840,6 +883,7 @@ class Engine:
         return updates
 
     def _dispatch(self, chunks: list[Chunk], t: int, mp: int):
+        """Runs one model call and its sampler: (SampleOutput, PromptLogprobs or None), on the device."""
         b = bucket(len(chunks))
         tok = np.zeros((b, t), np.int32)
         q = np.zeros(b, np.int32)
@@ -861,7 +905,15 @@ class Engine:
             bans.append(ban or None)
         window_table = tables[1] if len(tables) > 1 else None
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=tables[0], window_page_table=window_table)
-        logits = self._model_step(batch, t)
+        targets = None
+        if any(c.seq.pending_prompt_logprobs for c in chunks):
+            # Each position's next prompt token (whatever comes after the prompt is not scored).
+            targets = np.zeros((b, t), np.int32)
+            for i, c in enumerate(chunks):
+                end = min(c.start + c.length + 1, c.seq.prompt_len)
+                if c.seq.pending_prompt_logprobs and end > c.start + 1:
+                    targets[i, : end - c.start - 1] = c.seq.tokens[c.start + 1 : end]
+        logits, plp = self._model_step(batch, t, targets)
         # The token history is only sent (and only as wide as needed) when some row has a penalty.
         width = history_width(rows, maximum=self.max_model_len)
         allowed = any(p.allowed_token_ids for p, *_ in rows)
@@ -874,7 +926,21 @@ class Engine:
             bias_width=self._bias_width if biased else 1,
             allowed_width=self._allowed_width if allowed else 1,
         )
-        return sample(logits, sb)
+        return sample(logits, sb), plp
+
+    @staticmethod
+    def _add_prompt_logprobs(seq: Sequence, chunk: Chunk, plp, row: int) -> None:
+        """Files the chunk's prompt positions not filed yet (a preempted sequence computes its
+        prompt again): position p scores prompt token p + 1."""
+        chosen, top_ids, top_lps = plp
+        n = seq.params.prompt_logprobs
+        got = seq.prompt_logprobs
+        if chunk.start > len(got):  # the scheduler guarantees it cannot happen: never report a gap
+            raise RuntimeError(f"sequence {seq.seq_id}: prompt positions {len(got)}..{chunk.start - 1} were skipped")
+        for p in range(len(got), min(chunk.start + chunk.length, seq.prompt_len - 1)):
+            j = p - chunk.start
+            top = {int(a): float(v) for a, v in zip(top_ids[row, j, :n], top_lps[row, j, :n])}
+            got.append(Logprob(seq.tokens[p + 1], float(chosen[row, j]), top))
 
     @staticmethod
     def _bad_word_bans(seq: Sequence) -> list[int]:

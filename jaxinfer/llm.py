@@ -60,12 +60,17 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """The result of one prompt: `outputs` holds its n samples; the fields below mirror sample 0."""
+    """The result of one prompt: `outputs` holds its n samples; the properties mirror sample 0.
+
+    `prompt_logprobs` (with SamplingParams.prompt_logprobs), as vLLM's: one entry per prompt token,
+    None for the first (nothing comes before it), then each token's Logprob given those before it.
+    Shorter only when the request was aborted before its prompt was computed."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -101,6 +106,9 @@ class StreamDelta:
     finish_reason: str | None = None
     index: int = 0  # which sample, when n > 1
     stop_reason: int | str | None = None  # with finish_reason "stop": see CompletionOutput.stop_reason
+    logprobs: list[Logprob] | None = None  # the new tokens', when SamplingParams.logprobs asks
+    # With SamplingParams.prompt_logprobs: RequestOutput.prompt_logprobs, on sample 0's first delta.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 def _token_ids(p, field: str) -> list[int]:
@@ -632,19 +640,30 @@ class LLM:
         req = self._start(prompt_ids, params, salt)
         mine = self._updates[req.request_id]
         ended = set()  # samples whose finish_reason has been yielded
+        sent = {}  # sample index -> its logprobs yielded so far
+        prompt_sent = False  # the prompt's logprobs (sample 0 holds them)
         try:
             while True:
                 while mine:
                     u = mine.pop(0)
                     if u.token_ids or u.text or u.finish_reason:
+                        s = u.seq
                         if u.finish_reason:
-                            ended.add(u.seq.index)
+                            ended.add(s.index)
+                        lps = None
+                        if s.logprobs is not None:
+                            lps, sent[s.index] = s.logprobs[sent.get(s.index, 0) :], len(s.logprobs)
+                        plp = None
+                        if s.prompt_logprobs is not None and not prompt_sent:
+                            plp, prompt_sent = [None, *s.prompt_logprobs], True
                         yield StreamDelta(
                             token_ids=u.token_ids,
                             text=u.text,
                             finish_reason=u.finish_reason,
-                            index=u.seq.index,
-                            stop_reason=u.seq.stop_reason if u.finish_reason else None,
+                            index=s.index,
+                            stop_reason=s.stop_reason if u.finish_reason else None,
+                            logprobs=lps,
+                            prompt_logprobs=plp,
                         )
                 with self._lock:  # a request another thread's step ended has its updates filed by now
                     if mine:
@@ -724,7 +743,14 @@ class LLM:
             )
             for s in req.seqs
         ]
-        return RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_ids, outputs=outputs)
+        plp = req.seqs[0].prompt_logprobs
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_ids,
+            outputs=outputs,
+            prompt_logprobs=None if plp is None else [None, *plp],
+        )
 
 
 def _progress_bar(total: int):

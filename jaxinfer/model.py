@@ -11,6 +11,7 @@ declaration (`param_axes`, `init_params`). Einsum letters: see the glossary in W
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -191,12 +192,15 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Embedding -> L decoder layers over the paged cache -> final norm -> last-token logits."""
+    """Embedding -> L decoder layers over the paged cache -> final norm -> last-token logits.
+
+    With `targets` ([B, T] token ids), also the PromptLogprobs of every position (top `top_n`)."""
 
     cfg: ModelConfig
+    top_n: int = 0
 
     @nn.compact
-    def __call__(self, batch: Batch, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def __call__(self, batch: Batch, cache: KVCache, targets: jax.Array | None = None):
         cfg = self.cfg
         embedding = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
         x = jnp.take(embedding, batch.tokens, axis=0)  # [B, T, D]
@@ -220,18 +224,64 @@ class Transformer(nn.Module):
                     x, cos, sin, batch, table, slots, ks[i], vs[i]
                 )
 
+        norm = RMSNorm(cfg, cfg.hidden_size, name="final_norm")
+        if cfg.tie_word_embeddings:
+            head, spec = embedding, "BD,VD->BV"
+        else:
+            head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+            spec = "BD,DV->BV"
+
+        def logits_of(h):  # [N, D], normed -> [N, V] float32
+            logits = jnp.einsum(spec, h, head, preferred_element_type=jnp.float32)
+            if cfg.final_logit_softcap is not None:
+                logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+            return logits
+
         # Only each row's last new token needs logits: gather before the norm and LM head.
         last = jnp.maximum(batch.q_lens - 1, 0)
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
-        x = RMSNorm(cfg, cfg.hidden_size, name="final_norm")(x)
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("BD,VD->BV", x, embedding, preferred_element_type=jnp.float32)
-        else:
-            lm_head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
-            logits = jnp.einsum("BD,DV->BV", x, lm_head, preferred_element_type=jnp.float32)
-        if cfg.final_logit_softcap is not None:
-            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-        return logits, KVCache(k=tuple(ks), v=tuple(vs))
+        logits = logits_of(norm(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]))  # [B, V]
+        cache = KVCache(k=tuple(ks), v=tuple(vs))
+        if targets is None:
+            return logits, cache
+        return logits, cache, _prompt_logprobs(logits_of, norm(x), targets, vocab=cfg.vocab_size, top_n=self.top_n)
+
+
+class PromptLogprobs(NamedTuple):
+    """Log-probabilities at every position of a prompt chunk: position t's distribution is over the
+    token after it (the raw distribution: no sampling parameter touches it)."""
+
+    logprob: jax.Array  # [B, T] float32: log p(targets[b, t] | the tokens up to position t)
+    top_ids: jax.Array  # [B, T, top_n] int32, most likely first
+    top_logprobs: jax.Array  # [B, T, top_n] float32
+
+
+# Logits of at most this many elements (64 MiB of float32) exist at once while PromptLogprobs are
+# computed: a 2048-token chunk of a 256k-vocabulary model would otherwise need 2 GiB for them.
+_PROMPT_LOGITS_BLOCK = 2**24
+
+
+def _prompt_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, *, vocab: int, top_n: int) -> PromptLogprobs:
+    """PromptLogprobs from the normed hidden states [B, T, D], a block of positions at a time."""
+    b, t, d = hidden.shape
+    n = b * t
+    rows = min(n, 1 << max(0, (_PROMPT_LOGITS_BLOCK // vocab).bit_length() - 1))
+    pad = -n % rows
+    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, rows, d)
+    tg = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad)).reshape(-1, rows)
+
+    def block(args):
+        h, tg = args
+        lp = jax.nn.log_softmax(logits_of(h), axis=-1)
+        chosen = jnp.take_along_axis(lp, tg[:, None], axis=1, mode="clip")[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, top_n)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    chosen, top_ids, top_lp = jax.lax.map(block, (h, tg))
+    return PromptLogprobs(
+        logprob=chosen.reshape(-1)[:n].reshape(b, t),
+        top_ids=top_ids.reshape(-1, top_n)[:n].reshape(b, t, top_n),
+        top_logprobs=top_lp.reshape(-1, top_n)[:n].reshape(b, t, top_n),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,6 +311,22 @@ Args:
 Returns:
     (logits [B, V] float32 at each row's last new token, the new KVCache).
 """
+
+
+def forward_with_prompt_logprobs(
+    params, cache: KVCache, batch: Batch, targets: jax.Array, *, cfg: ModelConfig, top_n: int
+):
+    """`forward`, plus the PromptLogprobs of `targets` [B, T] (the token after each position; any id
+    where none is wanted) with the top `top_n` of every position: (logits, KVCache, PromptLogprobs)."""
+    return Transformer(cfg, top_n=top_n).apply({"params": params}, batch, cache, targets)
+
+
+prefill_with_prompt_logprobs = jax.jit(
+    forward_with_prompt_logprobs, static_argnames=("cfg", "top_n"), donate_argnames=("cache",)
+)
+prefill_with_prompt_logprobs.__doc__ = """`prefill` that also returns the PromptLogprobs of `targets`
+[B, T] (see `forward_with_prompt_logprobs`); the logits it returns are exactly `prefill`'s."""
+
 decode_step_fn = _decode  # un-jitted, for callers that jit with their own shardings (Engine on a mesh)
 decode_step = jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("cache",))
 decode_step.__doc__ = """One new token per row (tokens [B, 1]); otherwise exactly `prefill`."""

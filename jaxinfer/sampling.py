@@ -96,6 +96,10 @@ class SamplingParams:
         logprobs: also return the log-probabilities of the top-n tokens (0..20) at each step, and of
             the chosen token; None for none. Log-probabilities are those of the model's raw
             distribution (before penalties, temperature and filtering).
+        prompt_logprobs: also return, for every prompt token after the first, its log-probability
+            given the tokens before it and the top-n (0..20) at its position (vLLM's); None for none.
+            Raw distribution, as `logprobs`. Such a request's prompt is computed in full: it reads no
+            pages from the prefix cache (it still offers its own).
         n: independent samples per prompt (1..64); sample i uses seed + i when a seed is given.
         logit_bias: {token id: bias} added to those tokens' logits before sampling, as in OpenAI's API
             and vLLM; biases in [-100, 100], at most 1024 entries (an empty dict is None). Added before
@@ -127,6 +131,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
@@ -184,8 +189,10 @@ class SamplingParams:
         for field in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, getattr(self, field), "must be a bool")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(field, v, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         self._check_logit_bias(bad)
@@ -212,7 +219,7 @@ class SamplingParams:
                 bad("allowed_token_ids", self.allowed_token_ids, f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} distinct ids")
             object.__setattr__(self, "allowed_token_ids", allowed)
         # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
-        for field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n"):
+        for field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n"):
             if (v := getattr(self, field)) is not None:
                 object.__setattr__(self, field, int(v))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

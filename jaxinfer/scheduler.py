@@ -99,6 +99,11 @@ class Sequence:
     last_token_time: float | None = None
     detok: object = None  # IncrementalDetokenizer, owned by the engine
     logprobs: list | None = None  # Logprob per output token, when asked for
+    # Logprob of each prompt token after the first, when asked for (a request's sample 0 only): the
+    # positions computed so far, in order. While it is short of prompt_len - 1, the sequence reads
+    # nothing from the prefix cache and takes no one-token chunk (a decode call's logits are the
+    # sampler's alone), so every position is computed by a prompt-chunk call that returns them.
+    prompt_logprobs: list | None = None
     siblings: list = dataclasses.field(default_factory=list)  # the request's n samples (this one included)
     _array: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int32), repr=False)
     _array_len: int = dataclasses.field(default=0, repr=False)
@@ -117,6 +122,10 @@ class Sequence:
             self._array[self._array_len : n] = self.tokens[self._array_len :]
             self._array_len = n
         return self._array[:n]
+
+    @property
+    def pending_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def pages(self) -> list[int]:
@@ -261,7 +270,7 @@ class Scheduler:
         the first evicted. With several groups, a hit needs its pages in every group's pool."""
         s = self.page_size
         # Always leave at least one token to compute: it produces the logits to sample from.
-        hit = (len(seq.tokens) - 1) // s if self.pool.enable_prefix_cache else 0
+        hit = (len(seq.tokens) - 1) // s if self.pool.enable_prefix_cache and not seq.pending_prompt_logprobs else 0
         for group in self.groups:  # the whole-context groups: their longest cached run from page 0
             if group.window is None:
                 n = 0
@@ -336,6 +345,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue
             n = self._chunk_length(min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill)
+            if n == 1 and seq.pending_prompt_logprobs:
+                n = 0
             if n == 0:
                 continue  # its next chunk runs next step
             self._drop_out_of_window(seq)
@@ -360,6 +371,8 @@ class Scheduler:
                 self._drop_out_of_window(seq)
             remaining = len(seq.tokens) - seq.num_computed
             n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)
+            if n == 1 and seq.pending_prompt_logprobs:
+                n = 0
             if n == 0 or not self._grow(seq, seq.num_computed + n):
                 # Not admitted this step: a waiting sequence holds no pages, or preemption could not
                 # reclaim them (it only sees running ones) and the engine could wedge. The prefix

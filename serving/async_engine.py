@@ -60,6 +60,8 @@ class Delta:
     finish_reason: str | None
     logprobs: list[Logprob]
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop token id or string
+    # With SamplingParams.prompt_logprobs, on sample 0's first delta: prompt tokens 1, 2, ...'s.
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @dataclasses.dataclass
@@ -90,7 +92,11 @@ class RequestStream:
             h = self.held.pop(d.index, None)
             if h is not None:
                 d = dataclasses.replace(
-                    d, token_ids=h.token_ids + d.token_ids, text=h.text + d.text, logprobs=h.logprobs + d.logprobs
+                    d,
+                    token_ids=h.token_ids + d.token_ids,
+                    text=h.text + d.text,
+                    logprobs=h.logprobs + d.logprobs,
+                    prompt_logprobs=h.prompt_logprobs or d.prompt_logprobs,
                 )
             if d.finish_reason is None and len(d.token_ids) < self.interval and d.index in self.started:
                 self.held[d.index] = d
@@ -136,6 +142,7 @@ class AsyncEngine:
         if engine.channel is not None:  # multi-host leader: the followers bound their waits by ours
             engine.channel.peer_timeout = peer_timeout
         self._sent_logprobs: dict[int, int] = {}  # seq_id -> logprobs already delivered (engine thread)
+        self._sent_prompt_logprobs: set[int] = set()  # seq_ids whose prompt logprobs went out (engine thread)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -371,10 +378,17 @@ class AsyncEngine:
                 sent = self._sent_logprobs.get(seq.seq_id, 0)
                 logprobs = seq.logprobs[sent:]
                 self._sent_logprobs[seq.seq_id] = len(seq.logprobs)
+            prompt_logprobs = None
+            if seq.prompt_logprobs is not None and seq.seq_id not in self._sent_prompt_logprobs:
+                # Its first update: the prompt is computed (or, aborted before, as far as it got).
+                prompt_logprobs = list(seq.prompt_logprobs)
+                self._sent_prompt_logprobs.add(seq.seq_id)
             stop = seq.stop_reason if u.finish_reason else None
-            batch.append((seq.request_id, Delta(seq.index, u.token_ids, u.text, u.finish_reason, logprobs, stop)))
+            delta = Delta(seq.index, u.token_ids, u.text, u.finish_reason, logprobs, stop, prompt_logprobs)
+            batch.append((seq.request_id, delta))
             if u.finish_reason is not None:
                 self._sent_logprobs.pop(seq.seq_id, None)
+                self._sent_prompt_logprobs.discard(seq.seq_id)
                 done.add(seq.request_id)
         for rid in done:
             req = self.engine.requests.get(rid)
@@ -404,4 +418,5 @@ class AsyncEngine:
             self.engine.requests.pop(rid, None)
             batch.append((rid, failure))
         self._sent_logprobs.clear()
+        self._sent_prompt_logprobs.clear()
         return batch

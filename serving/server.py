@@ -535,8 +535,10 @@ class Server:
         n = stream.params.n
         comps = [pb.Completion(index=i) for i in range(n)]
         texts = [[] for _ in range(n)]
+        prompt_logprobs = []
         try:
             async for d in stream:
+                prompt_logprobs += d.prompt_logprobs or ()
                 c = comps[d.index]
                 c.token_ids.extend(d.token_ids)
                 texts[d.index].append(d.text)
@@ -553,6 +555,7 @@ class Server:
             prompt_token_ids=stream.prompt_ids,
             completions=comps,
             usage=self._usage(stream),
+            prompt_logprobs=wire.logprobs_proto(prompt_logprobs),
         )
 
     async def _generate_stream(self, request, ctx, info):
@@ -570,6 +573,7 @@ class Server:
                     text=d.text,
                     finish_reason=wire.FINISH_REASONS[d.finish_reason],
                     logprobs=wire.logprobs_proto(d.logprobs),
+                    prompt_logprobs=wire.logprobs_proto(d.prompt_logprobs or []),
                 )
                 wire.set_stop_reason(msg, d.stop_reason)
                 if finished == stream.params.n and d.finish_reason is not None:
@@ -785,6 +789,7 @@ async def _coalesced(stream: RequestStream):
                 m.token_ids += d.token_ids
                 m.text += d.text
                 m.logprobs += d.logprobs
+                m.prompt_logprobs = m.prompt_logprobs or d.prompt_logprobs
                 m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
         for d in merged.values():
             yield d

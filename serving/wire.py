@@ -106,6 +106,7 @@ _OPTIONAL = (
     "repetition_penalty",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "n",
 )
 _PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos", "include_stop_str_in_output")

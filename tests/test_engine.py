@@ -93,6 +93,59 @@ def test_preemption_under_a_tiny_kv_budget(params, alone):
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def _prompt_logprobs_alone(params, prompt, n):
+    """A prompt's logprobs from a roomy engine of its own: the whole prompt in one chunk."""
+    e = make_engine(params, enable_prefix_caching=False, max_num_batched_tokens=256)
+    _, (req,) = run(e, [prompt], [SamplingParams(max_tokens=1, prompt_logprobs=n)])
+    return req.seqs[0].prompt_logprobs
+
+
+def _assert_same_prompt_logprobs(got, ref):
+    assert got is not None and len(got) == len(ref)
+    assert [x.token_id for x in got] == [x.token_id for x in ref]
+    np.testing.assert_allclose([x.logprob for x in got], [x.logprob for x in ref], rtol=1e-5, atol=1e-5)
+    assert [list(x.top) for x in got] == [list(x.top) for x in ref]
+
+
+def test_prompt_logprobs_wait_out_one_token_budgets(params):
+    """15 sequences decoding under a 16-token budget leave one token a step. A prompt whose logprobs
+    are asked for waits for a larger share instead of running one position in the decode call,
+    which returns no logprobs of its positions (it used to lose them, then find the gap)."""
+    e = make_engine(params, max_num_batched_tokens=16, max_num_seqs=16)
+    rng = np.random.default_rng(3)
+    decoding = [
+        e.add_request(rng.integers(3, 128, 2).tolist(), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        for _ in range(15)
+    ]
+    while any(not r.seqs[0].output_ids for r in decoding):
+        e.step()
+    prompt = rng.integers(3, 128, 40).tolist()
+    req = e.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))
+    e.step()
+    assert req.seqs[0].num_computed == 0  # one token of budget left: it waits
+    while e.has_unfinished():
+        e.step()
+    _assert_same_prompt_logprobs(req.seqs[0].prompt_logprobs, _prompt_logprobs_alone(params, prompt, 2))
+
+
+def test_prompt_logprobs_through_chunks_preemption_and_prefix_sharing(params, alone):
+    """Every third workload request asks for prompt_logprobs under a cache so small that sequences
+    preempt each other (a preempted prompt is computed again: its positions are not reported twice)
+    and share prefixes (which those requests must not read). Each gets what it gets alone, and the
+    outputs are the same as without them."""
+    prompts, sps = workload()
+    sps = [dataclasses.replace(sp, prompt_logprobs=3) if i % 3 == 0 else sp for i, sp in enumerate(sps)]
+    e = make_engine(params, num_kv_pages=15)
+    got, reqs = run(e, prompts, sps)
+    assert got == alone
+    assert e.stats()["num_preemptions"] > 0
+    for prompt, sp, req in zip(prompts, sps, reqs):
+        if sp.prompt_logprobs is None:
+            assert req.seqs[0].prompt_logprobs is None
+        else:
+            _assert_same_prompt_logprobs(req.seqs[0].prompt_logprobs, _prompt_logprobs_alone(params, prompt, 3))
+
+
 def test_reused_pages_full_of_nan_never_leak(params, alone):
     prompts, sps = workload()
     e = make_engine(params, num_kv_pages=40, poison_reused_pages=True)
@@ -200,6 +253,17 @@ def test_no_compilation_after_warmup(params, placed):
     run(e, prompts, sps)
     assert num_compiles() == before
     assert e.stats()["num_compiles"] == before
+
+
+def test_prompt_logprobs_programs_compile_in_the_warmup_when_asked(params):
+    e = make_engine(params, num_kv_pages=40, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    e.warmup(prompt_logprobs=True)
+    before = num_compiles()
+    prompts = [[5, 6, 7] * 9, [8, 9] * 5, [4] * 40, [3, 1, 4, 1, 5]]
+    sps = [SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=i % 3, logprobs=1) for i in range(4)]
+    _, reqs = run(e, prompts, sps)
+    assert num_compiles() == before
+    assert [len(r.seqs[0].prompt_logprobs) for r in reqs] == [len(p) - 1 for p in prompts]
 
 
 def test_poisoned_pages_compile_in_the_warmup(params):
@@ -561,8 +625,8 @@ def test_a_step_interrupted_while_waiting_for_the_device_loses_no_update(params)
 
     def dispatch(chunks, t, mp):
         calls.append(t)
-        out = real(chunks, t, mp)
-        return Interrupted(out) if len(calls) == 2 else out
+        out, prompt_logprobs = real(chunks, t, mp)
+        return (Interrupted(out) if len(calls) == 2 else out), prompt_logprobs
 
     e._dispatch = dispatch
     with pytest.raises(KeyboardInterrupt):

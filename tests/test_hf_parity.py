@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_models import FAMILIES, make_hf_model, save_hf_model
+from hf_models import FAMILIES, GEMMA_FAMILIES, make_hf_gemma, make_hf_model, save_hf_model
 
 from jaxinfer import LLM, InvalidRequestError, SamplingParams
 from jaxinfer.kv_cache import Batch, KVCache
@@ -371,3 +371,49 @@ def test_bad_words_match_transformers_bad_words_ids(length, tmp_path):
     assert hf_tokens[:last] == free[:last] and hf_tokens[last] != free[last]
     p = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0.0, bad_words=[word])  # EOS banned, as there
     assert llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0].token_ids == hf_tokens
+
+
+@pytest.mark.parametrize("family", ["llama3.2-tied", "mistral-swa", "gemma3_text"])
+def test_prompt_logprobs_match_transformers(family, tmp_path):
+    """prompt_logprobs against transformers' log-softmax of a full forward over the prompt: every
+    prompt token's log-probability and the top 5 at its position. The prompt (35 tokens) runs in
+    16-token chunks over 4-token pages; a tied head, a sliding window (Mistral) and a hybrid model
+    with a final logit softcap (Gemma 3) each take their own path. The prompt is in the prefix cache
+    already: sample 0 computes it all the same, sample 1 (n=2) reads it from there."""
+    hf = make_hf_gemma(family) if family in GEMMA_FAMILIES else make_hf_model(family)
+    save_hf_model(hf, tmp_path)
+    prompt = PROMPT + PROMPT[::-1][1:]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()  # [T, V]
+    llm = LLM(str(tmp_path), num_kv_pages=64, page_size=4, max_num_batched_tokens=16)
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=plain)  # fills the prefix cache
+
+    def hits():
+        return llm.engine.stats()["prefix_cache_hit_tokens"]
+
+    before = hits()
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=plain)[0]
+    one_sample_hit = hits() - before
+    assert one_sample_hit > 0
+    before = hits()
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, n=2, prompt_logprobs=5, logprobs=3)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0]
+    assert hits() - before == one_sample_hit  # sample 1's; sample 0 read nothing from the cache
+
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    assert [lp.token_id for lp in lps[1:]] == prompt[1:]
+    positions = np.arange(len(prompt) - 1)
+    np.testing.assert_allclose([lp.logprob for lp in lps[1:]], ref[positions, prompt[1:]], atol=2e-4)
+    for pos, lp in zip(positions, lps[1:]):
+        ids = list(lp.top)
+        assert len(ids) == 5
+        np.testing.assert_allclose(list(lp.top.values()), ref[pos, ids], atol=2e-4)  # each its own value
+        fifth = np.sort(ref[pos])[-5]
+        assert min(lp.top.values()) >= fifth - 2e-4  # and they are the top 5, most likely first
+        assert list(lp.top.values()) == sorted(lp.top.values(), reverse=True)
+    # Asking for them changes nothing else: the same tokens, and the first one's logprob is the
+    # prompt's next-position distribution too.
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == first.token_ids
+    np.testing.assert_allclose(out.outputs[0].logprobs[0].logprob, ref[-1, first.token_ids[0]], atol=2e-4)

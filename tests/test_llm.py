@@ -709,6 +709,7 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--logit-bias", "5=101", "x"], "SamplingParams.logit_bias[5] must be a number in [-100, 100]"),
         (["generate", "--allowed-token-ids", "3,x", "x"], "--allowed-token-ids must be comma-separated integers"),
         (["generate", "--temperature", "-1", "x"], "temperature"),
+        (["generate", "--prompt-logprobs", "21", "x"], "SamplingParams.prompt_logprobs must be None or an integer"),
         (["generate", "--top-p", "0", "x"], "top_p"),
         (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
         (["generate", "--model", __file__, "x"], "is a file, not a directory"),
@@ -854,6 +855,8 @@ def test_cli_stream_n_and_capacity_flags(capsys):
                 "4",
                 "--logprobs",
                 "2",
+                "--prompt-logprobs",
+                "1",
                 "--prompt-ids",
                 "1,5,6",
             ]
@@ -862,6 +865,9 @@ def test_cli_stream_n_and_capacity_flags(capsys):
     )
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x["index"] for x in lines] == [0, 1] and all(len(x["logprobs"]) == len(x["token_ids"]) for x in lines)
+    for x in lines:  # the request's, with each sample
+        first, *rest = x["prompt_logprobs"]
+        assert first is None and [lp["token_id"] for lp in rest] == [5, 6] and all(len(lp["top"]) == 1 for lp in rest)
 
 
 def test_decode_timing_counts_the_rows_each_step_really_ran():

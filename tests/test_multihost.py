@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -33,6 +34,7 @@ ENGINE = ["--max-model-len", "64", "--page-size", "8", "--max-num-seqs", "4"]
 ENGINE += ["--max-num-batched-tokens", "32", "--no-prefix-caching"]
 PROMPTS = [[1, 5, 9, 33], [1, 7, 7, 7, 8, 90, 100, 3, 4], [1, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPT_LOGPROBS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
 READY_TIMEOUT = 300  # two processes importing JAX and compiling every step shape on a loaded 2-core machine
 
 
@@ -117,6 +119,12 @@ def reference(model_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_prompt_logprobs(model_dir):
+    llm = LLM(model_dir, max_model_len=64, page_size=8, num_kv_pages=48, max_num_seqs=4, max_num_batched_tokens=32)
+    return llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=PROMPT_LOGPROBS)[0].prompt_logprobs
+
+
 def _stream_until_error(client: Client, after_tokens: int, act) -> tuple[int, float, ServerError | None]:
     """Streams a long request; after `after_tokens` deltas calls act(); returns (deltas seen, seconds
     from act() to the error, the error)."""
@@ -134,7 +142,9 @@ def _stream_until_error(client: Client, after_tokens: int, act) -> tuple[int, fl
     return seen, float("nan"), None
 
 
-def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, model_dir, reference):
+def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(
+    tmp_path, model_dir, reference, reference_prompt_logprobs
+):
     job = Job(tmp_path, model_dir, "data=1,model=8", "--num-kv-pages", "48")
     try:
         client = Client(job.address)
@@ -156,6 +166,14 @@ def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(tmp_path, m
             assert [f.result(timeout=120).token_ids for f in unary] == reference
             assert [f.result(timeout=120) for f in streams] == reference
         assert "follower 1 of 2 ready" in job.log("follower")
+        # A prompt-logprobs step: its own program (compiled in every process's warm-up) and inputs
+        # (the targets, broadcast with the batch).
+        got = client.generate(prompt_token_ids=PROMPTS[3], sampling_params=PROMPT_LOGPROBS).prompt_logprobs
+        ref = reference_prompt_logprobs
+        assert got[0] is None and [x.token_id for x in got[1:]] == [x.token_id for x in ref[1:]] == PROMPTS[3][1:]
+        np.testing.assert_allclose([x.logprob for x in got[1:]], [x.logprob for x in ref[1:]], atol=1e-4)
+        for a, b in zip(got[1:], ref[1:]):
+            np.testing.assert_allclose(list(a.top.values()), list(b.top.values()), atol=1e-4)
 
         # Kill the follower mid-stream: the leader's next collective fails; the request ends UNAVAILABLE.
         seen, waited, err = _stream_until_error(client, 3, lambda: job.procs["follower"].send_signal(signal.SIGKILL))

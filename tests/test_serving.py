@@ -188,6 +188,38 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
     assert got.prompt_token_ids == ref.prompt_token_ids
 
 
+def _same_logprobs(got, ref):
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.token_id == b.token_id and list(a.top) == list(b.top)
+            np.testing.assert_allclose([a.logprob, *a.top.values()], [b.logprob, *b.top.values()], rtol=1e-5)
+
+
+def test_prompt_logprobs_and_streamed_logprobs_cross_the_wire(server, llm):
+    """prompt_logprobs as offline: in a unary response, and on sample 0's first streamed message
+    (only there); a stream's messages carry their tokens' logprobs too."""
+    prompt = "the quick brown fox jumps"
+    p = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2, logprobs=1, prompt_logprobs=2)
+    ref = llm.generate(prompt, p)[0]
+    assert len(ref.prompt_logprobs) == len(ref.prompt_token_ids) > 2
+    with Client(server.address) as c:
+        got = c.generate(prompt, p)
+        deltas = list(c.stream(prompt, p))
+    _same_logprobs(got.prompt_logprobs, ref.prompt_logprobs)
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs]
+    carrying = [d for d in deltas if d.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0].index == 0 and carrying[0] is next(d for d in deltas if d.index == 0)
+    _same_logprobs(carrying[0].prompt_logprobs, ref.prompt_logprobs)
+    for o in ref.outputs:
+        _same_logprobs([lp for d in deltas if d.index == o.index for lp in d.logprobs], o.logprobs)
+    offline = [d for d in llm.stream(prompt, dataclasses.replace(p, n=1))]
+    _same_logprobs(offline[0].prompt_logprobs, ref.prompt_logprobs)
+    assert all(d.prompt_logprobs is None for d in offline[1:])
+    _same_logprobs([lp for d in offline for lp in d.logprobs], ref.outputs[0].logprobs)
+
+
 def test_min_tokens_crosses_the_wire(server, llm):
     """SamplingParams.min_tokens reaches the server's engine: the request's first token, made a stop
     token, ends it at once without min_tokens and only after min_tokens with it, as offline."""
@@ -503,6 +535,7 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(top_p=0)), "SamplingParams.top_p must be in (0, 1]"),
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=0)), "SamplingParams.max_tokens"),
     (dict(text="hi", sampling_params=pb.SamplingParams(logprobs=21)), "SamplingParams.logprobs"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(prompt_logprobs=-1)), "SamplingParams.prompt_logprobs"),
     (dict(text="hi", sampling_params=pb.SamplingParams(n=0)), "SamplingParams.n"),
     (dict(text="hi", sampling_params=pb.SamplingParams(min_p=float("nan"))), "SamplingParams.min_p"),
     (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),

@@ -88,6 +88,24 @@ def single(params):
     return get
 
 
+def test_prompt_logprobs_on_a_mesh_are_the_single_device_ones(params):
+    """The prompt-logprobs program under the mesh: its targets split over `data` like the batch,
+    its outputs replicated; rows and values as on one device."""
+    prompts, sp = _workload()
+    sp = dataclasses.replace(sp, prompt_logprobs=3)
+    got = {}
+    for spec in (None, "data=2,model=4"):
+        e = _engine(CFG, params, None if spec is None else make_mesh(spec))
+        reqs = [e.add_request(p, sp) for p in prompts]
+        while e.has_unfinished():
+            e.step()
+        got[spec] = [r.seqs[0].prompt_logprobs for r in reqs]
+    for prompt, one, mesh in zip(prompts, got[None], got["data=2,model=4"]):
+        assert [x.token_id for x in mesh] == [x.token_id for x in one] == prompt[1:]
+        assert [list(x.top) for x in mesh] == [list(x.top) for x in one]
+        np.testing.assert_allclose([x.logprob for x in mesh], [x.logprob for x in one], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec,options", MESHES, ids=[f"{m}-{o.get('attention_backend', 'xla')}" for m, o in MESHES])
 def test_every_mesh_gives_the_single_device_tokens(params, single, spec, options):
     mesh = make_mesh(spec)
