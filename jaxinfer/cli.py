@@ -149,6 +149,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="top-n log-probabilities of every prompt token after the first (JSON output)",
     )
+    g.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=None,
+        help="run only the prompt's last K tokens (-1: as many as --max-model-len allows)",
+    )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     add_engine_arguments(g)
@@ -253,6 +259,7 @@ def _generate(args) -> int:
         n=args.n,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
         stop_token_ids=args.stop_token_ids,
         include_stop_str_in_output=args.include_stop_str_in_output,
         bad_words=args.bad_word,

@@ -620,8 +620,17 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
+    def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request runs it: its last `params.truncate_prompt_tokens` tokens (-1:
+        max_model_len - 1), or all of it."""
+        k = params.truncate_prompt_tokens
+        if k == -1:
+            k = self.max_model_len - 1
+        return list(prompt_ids[-k:]) if k is not None and len(prompt_ids) > k else prompt_ids
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError (naming the field and limit) if the request cannot run."""
+        """Raises InvalidRequestError (naming the field and limit) if the request cannot run (its
+        prompt truncated first, as `add_request` runs it)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
@@ -630,9 +639,15 @@ class Engine:
             raise InvalidRequestError("prompt_ids must hold integers")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: it must hold at least one token")
+        prompt_ids = self.truncated(prompt_ids, params)
         if len(prompt_ids) >= self.max_model_len:
+            kept = (
+                ""
+                if params.truncate_prompt_tokens is None
+                else f" (its last SamplingParams.truncate_prompt_tokens = {params.truncate_prompt_tokens})"
+            )
             raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens; the limit is max_model_len - 1 = {self.max_model_len - 1}"
+                f"prompt has {len(prompt_ids)} tokens{kept}; the limit is max_model_len - 1 = {self.max_model_len - 1}"
             )
         bad = [t for t in prompt_ids if not (0 <= t < self.cfg.vocab_size)]
         if bad:
@@ -687,7 +702,7 @@ class Engine:
         bad_words = self.bad_word_ids(params.bad_words)
         check_cache_salt(cache_salt)
         salt = salt_digest(cache_salt)
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = [int(t) for t in self.truncated(prompt_ids, params)]
         if request_id is not None and not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")
         rid = request_id if request_id is not None else str(next(self._ids))

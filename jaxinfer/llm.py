@@ -412,7 +412,7 @@ class LLM:
         defaults, and what the server's ModelInfo.default_sampling_params holds."""
         return dict(self._generation_overrides)
 
-    def _encode(self, text: str, field: str) -> list[int]:
+    def _encode(self, text: str, field: str, *, truncating: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}")
         if not text:
@@ -423,13 +423,15 @@ class LLM:
                 "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model): pass token ids "
                 "instead (prompt_token_ids=, or --prompt-ids)"
             )
+        if truncating:  # any length: the engine keeps the last tokens
+            return self.tokenizer.encode(text)
         return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=field)
 
-    def _prompt_item(self, p, i: int) -> tuple[str | None, list[int], str | None]:
+    def _prompt_item(self, p, i: int, truncating: bool) -> tuple[str | None, list[int], str | None]:
         """(text, ids, cache salt) of prompts[i]: a string, or a vLLM-style prompt dict ({"prompt":
         text} or {"prompt_token_ids": [...]}, and optionally "cache_salt")."""
         if not isinstance(p, Mapping):
-            return p, self._encode(p, f"prompts[{i}]"), None
+            return p, self._encode(p, f"prompts[{i}]", truncating=truncating), None
         keys = set(p) - {"cache_salt"}
         if unknown := sorted(map(str, keys - {"prompt", "prompt_token_ids"})):
             raise InvalidRequestError(
@@ -441,7 +443,7 @@ class LLM:
         salt = p.get("cache_salt")
         check_cache_salt(salt, f"prompts[{i}].cache_salt")
         if "prompt" in p:
-            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt"), salt
+            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt", truncating=truncating), salt
         return None, _token_ids(p["prompt_token_ids"], f"prompts[{i}].prompt_token_ids"), salt
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
@@ -458,7 +460,10 @@ class LLM:
                 f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}"
             )
         if prompts is not None:
-            texts, ids, salts = map(list, zip(*[self._prompt_item(p, i) for i, p in enumerate(prompts)]))
+            sampling_params = self._params_list(sampling_params, len(prompts))
+            truncating = [sp.truncate_prompt_tokens is not None for sp in sampling_params]
+            items = [self._prompt_item(p, i, cut) for i, (p, cut) in enumerate(zip(prompts, truncating))]
+            texts, ids, salts = map(list, zip(*items)) if items else ([], [], [])
             field = "prompts"
         else:
             if (
@@ -472,27 +477,33 @@ class LLM:
             texts = salts = [None] * len(prompt_token_ids)
             ids = [_token_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
             field = "prompt_token_ids"
-        if sampling_params is None:
-            sampling_params = self._default_params
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(ids)
-        if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
-            raise InvalidRequestError(
-                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
-            )
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(ids):
-            raise InvalidRequestError(
-                f"got {len(sampling_params)} sampling_params for {len(ids)} prompts (pass one, or one per prompt)"
-            )
+            sampling_params = self._params_list(sampling_params, len(ids))
         for i, (p, sp) in enumerate(zip(ids, sampling_params)):
-            if not isinstance(sp, SamplingParams):
-                raise InvalidRequestError(f"sampling_params[{i}] must be a SamplingParams")
             try:
                 self.engine.validate(p, sp)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"{name_of(i) if name_of else f'{field}[{i}]'}: {e}") from None
         return texts, ids, sampling_params, salts
+
+    def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt (None: the model's defaults; one: for every prompt)."""
+        if sampling_params is None:
+            sampling_params = self._default_params
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * count
+        if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != count:
+            raise InvalidRequestError(
+                f"got {len(sampling_params)} sampling_params for {count} prompts (pass one, or one per prompt)"
+            )
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"sampling_params[{i}] must be a SamplingParams")
+        return sampling_params
 
     def generate(
         self,

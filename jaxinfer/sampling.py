@@ -101,6 +101,10 @@ class SamplingParams:
             Raw distribution, as `logprobs`. Such a request's prompt is computed in full: it reads no
             pages from the prefix cache (it still offers its own).
         n: independent samples per prompt (1..64); sample i uses seed + i when a seed is given.
+        truncate_prompt_tokens: run only the prompt's last k tokens (vLLM's left truncation); -1: the
+            last max_model_len - 1 (as many as the engine takes); None: the whole prompt. The output's
+            prompt_token_ids are the tokens run. A text prompt is then not refused for its size
+            before it is tokenized.
         logit_bias: {token id: bias} added to those tokens' logits before sampling, as in OpenAI's API
             and vLLM; biases in [-100, 100], at most 1024 entries (an empty dict is None). Added before
             the penalties, as vLLM and transformers' `sequence_bias` add it (a repetition penalty
@@ -133,6 +137,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
@@ -195,6 +200,9 @@ class SamplingParams:
                 bad(field, v, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not is_int(k) or not (k == -1 or 1 <= k < 2**31)):
+            bad("truncate_prompt_tokens", k, "must be None, -1 (the engine's prompt limit) or an integer >= 1")
         self._check_logit_bias(bad)
         words = self.bad_words
         if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
@@ -219,7 +227,10 @@ class SamplingParams:
                 bad("allowed_token_ids", self.allowed_token_ids, f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} distinct ids")
             object.__setattr__(self, "allowed_token_ids", allowed)
         # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
-        for field in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n"):
+        for field in (
+            *("max_tokens", "min_tokens", "top_k", "seed"),
+            *("logprobs", "prompt_logprobs", "n", "truncate_prompt_tokens"),
+        ):
             if (v := getattr(self, field)) is not None:
                 object.__setattr__(self, field, int(v))
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

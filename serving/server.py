@@ -324,7 +324,9 @@ class Server:
         if self.state != "serving":
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); retry elsewhere")
 
-    def _tokenize(self, text: str, field: str) -> list[int]:
+    def _tokenize(self, text: str, field: str, *, truncating: bool = False) -> list[int]:
+        """The prompt's ids; a text too large for the prompt limit is refused before it is tokenized,
+        unless `truncating` (the request keeps only its last tokens)."""
         if not text:
             raise _invalid(f"{field}: the prompt is empty")
         tok = self.llm.tokenizer
@@ -334,6 +336,8 @@ class Server:
                 "send token ids instead"
             )
         try:
+            if truncating:
+                return tok.encode(text)
             return encode_prompt(tok, text, max_tokens=self.llm.engine.max_model_len - 1, field=field)
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
@@ -503,19 +507,24 @@ class Server:
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    def _start_generate(self, request: pb.GenerateRequest, info: dict, *, streaming: bool) -> RequestStream:
+    async def _start_generate(self, request: pb.GenerateRequest, info: dict, *, streaming: bool) -> RequestStream:
         info["cid"] = request.request_id or None
         which = request.WhichOneof("prompt")
         if which is None:
             raise _invalid("prompt: set one of text or token_ids")
-        if which == "text":
-            ids = self._tokenize(request.text, "text")
-        else:
-            ids = list(request.token_ids.ids)
         try:
             params = wire.sampling_params(request.sampling_params, self.llm.get_default_sampling_params())
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
+        if which == "text" and params.truncate_prompt_tokens is not None:
+            # A text of any size (up to the message limit): tokenized off the event loop, which
+            # several megabytes would hold up for a second.
+            ids = await asyncio.to_thread(self._tokenize, request.text, "text", truncating=True)
+        elif which == "text":
+            ids = self._tokenize(request.text, "text")
+        else:
+            ids = list(request.token_ids.ids)
+        ids = self.llm.engine.truncated(ids, params)  # what runs: the response's prompt_token_ids
         salt = request.cache_salt if request.HasField("cache_salt") else None
         try:
             check_cache_salt(salt)
@@ -531,7 +540,7 @@ class Server:
         return pb.Usage(prompt_tokens=len(stream.prompt_ids), completion_tokens=stream.completion_tokens)
 
     async def _generate(self, request, ctx, info):
-        stream = self._start_generate(request, info, streaming=False)
+        stream = await self._start_generate(request, info, streaming=False)
         n = stream.params.n
         comps = [pb.Completion(index=i) for i in range(n)]
         texts = [[] for _ in range(n)]
@@ -559,7 +568,7 @@ class Server:
         )
 
     async def _generate_stream(self, request, ctx, info):
-        stream = self._start_generate(request, info, streaming=True)
+        stream = await self._start_generate(request, info, streaming=True)
         finished = 0  # samples whose last message has been sent (the engine may be steps ahead)
         try:
             async for d in _coalesced(stream):

@@ -108,6 +108,7 @@ _OPTIONAL = (
     "logprobs",
     "prompt_logprobs",
     "n",
+    "truncate_prompt_tokens",
 )
 _PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos", "include_stop_str_in_output")
 

@@ -1016,3 +1016,30 @@ def test_a_stream_open_at_exit_leaves_quietly():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens():
+    """vLLM's left truncation: the output is the truncated prompt's, and its prompt_token_ids are the
+    tokens run; a text far past the prompt limit is tokenized instead of refused for its size."""
+    llm = LLM(max_model_len=64, num_kv_pages=16)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    text = "In the beginning God created the heaven and the earth. " * 200
+    with pytest.raises(InvalidRequestError, match="cannot fit in 63 tokens"):
+        llm.generate(text, greedy)
+    full = llm.tokenizer.encode(text)
+    out = llm.generate(text, dataclasses.replace(greedy, truncate_prompt_tokens=5))[0]
+    assert out.prompt_token_ids == full[-5:]
+    assert out.token_ids == llm.generate(prompt_token_ids=[full[-5:]], sampling_params=greedy)[0].token_ids
+    streamed = llm.stream({"prompt": text}, dataclasses.replace(greedy, truncate_prompt_tokens=5))
+    assert [t for d in streamed for t in d.token_ids] == out.token_ids
+    ids = list(range(3, 103))
+    longest = dataclasses.replace(greedy, truncate_prompt_tokens=-1)
+    assert llm.generate(prompt_token_ids=[ids], sampling_params=longest)[0].prompt_token_ids == ids[-63:]
+    roomy = dataclasses.replace(greedy, truncate_prompt_tokens=10)
+    assert llm.generate(prompt_token_ids=[[5, 6]], sampling_params=roomy)[0].prompt_token_ids == [5, 6]
+    with pytest.raises(InvalidRequestError, match=r"prompt has 70 tokens \(its last SamplingParams.truncate_prompt"):
+        llm.generate(prompt_token_ids=[ids], sampling_params=dataclasses.replace(greedy, truncate_prompt_tokens=70))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="SamplingParams.truncate_prompt_tokens must be None, -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert llm.generate([]) == []  # (it raised ValueError from an unpacking)

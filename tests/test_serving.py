@@ -220,6 +220,23 @@ def test_prompt_logprobs_and_streamed_logprobs_cross_the_wire(server, llm):
     _same_logprobs([lp for d in offline for lp in d.logprobs], ref.outputs[0].logprobs)
 
 
+def test_truncate_prompt_tokens_crosses_the_wire(server, llm):
+    """A text past the prompt limit's size, refused without truncation, runs its last tokens with
+    it (tokenized off the event loop), as offline; the response names the tokens run."""
+    text = "the quick brown fox jumps over the lazy dog. " * 300
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=6)
+    ref = llm.generate(text, p)[0]
+    assert ref.prompt_token_ids == llm.tokenizer.encode(text)[-6:]
+    with Client(server.address) as c:
+        got = c.generate(text, p)
+        streamed = [t for d in c.stream(text, p) for t in d.token_ids]
+        with pytest.raises(ServerError, match="cannot fit in 127 tokens") as refused:
+            c.generate(text, dataclasses.replace(p, truncate_prompt_tokens=None))
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert got.prompt_token_ids == ref.prompt_token_ids
+    assert got.token_ids == streamed == ref.token_ids
+
+
 def test_min_tokens_crosses_the_wire(server, llm):
     """SamplingParams.min_tokens reaches the server's engine: the request's first token, made a stop
     token, ends it at once without min_tokens and only after min_tokens with it, as offline."""
@@ -536,6 +553,11 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=0)), "SamplingParams.max_tokens"),
     (dict(text="hi", sampling_params=pb.SamplingParams(logprobs=21)), "SamplingParams.logprobs"),
     (dict(text="hi", sampling_params=pb.SamplingParams(prompt_logprobs=-1)), "SamplingParams.prompt_logprobs"),
+    (dict(text="hi", sampling_params=pb.SamplingParams(truncate_prompt_tokens=0)), "truncate_prompt_tokens"),
+    (
+        dict(token_ids=pb.TokenIds(ids=[5] * 400), sampling_params=pb.SamplingParams(truncate_prompt_tokens=200)),
+        "prompt has 200 tokens (its last SamplingParams.truncate_prompt_tokens = 200)",
+    ),
     (dict(text="hi", sampling_params=pb.SamplingParams(n=0)), "SamplingParams.n"),
     (dict(text="hi", sampling_params=pb.SamplingParams(min_p=float("nan"))), "SamplingParams.min_p"),
     (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),
