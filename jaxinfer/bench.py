@@ -496,12 +496,15 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     )
 
     greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    print("\nprefill (batch 1): time to first token")
-    print(f"{'prompt':>8} {'TTFT ms':>10} {'GFLOP/s':>10}")
+    scored = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    print("\nprefill (batch 1): time to first token; with prompt_logprobs (every position's, and the top 20)")
+    print(f"{'prompt':>8} {'TTFT ms':>10} {'GFLOP/s':>10} {'+prompt_lp ms':>14} {'ratio':>6}")
     for n in args.prompt_lens:
         prompt = rng.integers(low, cfg.vocab_size, n).tolist()
-        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy1)  # compile this bucket
+        for sp in (greedy1, scored):
+            llm.generate(prompt_token_ids=[prompt], sampling_params=sp)  # compile this bucket
         t = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=greedy1), args.repeats)
+        t_lp = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=scored), args.repeats)
         # Matmul FLOPs: every body weight once per prompt token (norm weights too: <0.2%), the LM head
         # once (logits only for the last token; the embedding table is a lookup), and attention's QK^T
         # and PV over the causal triangle (as notebooks/anatomy_of_inference.ipynb counts them).
@@ -509,8 +512,10 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)
         attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) // 2
         flops = 2 * body * n + 2 * head + attention
-        print(f"{n:>8} {t * 1e3:>10.1f} {flops / t / 1e9:>10.1f}")
-        report["ttft"].append({"prompt_len": n, "ttft_s": t, "flops": flops, "gflops": flops / t / 1e9})
+        print(f"{n:>8} {t * 1e3:>10.1f} {flops / t / 1e9:>10.1f} {t_lp * 1e3:>14.1f} {t_lp / t:>6.2f}")
+        report["ttft"].append(
+            {"prompt_len": n, "ttft_s": t, "flops": flops, "gflops": flops / t / 1e9, "prompt_logprobs_ttft_s": t_lp}
+        )
 
     print(
         f"\ndecode: prompt {args.context}, {args.new_tokens} new tokens per sequence "

@@ -781,6 +781,8 @@ def test_bench_runs_and_reports(capsys, tmp_path):
         attention = 2 * 2 * 2 * 4 * 32 * n * (n + 1) / 2  # QK^T and PV, causal, 2 layers x 4 heads of 32
         assert row["flops"] == pytest.approx(2 * per_token * n + 2 * 512 * 128 + attention, rel=3e-3)
         assert row["gflops"] == pytest.approx(row["flops"] / row["ttft_s"] / 1e9)
+        assert row["prompt_logprobs_ttft_s"] > 0
+    assert "+prompt_lp ms" in out
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
     assert "sampler" in out and [r["batch"] for r in report["sampler"]] == [1, 2]
     assert all(r[name] > 0 for r in report["sampler"] for name in bench.SAMPLER_SETTINGS)
