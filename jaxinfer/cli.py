@@ -142,6 +142,11 @@ def _parser() -> argparse.ArgumentParser:
         "--allowed-token-ids", type=_id_list("--allowed-token-ids"), default=None, help="only these ids may be drawn"
     )
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument(
+        "--cache-salt",
+        default=None,
+        help="share prefix-cache pages only with requests of the same salt (vLLM's cache_salt)",
+    )
     g.add_argument("--logprobs", type=int, default=None, help="top-n log-probabilities per token (JSON output)")
     g.add_argument(
         "--prompt-logprobs",
@@ -234,6 +239,7 @@ _LOCAL_ONLY = (
 def _generate(args) -> int:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.errors import InvalidRequestError
+    from jaxinfer.kv_cache import check_cache_salt
 
     if args.server is not None:
         from jaxinfer.client import check_target
@@ -276,21 +282,20 @@ def _generate(args) -> int:
         return SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
 
     params_over({})  # the flags are checked before anything loads
+    check_cache_salt(args.cache_salt, "--cache-salt")
     if args.server:
         return _generate_remote(args, params_over)
     llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
     params = params_over(llm.generation_overrides)
+    # vLLM's prompt dicts: text or ids, with the salt when one is given.
+    salt = {} if args.cache_salt is None else {"cache_salt": args.cache_salt}
+    prompts = [{"prompt": p, **salt} for p in args.prompt] or [
+        {"prompt_token_ids": ids, **salt} for ids in args.prompt_ids
+    ]
     if args.stream:
-        if args.prompt:
-            deltas = llm.stream(args.prompt[0], params)
-        else:
-            deltas = llm.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
-        _print_stream(args, deltas, has_text=llm.tokenizer is not None)
+        _print_stream(args, llm.stream(prompts[0], params), has_text=llm.tokenizer is not None)
         return 0
-    if args.prompt:
-        outs = llm.generate(args.prompt, params)
-    else:
-        outs = llm.generate(prompt_token_ids=args.prompt_ids, sampling_params=params)
+    outs = llm.generate(prompts, params)
     _print_outputs(args, llm.cfg.name, outs, has_text=llm.tokenizer is not None)
     return 0
 
@@ -301,25 +306,28 @@ def _generate_remote(args, params_over) -> int:
     # Every request is checked as the client will send it before the first RPC.
     checked = params_over({})
     for prompt in args.prompt:
-        _request(prompt, checked, None, None)
+        _request(prompt, checked, None, None, args.cache_salt)
     for ids in args.prompt_ids or []:
-        _request(None, checked, ids, None)
+        _request(None, checked, ids, None, args.cache_salt)
     with Client(args.server, timeout=args.timeout) as client:
         # The model info says what the served model recommends for the flags left out, and whether it
         # has a tokenizer: without one, its token ids are printed, as locally.
         info = client.model_info()
         params = params_over(info["default_sampling_overrides"])
+        salt = args.cache_salt
         if args.stream:
             if args.prompt:
-                deltas = client.stream(args.prompt[0], params)
+                deltas = client.stream(args.prompt[0], params, cache_salt=salt)
             else:
-                deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params)
+                deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params, cache_salt=salt)
             _print_stream(args, deltas, has_text=info["has_tokenizer"])
             return 0
         if args.prompt:
-            outs = [client.generate(p, params) for p in args.prompt]
+            outs = [client.generate(p, params, cache_salt=salt) for p in args.prompt]
         else:
-            outs = [client.generate(prompt_token_ids=p, sampling_params=params) for p in args.prompt_ids]
+            outs = [
+                client.generate(prompt_token_ids=p, sampling_params=params, cache_salt=salt) for p in args.prompt_ids
+            ]
         _print_outputs(args, info["model_name"], outs, has_text=info["has_tokenizer"])
     return 0
 

@@ -681,6 +681,8 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
     flags = ["--max-tokens", "6", "--json", "--prompt-ids", "1,1029,261"]
     assert main(["generate", *flags]) == 0
     free = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(["generate", *flags, "--cache-salt", "tenant-a"]) == 0  # salted: its own prefix pages
+    assert json.loads(capsys.readouterr().out)["token_ids"] == free
     extra = [
         *("--stop-token-ids", f"{free[1]},{free[3]}", "--min-tokens", "2"),
         *("--logit-bias", f"{free[0]}=-100", "--logit-bias", "7=1.5,9=-2"),
@@ -709,6 +711,7 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--logit-bias", "5=101", "x"], "SamplingParams.logit_bias[5] must be a number in [-100, 100]"),
         (["generate", "--allowed-token-ids", "3,x", "x"], "--allowed-token-ids must be comma-separated integers"),
         (["generate", "--temperature", "-1", "x"], "temperature"),
+        (["generate", "--cache-salt", "", "x"], "--cache-salt must be a non-empty string of at most 1024"),
         (["generate", "--prompt-logprobs", "21", "x"], "SamplingParams.prompt_logprobs must be None or an integer"),
         (["generate", "--top-p", "0", "x"], "top_p"),
         (["generate", "--model", "/no/such/dir", "x"], "does not exist"),

@@ -789,6 +789,19 @@ def test_cli_generate_against_server(server, llm, capsys):
     ref = llm.generate("fox and dog", SamplingParams(max_tokens=5, temperature=0))[0]
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
+    # --cache-salt reaches the server: a prompt's pages are shared with the same salt only.
+    ids = ",".join(str(3 + i % 200) for i in range(40))  # two full 16-token pages
+
+    def hits(salt: str) -> int:
+        before = server.server.llm.stats()["prefix_cache_hit_tokens"]
+        argv = ["generate", "--server", server.address, "--prompt-ids", ids, "--max-tokens", "1", "--json"]
+        assert cli.main([*argv, "--cache-salt", salt]) == 0
+        capsys.readouterr()
+        return server.server.llm.stats()["prefix_cache_hit_tokens"] - before
+
+    hits("cli-tenant-a")
+    assert (hits("cli-tenant-b"), hits("cli-tenant-a")) == (0, 32)
+
     rc = cli.main(["generate", "--server", server.address, "", "--max-tokens", "5"])
     err = capsys.readouterr().err
     assert rc == 2 and "INVALID_ARGUMENT" in err and "empty" in err
