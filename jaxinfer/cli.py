@@ -160,6 +160,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="run only the prompt's last K tokens (-1: as many as --max-model-len allows)",
     )
+    g.add_argument(
+        "--keep-special-tokens",
+        action="store_true",
+        help="write special tokens (EOS, chat markers) into the text (SamplingParams.skip_special_tokens=False)",
+    )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     add_engine_arguments(g)
@@ -266,6 +271,7 @@ def _generate(args) -> int:
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
         truncate_prompt_tokens=args.truncate_prompt_tokens,
+        skip_special_tokens=not args.keep_special_tokens,
         stop_token_ids=args.stop_token_ids,
         include_stop_str_in_output=args.include_stop_str_in_output,
         bad_words=args.bad_word,

@@ -18,6 +18,8 @@ ends after the stop string instead, and nothing is held back.
 
 from __future__ import annotations
 
+import functools
+
 from jaxinfer.tokenizer import Tokenizer
 
 _CONTEXT = 6  # prompt tokens of context for the first output tokens
@@ -26,9 +28,18 @@ _MAX_PENDING = 16  # tokens a window may hold back (an incomplete character or b
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), *, include_stop: bool = False
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ):
-        self._tok = tokenizer
+        # (Only a False is passed on: a tokenizer of the user's own may take no such argument.)
+        self._decode = (
+            tokenizer.decode if skip_special_tokens else functools.partial(tokenizer.decode, skip_special_tokens=False)
+        )
         self._ids = list(prompt_ids[-_CONTEXT:])
         self._prefix = 0  # start of the decoding window
         self._read = len(self._ids)  # tokens before this are already in `text`
@@ -59,8 +70,8 @@ class IncrementalDetokenizer:
             self._advance(final=True)
 
     def _advance(self, *, final: bool, find_stops: bool = True) -> None:
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         start = max(0, len(self.text) - self._search_back)
         end = len(self._ids)
         pending = (after.endswith("\ufffd") or self._ids[-1] in self._byte_ids) and not final
@@ -90,7 +101,7 @@ class IncrementalDetokenizer:
         whole (every byte U+FFFD), so the cut goes back to where its last whole character ends: six CJK
         characters spelled in bytes are 18 pieces. A run invalid throughout is taken in as it decodes."""
         for end in range(len(self._ids), self._read, -1):
-            text = after if end == len(self._ids) else self._tok.decode(self._ids[self._prefix : end])
+            text = after if end == len(self._ids) else self._decode(self._ids[self._prefix : end])
             if len(text) > len(before) and not text.endswith("\ufffd"):
                 return end, text
         return len(self._ids), after

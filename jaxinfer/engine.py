@@ -726,7 +726,11 @@ class Engine:
             )
             seq.detok = (
                 IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, params.stop, include_stop=params.include_stop_str_in_output
+                    self.tokenizer,
+                    prompt_ids,
+                    params.stop,
+                    include_stop=params.include_stop_str_in_output,
+                    skip_special_tokens=params.skip_special_tokens,
                 )
                 if self.tokenizer is not None
                 else None

@@ -93,6 +93,9 @@ class SamplingParams:
         include_stop_str_in_output: the text ends after the stop string that ended it, not before
             (vLLM's); what followed it in the same token is still cut.
         ignore_eos: keep generating past the end-of-sequence token.
+        skip_special_tokens: leave special tokens (BOS, EOS, <unk>, a chat format's markers) out of
+            the text, as vLLM and transformers' decode do by default; False: each is its own text
+            there ("</s>"), and stop strings may match it. token_ids are the same either way.
         logprobs: also return the log-probabilities of the top-n tokens (0..20) at each step, and of
             the chosen token; None for none. Log-probabilities are those of the model's raw
             distribution (before penalties, temperature and filtering).
@@ -134,6 +137,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -191,7 +195,7 @@ class SamplingParams:
         if len(ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
-        for field in ("ignore_eos", "include_stop_str_in_output"):
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, getattr(self, field), "must be a bool")
         for field in ("logprobs", "prompt_logprobs"):

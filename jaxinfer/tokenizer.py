@@ -49,7 +49,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
     @property
     def max_token_bytes(self) -> int:
@@ -302,8 +302,8 @@ class HFTokenizer:
     def max_token_bytes(self) -> int:
         return max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class SentencePieceTokenizer:
@@ -414,21 +414,25 @@ class SentencePieceTokenizer:
             ids = [*ids, self._eos_id] if self.add_eos else ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids` as transformers decodes it with `skip_special_tokens=True`.
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of `ids` as transformers decodes it.
 
-        Special tokens are dropped first; a non-special added token is its text; other ids past the
-        model's pieces (a config vocabulary padded beyond the tokenizer's) decode to nothing, as in
-        the tokenizer.json path. A run of byte pieces is one UTF-8 string, or if invalid, one U+FFFD
-        per byte (transformers' ByteFallback; SentencePiece's own decode would keep the valid bytes).
+        Special tokens are dropped first (or with skip_special_tokens=False, each is its own text:
+        "<s>", "<unk>"); a non-special added token is its text; other ids past the model's pieces (a
+        config vocabulary padded beyond the tokenizer's) decode to nothing, as in the tokenizer.json
+        path. A run of byte pieces is one UTF-8 string, or if invalid, one U+FFFD per byte
+        (transformers' ByteFallback; SentencePiece's own decode would keep the valid bytes).
         """
-        ids = [i for i in map(int, ids) if (0 <= i < self._num_pieces or i in self._added) and i not in self._skipped]
+        skipped = self._skipped if skip_special_tokens else frozenset()
+        ids = [i for i in map(int, ids) if (0 <= i < self._num_pieces or i in self._added) and i not in skipped]
         parts = []
         for kind, run in itertools.groupby(ids, key=self._kind):
             if kind == "piece":
                 parts.append(self._sp.decode(list(run)))
             elif kind == "added":  # through transformers' decoder too: "▁" is a space
                 parts.extend(self._added[i].replace("▁", " ") for i in run)
+            elif kind == "special":  # a control piece decodes to nothing in SentencePiece
+                parts.extend(self._sp.id_to_piece(i) for i in run)
             else:
                 data = bytes(self._byte_of[i] for i in run)
                 try:
@@ -439,7 +443,9 @@ class SentencePieceTokenizer:
         return text[1:] if self._prefix_space and text.startswith(" ") else text
 
     def _kind(self, i: int) -> str:
-        return "byte" if i in self._byte_of else "added" if i in self._added else "piece"
+        if i in self._byte_of:
+            return "byte"
+        return "added" if i in self._added else "special" if i in self._skipped else "piece"
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -465,7 +471,8 @@ class ByteTokenizer:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]
         return [self.bos_id, *ids] if add_special_tokens else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """Its pad, BOS and EOS ids have no text: nothing, whether special tokens are skipped or not."""
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 

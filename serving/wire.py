@@ -109,6 +109,7 @@ _OPTIONAL = (
     "prompt_logprobs",
     "n",
     "truncate_prompt_tokens",
+    "skip_special_tokens",
 )
 _PLAIN = ("presence_penalty", "frequency_penalty", "ignore_eos", "include_stop_str_in_output")
 

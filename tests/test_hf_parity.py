@@ -1,5 +1,6 @@
 """Parity with Hugging Face transformers on random-weight checkpoints written by save_pretrained."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -417,3 +418,35 @@ def test_prompt_logprobs_match_transformers(family, tmp_path):
     # prompt's next-position distribution too.
     assert out.outputs[0].token_ids == out.outputs[1].token_ids == first.token_ids
     np.testing.assert_allclose(out.outputs[0].logprobs[0].logprob, ref[-1, first.token_ids[0]], atol=2e-4)
+
+
+def test_skip_special_tokens_false_writes_them_as_transformers_decodes(tmp_path):
+    """skip_special_tokens=False: the same tokens, and the text as transformers decodes the prompt and
+    output with skip_special_tokens=False (past the prompt's own text), streamed or not; a stop string
+    may then be a special token's text. A bias on BOS and EOS (ignore_eos) mixes them into the output."""
+    import transformers
+    from hf_models import train_sentencepiece
+
+    hf = make_hf_model("llama3.1", vocab_size=36)  # the tokenizer's vocabulary
+    save_hf_model(hf, tmp_path)
+    train_sentencepiece(tmp_path, vocab_size=36)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), num_kv_pages=64, page_size=4)
+    prompt = llm.tokenizer.encode("darkness upon")
+    p = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logit_bias={1: 2.0, 2: 2.0})
+    keep = dataclasses.replace(p, skip_special_tokens=False)
+    skipped = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0]
+    kept = llm.generate(prompt_token_ids=[prompt], sampling_params=keep)[0]
+    ids = kept.token_ids
+    assert ids == skipped.token_ids and 2 in ids and len(set(ids) - {1, 2}) >= 3
+
+    def hf_text(skip):
+        before = theirs.decode(prompt, skip_special_tokens=skip)
+        return theirs.decode(prompt + ids, skip_special_tokens=skip)[len(before) :]
+
+    assert skipped.text == hf_text(True) and "</s>" not in skipped.text
+    assert kept.text == hf_text(False) and "</s>" in kept.text
+    assert "".join(d.text for d in llm.stream({"prompt_token_ids": prompt}, keep)) == kept.text
+    stopped = llm.generate(prompt_token_ids=[prompt], sampling_params=dataclasses.replace(keep, stop=["</s>"]))[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", "</s>")
+    assert stopped.text == kept.text[: kept.text.index("</s>")]

@@ -1181,3 +1181,39 @@ def test_jetstream_never_sends_the_stop_token(llm):
         assert s.server.llm.stats()["finished_sequences"]["stop"] == 1  # it did stop on EOS
     finally:
         s.stop()
+
+
+def test_every_sampling_param_crosses_the_wire_as_sent():
+    """The client's message read back by the server is the SamplingParams the caller made, for every
+    field set away from its default (a field the proto lacks, or the server's reader skips, fails)."""
+    from jaxinfer.client import _params
+    from serving import wire
+
+    p = SamplingParams(
+        max_tokens=9,
+        min_tokens=2,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        seed=4,
+        stop=["a"],
+        stop_token_ids=[7],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        logprobs=3,
+        prompt_logprobs=2,
+        n=2,
+        truncate_prompt_tokens=-1,
+        logit_bias={5: 1.5},
+        allowed_token_ids=[1, 2, 3],
+        bad_words=["x"],
+    )
+    defaults = SamplingParams()
+    assert [f.name for f in dataclasses.fields(p) if getattr(p, f.name) == getattr(defaults, f.name)] == []
+    assert wire.sampling_params(_params(p)) == p
+    assert wire.sampling_params(_params(defaults)) == defaults

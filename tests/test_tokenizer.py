@@ -199,6 +199,9 @@ def test_tokenizer_json_ids_match_transformers(tmp_path, saved, config, bos, eos
     assert (ours.encode("hello")[-1] == 2) == eos
     for text in STRINGS[:12]:
         assert ours.decode(ours.encode(text)) == text
+        ids = [1, *ours.encode(text, add_special_tokens=False), 2]
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+        assert ours.decode(ids, skip_special_tokens=False).startswith(theirs.convert_ids_to_tokens(1))
     _assert_size_bound_holds(ours)
 
 
@@ -353,6 +356,13 @@ def test_sentencepiece_decode_of_random_ids_matches_transformers(tmp_path, dummy
     b = {n: ours._sp.piece_to_id(f"<0x{n:02X}>") for n in (0x41, 0xE2)}
     assert ours.decode([b[0x41], b[0xE2]]) == "\ufffd\ufffd"
     assert ours.decode([b[0x41], 2, b[0x41]]) == "AA"  # 2: </s>, skipped
+    # Kept (skip_special_tokens=False): each special is its own text, and it splits a byte run.
+    assert ours.decode([b[0x41], 2, b[0x41]], skip_special_tokens=False) == "A</s>A"
+    specials = [0, 1, 2]  # <unk>, <s>, </s>: a random model draws them rarely, so mix them in
+    for _ in range(300):
+        ids = [rng.choice([rng.choice(specials), rng.randrange(ours.vocab_size)]) for _ in range(rng.randrange(1, 12))]
+        got = ours.decode(ids, skip_special_tokens=False)
+        assert got == theirs.decode(ids, skip_special_tokens=False), theirs.convert_ids_to_tokens(ids)
 
 
 @pytest.mark.parametrize("source", ["added_tokens_decoder", "added_tokens.json"])
@@ -382,6 +392,8 @@ def test_sentencepiece_added_tokens_have_their_own_ids(tmp_path, source):
     for _ in range(300):
         ids = [rng.choice([400, 401, 402, rng.randrange(ours.vocab_size)]) for _ in range(rng.randrange(1, 10))]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), theirs.convert_ids_to_tokens(ids)
+        kept = ours.decode(ids, skip_special_tokens=False)
+        assert kept == theirs.decode(ids, skip_special_tokens=False), theirs.convert_ids_to_tokens(ids)
 
 
 # ----------------------------------------------------------------------------------------------

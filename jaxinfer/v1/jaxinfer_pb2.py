@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxinfer/v1/jaxinfer.proto\x12\x0bjaxinfer.v1\"\x97\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.jaxinfer.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\n\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xda\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"\xc5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"\xd1\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprobB\r\n\x0bstop_reason\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xa8\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04mesh\x18\x06 \x01(\t\x12\x16\n\x0ekv_pages_total\x18\x07 \x01(\x05\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\t \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\x05\x12\x15\n\reos_token_ids\x18\r \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x0e \x01(\x08\x12\x0f\n\x07version\x18\x0f \x01(\t\x12<\n\x17\x64\x65\x66\x61ult_sampling_params\x18\x10 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x1d\n\x15kv_window_pages_total\x18\x11 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc5\x02\n\x10InferenceService\x12G\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.jaxinfer.v1.GenerateRequest\x1a#.jaxinfer.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a\x16.jaxinfer.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxinfer/v1/jaxinfer.proto\x12\x0bjaxinfer.v1\"\xd1\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.jaxinfer.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\n\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokensB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xda\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"\xc5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"\xd1\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprobB\r\n\x0bstop_reason\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xa8\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04mesh\x18\x06 \x01(\t\x12\x16\n\x0ekv_pages_total\x18\x07 \x01(\x05\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\t \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\x05\x12\x15\n\reos_token_ids\x18\r \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x0e \x01(\x08\x12\x0f\n\x07version\x18\x0f \x01(\t\x12<\n\x17\x64\x65\x66\x61ult_sampling_params\x18\x10 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x1d\n\x15kv_window_pages_total\x18\x11 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc5\x02\n\x10InferenceService\x12G\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.jaxinfer.v1.GenerateRequest\x1a#.jaxinfer.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a\x16.jaxinfer.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2546
-  _globals['_FINISHREASON']._serialized_end=2666
+  _globals['_FINISHREASON']._serialized_start=2604
+  _globals['_FINISHREASON']._serialized_end=2724
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=835
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=613
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=661
-  _globals['_TOKENIDS']._serialized_start=837
-  _globals['_TOKENIDS']._serialized_end=860
-  _globals['_GENERATEREQUEST']._serialized_start=863
-  _globals['_GENERATEREQUEST']._serialized_end=1064
-  _globals['_TOPLOGPROB']._serialized_start=1066
-  _globals['_TOPLOGPROB']._serialized_end=1113
-  _globals['_TOKENLOGPROB']._serialized_start=1115
-  _globals['_TOKENLOGPROB']._serialized_end=1202
-  _globals['_USAGE']._serialized_start=1204
-  _globals['_USAGE']._serialized_end=1261
-  _globals['_COMPLETION']._serialized_start=1264
-  _globals['_COMPLETION']._serialized_end=1482
-  _globals['_GENERATERESPONSE']._serialized_start=1485
-  _globals['_GENERATERESPONSE']._serialized_end=1682
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1685
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2022
-  _globals['_TOKENIZEREQUEST']._serialized_start=2024
-  _globals['_TOKENIZEREQUEST']._serialized_end=2055
-  _globals['_TOKENIZERESPONSE']._serialized_start=2057
-  _globals['_TOKENIZERESPONSE']._serialized_end=2094
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2096
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2117
-  _globals['_MODELINFO']._serialized_start=2120
-  _globals['_MODELINFO']._serialized_end=2544
-  _globals['_INFERENCESERVICE']._serialized_start=2669
-  _globals['_INFERENCESERVICE']._serialized_end=2994
+  _globals['_SAMPLINGPARAMS']._serialized_end=893
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=647
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=695
+  _globals['_TOKENIDS']._serialized_start=895
+  _globals['_TOKENIDS']._serialized_end=918
+  _globals['_GENERATEREQUEST']._serialized_start=921
+  _globals['_GENERATEREQUEST']._serialized_end=1122
+  _globals['_TOPLOGPROB']._serialized_start=1124
+  _globals['_TOPLOGPROB']._serialized_end=1171
+  _globals['_TOKENLOGPROB']._serialized_start=1173
+  _globals['_TOKENLOGPROB']._serialized_end=1260
+  _globals['_USAGE']._serialized_start=1262
+  _globals['_USAGE']._serialized_end=1319
+  _globals['_COMPLETION']._serialized_start=1322
+  _globals['_COMPLETION']._serialized_end=1540
+  _globals['_GENERATERESPONSE']._serialized_start=1543
+  _globals['_GENERATERESPONSE']._serialized_end=1740
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1743
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2080
+  _globals['_TOKENIZEREQUEST']._serialized_start=2082
+  _globals['_TOKENIZEREQUEST']._serialized_end=2113
+  _globals['_TOKENIZERESPONSE']._serialized_start=2115
+  _globals['_TOKENIZERESPONSE']._serialized_end=2152
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2154
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2175
+  _globals['_MODELINFO']._serialized_start=2178
+  _globals['_MODELINFO']._serialized_end=2602
+  _globals['_INFERENCESERVICE']._serialized_start=2727
+  _globals['_INFERENCESERVICE']._serialized_end=3052
 # @@protoc_insertion_point(module_scope)
