@@ -600,6 +600,7 @@ class LLM:
         )
         batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = list(messages) if batched else [messages]
+        params = self._params_list(sampling_params, len(conversations))
         texts, ids = [], []
         for i, conv in enumerate(conversations):
             field = f"messages[{i}]" if batched else "messages"
@@ -613,10 +614,13 @@ class LLM:
                 field=field,
             )
             texts.append(text)
-            max_tokens = self.engine.max_model_len - 1
-            ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
+            if params[i].truncate_prompt_tokens is not None:  # any length: the engine keeps the last tokens
+                ids.append(tok.encode(text, add_special_tokens=False))
+            else:
+                max_tokens = self.engine.max_model_len - 1
+                ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
         name_of = (lambda i: f"messages[{i}]") if batched else (lambda i: "messages")
-        outs = self._generate(*self._prompts(None, sampling_params, ids, name_of=name_of), use_tqdm=use_tqdm)
+        outs = self._generate(*self._prompts(None, params, ids, name_of=name_of), use_tqdm=use_tqdm)
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs

@@ -1,5 +1,6 @@
 """Tokenizers and chat templates against transformers' AutoTokenizer on the same files."""
 
+import dataclasses
 import json
 import random
 
@@ -520,6 +521,15 @@ def test_llm_chat_generates_from_the_rendered_prompt(chat_llm):
     # A refusal names the conversation the caller passed, not the token ids chat() made of it.
     with pytest.raises(InvalidRequestError, match=r"^messages\[0\]: SamplingParams\.stop_token_ids"):
         chat_llm.chat(CONVERSATIONS, SamplingParams(stop_token_ids=[100000]))
+    # truncate_prompt_tokens: a conversation past the prompt limit's size runs its last tokens
+    # (it was refused for its size first, as a text prompt of generate() is not).
+    long = [{"role": "user", "content": "hello there, how are you today? " * 400}]
+    with pytest.raises(InvalidRequestError, match="cannot fit in 255 tokens"):
+        chat_llm.chat(long, params)
+    cut = chat_llm.chat(long, dataclasses.replace(params, truncate_prompt_tokens=20))[0]
+    rendered = theirs.apply_chat_template(long, add_generation_prompt=True, return_dict=False)
+    assert cut.prompt_token_ids == rendered[-20:]
+    assert cut.token_ids == chat_llm.generate(prompt_token_ids=[rendered[-20:]], sampling_params=params)[0].token_ids
 
 
 def test_llm_chat_continues_the_final_message(chat_llm):
