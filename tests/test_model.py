@@ -10,7 +10,7 @@ import pytest
 from jaxinfer.config import ModelConfig, SlidingWindow
 from jaxinfer.engine import num_compiles
 from jaxinfer.kv_cache import Batch, KVCache, OutOfPagesError, PagePool
-from jaxinfer.model import decode_step, init_params, prefill
+from jaxinfer.model import decode_step, init_params, prefill, prefill_with_prompt_logprobs
 
 CFG = ModelConfig(
     vocab_size=97,
@@ -125,6 +125,49 @@ def test_chunked_prefill_across_page_boundaries(params):
     ends = np.cumsum([3, 5, 4, 1, 10]) - 1
     for o, e in zip(outs, ends):
         np.testing.assert_allclose(o, ref[e], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_logprobs_match_numpy_over_chunks_and_rows(params):
+    """prefill_with_prompt_logprobs against the float64 NumPy forward: every position's log-probability
+    of the next token and its top 5, for a prompt fed in two chunks (the second starting mid-page)
+    beside a shorter row and an empty padding row; its logits are exactly `prefill`'s."""
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    other = TOKENS[::-1][:7]
+    ref, ref_other = (log_softmax(numpy_forward(CFG, params, r)) for r in (TOKENS, other))
+    tables = [[9, 3, 12, 5, 1, 7, 2, 4], [6, 8, 10, 11, 13, 14, 15, 0], [0] * 8]
+
+    def fresh():
+        return KVCache.create(CFG, num_pages=16, page_size=PS)
+
+    cache, done = fresh(), 0
+    for n in (10, len(TOKENS) - 10):
+        rows = [TOKENS[done : done + n], other if done == 0 else [0] * n, [0] * n]
+        t = 16
+        tokens = [r + [0] * (t - len(r)) for r in rows]
+        targets = [TOKENS[done + 1 : done + n + 1], other[1:], []]
+        targets = [r + [0] * (t - len(r)) for r in targets]
+        q = [n, len(other) if done == 0 else 0, 0]
+        batch = _batch(tokens, q, [done + n, q[1], 0], tables)
+        plain, _ = prefill(params, jax.tree.map(jnp.copy, cache), batch, cfg=CFG)  # (the cache is donated)
+        logits, cache, plp = prefill_with_prompt_logprobs(
+            params, cache, batch, jnp.asarray(targets, jnp.int32), cfg=CFG, top_n=5
+        )
+        assert np.array_equal(np.asarray(logits)[:2], np.asarray(plain)[:2])
+        for row, (r, lp, count) in enumerate([(TOKENS, ref, n), (other, ref_other, q[1])]):
+            start = done if row == 0 else 0
+            for j in range(count):
+                pos = start + j
+                if pos + 1 >= len(r):
+                    continue  # the last token's position: no next prompt token
+                np.testing.assert_allclose(plp.logprob[row, j], lp[pos, r[pos + 1]], atol=1e-5)
+                top = np.argsort(-lp[pos])[:5]
+                assert list(np.asarray(plp.top_ids[row, j])) == list(top)
+                np.testing.assert_allclose(plp.top_logprobs[row, j], lp[pos, top], atol=1e-5)
+        done += n
 
 
 def test_kv_cache_bits_do_not_depend_on_how_the_prompt_is_chunked(params):
