@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
         after = self._decode(self._ids[self._prefix :])
         start = max(0, len(self.text) - self._search_back)
         end = len(self._ids)
-        pending = (after.endswith("\ufffd") or self._ids[-1] in self._byte_ids) and not final
+        pending = (after.endswith("\ufffd") or self._byte_run_open(after)) and not final
         if pending and end - self._read < _MAX_PENDING:
             # A character or byte run is still incomplete: keep the window open, but a stop string may
             # already be complete in the text before it (a token can end one character and begin the next).
@@ -94,6 +94,16 @@ class IncrementalDetokenizer:
             self._find_stop(self.text, start)
         else:
             self._unsearched = max(self._unsearched, len(self.text))
+
+    def _byte_run_open(self, after: str) -> bool:
+        """Whether the window ends in a byte-fallback run a later byte piece may still join: its last
+        id is a byte piece, or only ids that add no text (special tokens the decode skips) follow
+        the window's last one (decode drops them first, so the bytes on either side are one run)."""
+        ids = self._ids
+        if ids[-1] in self._byte_ids:
+            return True
+        last = next((i for i in range(len(ids) - 2, self._read - 1, -1) if ids[i] in self._byte_ids), None)
+        return last is not None and self._decode(ids[self._prefix : last + 1]) == after
 
     def _whole_prefix(self, before: str, after: str) -> tuple[int, str]:
         """The longest run of the window's tokens that decodes to more than `before` without ending in
