@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="auto: sampling fields a request leaves unset take the model's generation_config.json values "
         "(as in vLLM); none: SamplingParams' defaults",
     )
+    p.add_argument(
+        "--warmup-prompt-logprobs",
+        action="store_true",
+        help="also compile the prompt-logprobs programs before serving (else the first request with "
+        "prompt_logprobs at each prefill shape compiles one; a multi-host job always compiles them)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_engine_arguments(p)
     d = p.add_argument_group("multi-host (every process runs the same command with its own --process-id)")
@@ -131,6 +137,7 @@ def run(args) -> int:
         stream_interval=args.stream_interval,
         peer_timeout=args.peer_timeout,
         peer_startup_timeout=args.peer_startup_timeout,
+        warmup_prompt_logprobs=args.warmup_prompt_logprobs,
         engine=engine_kwargs(args) | {"generation_config": args.generation_config},
     )
 

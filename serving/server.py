@@ -61,6 +61,8 @@ class ServerConfig:
     stream_interval: int = 1  # GenerateStream sends a sample's tokens once this many have accumulated
     peer_timeout: float = 60.0  # multi-host: a step waiting this long on the other processes breaks the job
     peer_startup_timeout: float = 600.0  # the same while loading and warming up (load and compile times differ)
+    # Warm up the prompt-logprobs programs too (a multi-process job always does: see Engine.warmup).
+    warmup_prompt_logprobs: bool = False
     engine: dict = dataclasses.field(default_factory=dict)
 
 
@@ -224,7 +226,7 @@ class Server:
                 if llm is None:
                     llm = jaxinfer.LLM(self.config.model, dtype=self.config.dtype, **self.config.engine)
                 t0 = time.perf_counter()
-                n = llm.engine.warmup()
+                n = llm.engine.warmup(prompt_logprobs=self.config.warmup_prompt_logprobs or None)
                 log.info(json.dumps({"event": "warmup", "compilations": n, "seconds": time.perf_counter() - t0}))
                 loop.call_soon_threadsafe(settle, llm)
             except BaseException as e:  # reported by the health check and the log

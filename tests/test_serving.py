@@ -1217,3 +1217,20 @@ def test_every_sampling_param_crosses_the_wire_as_sent():
     assert [f.name for f in dataclasses.fields(p) if getattr(p, f.name) == getattr(defaults, f.name)] == []
     assert wire.sampling_params(_params(p)) == p
     assert wire.sampling_params(_params(defaults)) == defaults
+
+
+def test_warmup_prompt_logprobs_leaves_nothing_to_compile():
+    """--warmup-prompt-logprobs: the warm-up compiles the prompt-logprobs programs too, so a request
+    with prompt_logprobs compiles nothing (by default the first at each prefill shape compiles one)."""
+    jax.clear_caches()  # programs another test compiled would hide a missing warm-up
+    small = dict(ENGINE, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_pages=16)
+    s = ServerThread(LLM(**small), warmup_prompt_logprobs=True)
+    try:
+        before = s.server.llm.stats()["num_compiles"]
+        p = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+        with Client(s.address) as c:
+            outs = [c.generate(prompt_token_ids=list(range(5, 5 + n)), sampling_params=p) for n in (40, 20, 7)]
+        assert [len(o.prompt_logprobs) for o in outs] == [40, 20, 7]
+        assert s.server.llm.stats()["num_compiles"] == before
+    finally:
+        s.stop()
