@@ -554,6 +554,7 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(logprobs=21)), "SamplingParams.logprobs"),
     (dict(text="hi", sampling_params=pb.SamplingParams(prompt_logprobs=-1)), "SamplingParams.prompt_logprobs"),
     (dict(text="hi", sampling_params=pb.SamplingParams(truncate_prompt_tokens=0)), "truncate_prompt_tokens"),
+    (dict(text="", sampling_params=pb.SamplingParams(truncate_prompt_tokens=5)), "text: the prompt is empty"),
     (
         dict(token_ids=pb.TokenIds(ids=[5] * 400), sampling_params=pb.SamplingParams(truncate_prompt_tokens=200)),
         "prompt has 200 tokens (its last SamplingParams.truncate_prompt_tokens = 200)",
