@@ -628,6 +628,12 @@ class Engine:
             k = self.max_model_len - 1
         return list(prompt_ids[-k:]) if k is not None and len(prompt_ids) > k else prompt_ids
 
+    def truncation_fits(self, params: SamplingParams) -> bool:
+        """Whether truncate_prompt_tokens leaves any prompt short enough to run (at most
+        max_model_len - 1 tokens): its text need not be refused for its size before tokenizing."""
+        k = params.truncate_prompt_tokens
+        return k is not None and (k == -1 or k < self.max_model_len)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError (naming the field and limit) if the request cannot run (its
         prompt truncated first, as `add_request` runs it)."""

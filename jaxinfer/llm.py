@@ -461,7 +461,7 @@ class LLM:
             )
         if prompts is not None:
             sampling_params = self._params_list(sampling_params, len(prompts))
-            truncating = [sp.truncate_prompt_tokens is not None for sp in sampling_params]
+            truncating = [self.engine.truncation_fits(sp) for sp in sampling_params]
             items = [self._prompt_item(p, i, cut) for i, (p, cut) in enumerate(zip(prompts, truncating))]
             texts, ids, salts = map(list, zip(*items)) if items else ([], [], [])
             field = "prompts"
@@ -614,7 +614,7 @@ class LLM:
                 field=field,
             )
             texts.append(text)
-            if params[i].truncate_prompt_tokens is not None:  # any length: the engine keeps the last tokens
+            if self.engine.truncation_fits(params[i]):  # any length: the engine keeps the last tokens
                 ids.append(tok.encode(text, add_special_tokens=False))
             else:
                 max_tokens = self.engine.max_model_len - 1

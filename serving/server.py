@@ -13,7 +13,9 @@ disconnects or runs out of deadline aborts its request before the engine's next 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -40,6 +42,7 @@ from serving.async_engine import AsyncEngine, Delta, DrainingError, EngineFailed
 
 log = logging.getLogger("jaxinfer.serving")
 _DEADLINE_SLACK_S = 0.1
+_TOKENIZE_THREADS = 2  # truncating requests' texts tokenized at once (the tokenizers release the GIL)
 
 SERVICE = "jaxinfer.v1.InferenceService"
 JETSTREAM_SERVICE = "jetstream_proto.Orchestrator"
@@ -114,6 +117,12 @@ class Server:
         self._load_thread: threading.Thread | None = None
         self._load_watch: asyncio.Future | None = None  # multi-host: bounds the waits on the peers while loading
         self._rpc_ids = itertools.count(1)
+        # Truncating requests' texts, tokenized whatever their size off the event loop. Its own few
+        # threads: work queued for a call that ends meanwhile (deadline, cancel) is dropped unrun,
+        # and the default pool (shutdown uses it) never waits behind a backlog.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_TOKENIZE_THREADS, thread_name_prefix="jaxinfer-tokenize"
+        )
         self._observed: set[str] = set()  # methods counted in jaxinfer_requests (filled by _observe)
         self.registry = CollectorRegistry()
         self._requests = Counter(
@@ -301,6 +310,7 @@ class Server:
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         self._stop_metrics()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.state = "stopped"
         self.ready.set()  # wakes anyone still waiting for a load that will never be used
         self._stopped.set()
@@ -518,10 +528,11 @@ class Server:
             params = wire.sampling_params(request.sampling_params, self.llm.get_default_sampling_params())
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
-        if which == "text" and params.truncate_prompt_tokens is not None:
+        if which == "text" and self.llm.engine.truncation_fits(params):
             # A text of any size (up to the message limit): tokenized off the event loop, which
             # several megabytes would hold up for a second.
-            ids = await asyncio.to_thread(self._tokenize, request.text, "text", truncating=True)
+            tokenize = functools.partial(self._tokenize, request.text, "text", truncating=True)
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenize)
         elif which == "text":
             ids = self._tokenize(request.text, "text")
         else:

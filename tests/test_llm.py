@@ -1031,6 +1031,8 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens():
     text = "In the beginning God created the heaven and the earth. " * 200
     with pytest.raises(InvalidRequestError, match="cannot fit in 63 tokens"):
         llm.generate(text, greedy)
+    with pytest.raises(InvalidRequestError, match="cannot fit in 63 tokens"):  # kept 64 could not fit: refused unread
+        llm.generate(text, dataclasses.replace(greedy, truncate_prompt_tokens=64))
     full = llm.tokenizer.encode(text)
     out = llm.generate(text, dataclasses.replace(greedy, truncate_prompt_tokens=5))[0]
     assert out.prompt_token_ids == full[-5:]

@@ -9,6 +9,7 @@ the tokens it gets alone.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -1235,3 +1236,33 @@ def test_warmup_prompt_logprobs_leaves_nothing_to_compile():
         assert s.server.llm.stats()["num_compiles"] == before
     finally:
         s.stop()
+
+
+def test_truncating_texts_of_calls_that_ended_are_never_tokenized(server):
+    """A truncating request's text is tokenized (whatever its size) on a pool of its own: work queued
+    for calls that ended meanwhile (here: deadlines) is dropped unrun, not done for nobody while
+    later calls, and the server's shutdown, wait behind it."""
+    from serving.server import _TOKENIZE_THREADS
+
+    started = []
+    real = server.server._tokenize
+
+    def slow(*args, **kwargs):
+        started.append(args[0][:1])
+        time.sleep(0.5)  # a few megabytes' worth
+        return real(*args, **kwargs)
+
+    server.server._tokenize = slow
+    try:
+        p = SamplingParams(max_tokens=2, truncate_prompt_tokens=8)
+        with Client(server.address) as c, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            calls = [pool.submit(c.generate, f"{i} some text", p, timeout=0.1) for i in range(8)]
+            codes = [f.exception(timeout=30).code for f in calls]
+        assert codes == ["DEADLINE_EXCEEDED"] * 8
+        time.sleep(1.2)  # what started has finished; nothing else starts
+        assert 1 <= len(started) <= _TOKENIZE_THREADS, started
+    finally:
+        server.server._tokenize = real
+    server.wait_idle()
+    with Client(server.address) as c:  # and the pool serves the next call
+        assert len(c.generate("a fine prompt", p).prompt_token_ids) == 8
