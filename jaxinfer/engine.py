@@ -132,12 +132,24 @@ class Request:
 
 @dataclasses.dataclass
 class SeqUpdate:
-    """What one step did to one sequence: tokens added, text released, finished or not."""
+    """What one step did to one sequence: tokens added, text released, finished or not (see
+    `SeqUpdate.of`)."""
 
     seq: Sequence
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[Logprob] | None = None  # token_ids', one each, when the request asked for logprobs
+    prompt_logprobs: list[Logprob] | None = None  # on the sample's first update, when asked: prompt tokens 1, 2, ...
+
+    @classmethod
+    def of(cls, seq: Sequence, new_tokens: list[int], text: str, finish_reason: str | None) -> SeqUpdate:
+        """The update that adds `new_tokens` (already appended to seq, each with its Logprob when asked
+        for). The sample's first (no output before it) carries the prompt's logprobs."""
+        lps = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new_tokens) :]
+        first = len(seq.tokens) - seq.prompt_len == len(new_tokens)
+        plp = list(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None
+        return cls(seq, new_tokens, text, finish_reason, lps, plp)
 
 
 def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, num_window_kv_pages=None) -> None:
@@ -628,11 +640,11 @@ class Engine:
             k = self.max_model_len - 1
         return list(prompt_ids[-k:]) if k is not None and len(prompt_ids) > k else prompt_ids
 
-    def truncation_fits(self, params: SamplingParams) -> bool:
-        """Whether truncate_prompt_tokens leaves any prompt short enough to run (at most
-        max_model_len - 1 tokens): its text need not be refused for its size before tokenizing."""
+    def prompt_token_limit(self, params: SamplingParams) -> int | None:
+        """The most tokens a request's prompt may have before truncation: max_model_len - 1, or None
+        (any number) when truncate_prompt_tokens leaves every prompt short enough to run."""
         k = params.truncate_prompt_tokens
-        return k is not None and (k == -1 or k < self.max_model_len)
+        return None if k is not None and (k == -1 or k < self.max_model_len) else self.max_model_len - 1
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError (naming the field and limit) if the request cannot run (its
@@ -788,7 +800,7 @@ class Engine:
             except Exception:  # a tokenizer that cannot decode what is held back: the abort still stands
                 log.exception("request %s: the final text of an aborted sample could not be decoded", request_id)
                 text = ""
-            updates.append(SeqUpdate(seq, [], text, "abort"))
+            updates.append(SeqUpdate.of(seq, [], text, "abort"))
         return updates
 
     def release(self, request_id: str) -> None:
@@ -1015,7 +1027,7 @@ class Engine:
         if generated >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, [token], "length")
         text = seq.detok.pop_delta() if seq.detok is not None else ""
-        return SeqUpdate(seq, [token], text, None)
+        return SeqUpdate.of(seq, [token], text, None)
 
     def _finish(self, seq: Sequence, new_tokens: list[int], reason: str) -> SeqUpdate:
         text = self._final_text(seq)
@@ -1025,7 +1037,7 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.metrics.count_finished(reason)
         self._observe_end(seq)
-        return SeqUpdate(seq, new_tokens, text, reason)
+        return SeqUpdate.of(seq, new_tokens, text, reason)
 
     def _observe_end(self, seq: Sequence) -> None:
         """Request latency, once per request: when its last sample ends (finished or aborted)."""

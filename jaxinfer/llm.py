@@ -412,7 +412,7 @@ class LLM:
         defaults, and what the server's ModelInfo.default_sampling_params holds."""
         return dict(self._generation_overrides)
 
-    def _encode(self, text: str, field: str, *, truncating: bool = False) -> list[int]:
+    def _encode(self, text: str, field: str, max_tokens: int | None) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}")
         if not text:
@@ -423,15 +423,13 @@ class LLM:
                 "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model): pass token ids "
                 "instead (prompt_token_ids=, or --prompt-ids)"
             )
-        if truncating:  # any length: the engine keeps the last tokens
-            return self.tokenizer.encode(text)
-        return encode_prompt(self.tokenizer, text, max_tokens=self.engine.max_model_len - 1, field=field)
+        return encode_prompt(self.tokenizer, text, max_tokens=max_tokens, field=field)
 
-    def _prompt_item(self, p, i: int, truncating: bool) -> tuple[str | None, list[int], str | None]:
+    def _prompt_item(self, p, i: int, max_tokens: int | None) -> tuple[str | None, list[int], str | None]:
         """(text, ids, cache salt) of prompts[i]: a string, or a vLLM-style prompt dict ({"prompt":
         text} or {"prompt_token_ids": [...]}, and optionally "cache_salt")."""
         if not isinstance(p, Mapping):
-            return p, self._encode(p, f"prompts[{i}]", truncating=truncating), None
+            return p, self._encode(p, f"prompts[{i}]", max_tokens), None
         keys = set(p) - {"cache_salt"}
         if unknown := sorted(map(str, keys - {"prompt", "prompt_token_ids"})):
             raise InvalidRequestError(
@@ -443,7 +441,7 @@ class LLM:
         salt = p.get("cache_salt")
         check_cache_salt(salt, f"prompts[{i}].cache_salt")
         if "prompt" in p:
-            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt", truncating=truncating), salt
+            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt", max_tokens), salt
         return None, _token_ids(p["prompt_token_ids"], f"prompts[{i}].prompt_token_ids"), salt
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
@@ -461,8 +459,8 @@ class LLM:
             )
         if prompts is not None:
             sampling_params = self._params_list(sampling_params, len(prompts))
-            truncating = [self.engine.truncation_fits(sp) for sp in sampling_params]
-            items = [self._prompt_item(p, i, cut) for i, (p, cut) in enumerate(zip(prompts, truncating))]
+            limits = [self.engine.prompt_token_limit(sp) for sp in sampling_params]
+            items = [self._prompt_item(p, i, limit) for i, (p, limit) in enumerate(zip(prompts, limits))]
             texts, ids, salts = map(list, zip(*items)) if items else ([], [], [])
             field = "prompts"
         else:
@@ -614,11 +612,8 @@ class LLM:
                 field=field,
             )
             texts.append(text)
-            if self.engine.truncation_fits(params[i]):  # any length: the engine keeps the last tokens
-                ids.append(tok.encode(text, add_special_tokens=False))
-            else:
-                max_tokens = self.engine.max_model_len - 1
-                ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
+            max_tokens = self.engine.prompt_token_limit(params[i])
+            ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
         name_of = (lambda i: f"messages[{i}]") if batched else (lambda i: "messages")
         outs = self._generate(*self._prompts(None, params, ids, name_of=name_of), use_tqdm=use_tqdm)
         for out, text in zip(outs, texts):
@@ -655,8 +650,6 @@ class LLM:
         req = self._start(prompt_ids, params, salt)
         mine = self._updates[req.request_id]
         ended = set()  # samples whose finish_reason has been yielded
-        sent = {}  # sample index -> its logprobs yielded so far
-        prompt_sent = False  # the prompt's logprobs (sample 0 holds them)
         try:
             while True:
                 while mine:
@@ -665,20 +658,14 @@ class LLM:
                         s = u.seq
                         if u.finish_reason:
                             ended.add(s.index)
-                        lps = None
-                        if s.logprobs is not None:
-                            lps, sent[s.index] = s.logprobs[sent.get(s.index, 0) :], len(s.logprobs)
-                        plp = None
-                        if s.prompt_logprobs is not None and not prompt_sent:
-                            plp, prompt_sent = [None, *s.prompt_logprobs], True
                         yield StreamDelta(
                             token_ids=u.token_ids,
                             text=u.text,
                             finish_reason=u.finish_reason,
                             index=s.index,
                             stop_reason=s.stop_reason if u.finish_reason else None,
-                            logprobs=lps,
-                            prompt_logprobs=plp,
+                            logprobs=u.logprobs,
+                            prompt_logprobs=None if u.prompt_logprobs is None else [None, *u.prompt_logprobs],
                         )
                 with self._lock:  # a request another thread's step ended has its updates filed by now
                     if mine:

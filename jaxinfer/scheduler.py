@@ -344,9 +344,9 @@ class Scheduler:
         for seq in order:
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue
-            n = self._chunk_length(min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill)
-            if n == 1 and seq.pending_prompt_logprobs:
-                n = 0
+            n = self._chunk_length(
+                seq, min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill
+            )
             if n == 0:
                 continue  # its next chunk runs next step
             self._drop_out_of_window(seq)
@@ -370,9 +370,7 @@ class Scheduler:
                 self._reuse_prefix(seq)
                 self._drop_out_of_window(seq)
             remaining = len(seq.tokens) - seq.num_computed
-            n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)
-            if n == 1 and seq.pending_prompt_logprobs:
-                n = 0
+            n = self._chunk_length(seq, min(remaining, budget, self.max_prefill_tokens), prefill)
             if n == 0 or not self._grow(seq, seq.num_computed + n):
                 # Not admitted this step: a waiting sequence holds no pages, or preemption could not
                 # reclaim them (it only sees running ones) and the engine could wedge. The prefix
@@ -394,8 +392,11 @@ class Scheduler:
         prefill = [c for c in prefill if c.seq.status is SeqStatus.RUNNING]
         return StepPlan(prefill=prefill, decode=decode)
 
-    def _chunk_length(self, n: int, prefill: list[Chunk]) -> int:
+    def _chunk_length(self, seq: Sequence, n: int, prefill: list[Chunk]) -> int:
         """How many of a sequence's next n prompt tokens to compute this step (0: none this step).
+
+        A sequence owing prompt logprobs takes no one-token chunk: that would run in the decode
+        call, which returns no logits of its positions (see Sequence.prompt_logprobs).
 
         A prompt-chunk call costs its padded shape (rows and length rounded up to powers of two), so
         chunks are cut to fit the shape instead of the shape growing around them. The first chunk of
@@ -405,7 +406,7 @@ class Scheduler:
         real tokens.
         """
         if n <= 1:
-            return n
+            return 0 if n == 1 and seq.pending_prompt_logprobs else n
         if not prefill:
             if bucket(n, minimum=16) - n > _MAX_CHUNK_PADDING:
                 n = 1 << (n.bit_length() - 1)

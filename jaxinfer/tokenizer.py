@@ -58,14 +58,17 @@ class Tokenizer(Protocol):
 
 
 def encode_prompt(
-    tok: Tokenizer, text: str, *, max_tokens: int, field: str, add_special_tokens: bool = True
+    tok: Tokenizer, text: str, *, max_tokens: int | None, field: str, add_special_tokens: bool = True
 ) -> list[int]:
-    """`tok.encode(text, add_special_tokens=...)` for a prompt that may have at most `max_tokens` tokens.
+    """`tok.encode(text, add_special_tokens=...)` for a prompt that may have at most `max_tokens` tokens
+    (None: any number, as a request that keeps only its last ones may).
 
     A text that cannot fit under any tokenization (more UTF-8 bytes than max_tokens times the
     longest token's) is refused before the tokenizer runs: encoding megabytes only to refuse the
     result afterwards costs seconds, and on a server holds up every other request meanwhile.
     """
+    if max_tokens is None:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
     limit = max_tokens * tok.max_token_bytes
     if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:  # chars <= bytes
         size = len(text.encode("utf-8", "surrogatepass"))

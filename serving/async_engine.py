@@ -141,8 +141,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         if engine.channel is not None:  # multi-host leader: the followers bound their waits by ours
             engine.channel.peer_timeout = peer_timeout
-        self._sent_logprobs: dict[int, int] = {}  # seq_id -> logprobs already delivered (engine thread)
-        self._sent_prompt_logprobs: set[int] = set()  # seq_ids whose prompt logprobs went out (engine thread)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -373,22 +371,10 @@ class AsyncEngine:
         done = set()
         for u in updates:
             seq = u.seq
-            logprobs = []
-            if seq.logprobs is not None:
-                sent = self._sent_logprobs.get(seq.seq_id, 0)
-                logprobs = seq.logprobs[sent:]
-                self._sent_logprobs[seq.seq_id] = len(seq.logprobs)
-            prompt_logprobs = None
-            if seq.prompt_logprobs is not None and seq.seq_id not in self._sent_prompt_logprobs:
-                # Its first update: the prompt is computed (or, aborted before, as far as it got).
-                prompt_logprobs = list(seq.prompt_logprobs)
-                self._sent_prompt_logprobs.add(seq.seq_id)
             stop = seq.stop_reason if u.finish_reason else None
-            delta = Delta(seq.index, u.token_ids, u.text, u.finish_reason, logprobs, stop, prompt_logprobs)
+            delta = Delta(seq.index, u.token_ids, u.text, u.finish_reason, u.logprobs or [], stop, u.prompt_logprobs)
             batch.append((seq.request_id, delta))
             if u.finish_reason is not None:
-                self._sent_logprobs.pop(seq.seq_id, None)
-                self._sent_prompt_logprobs.discard(seq.seq_id)
                 done.add(seq.request_id)
         for rid in done:
             req = self.engine.requests.get(rid)
@@ -417,6 +403,4 @@ class AsyncEngine:
                 log.exception("abort of %s failed", rid)
             self.engine.requests.pop(rid, None)
             batch.append((rid, failure))
-        self._sent_logprobs.clear()
-        self._sent_prompt_logprobs.clear()
         return batch

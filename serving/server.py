@@ -336,9 +336,9 @@ class Server:
         if self.state != "serving":
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); retry elsewhere")
 
-    def _tokenize(self, text: str, field: str, *, truncating: bool = False) -> list[int]:
-        """The prompt's ids; a text too large for the prompt limit is refused before it is tokenized,
-        unless `truncating` (the request keeps only its last tokens)."""
+    def _tokenize(self, text: str, field: str, params: SamplingParams | None = None) -> list[int]:
+        """The prompt's ids; a text too large for the prompt limit (`params`' own: none when they keep
+        only its last tokens, see Engine.prompt_token_limit) is refused before it is tokenized."""
         if not text:
             raise _invalid(f"{field}: the prompt is empty")
         tok = self.llm.tokenizer
@@ -348,9 +348,8 @@ class Server:
                 "send token ids instead"
             )
         try:
-            if truncating:
-                return tok.encode(text)
-            return encode_prompt(tok, text, max_tokens=self.llm.engine.max_model_len - 1, field=field)
+            limit = self.llm.engine.prompt_token_limit(params or SamplingParams())
+            return encode_prompt(tok, text, max_tokens=limit, field=field)
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
 
@@ -528,10 +527,10 @@ class Server:
             params = wire.sampling_params(request.sampling_params, self.llm.get_default_sampling_params())
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
-        if which == "text" and self.llm.engine.truncation_fits(params):
+        if which == "text" and self.llm.engine.prompt_token_limit(params) is None:
             # A text of any size (up to the message limit): tokenized off the event loop, which
             # several megabytes would hold up for a second.
-            tokenize = functools.partial(self._tokenize, request.text, "text", truncating=True)
+            tokenize = functools.partial(self._tokenize, request.text, "text", params)
             ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenize)
         elif which == "text":
             ids = self._tokenize(request.text, "text")
