@@ -426,8 +426,16 @@ def test_cancel_and_deadline_free_pages(server, caplog):
         line = _wait_for_log(caplog, lambda x: x["code"] == "CANCELLED")
         assert line["completion_tokens"] < 100
 
-        with pytest.raises(ServerError) as e:
-            c.generate("a long story", _long(120), timeout=0.05)
+        # The tiny model makes its 115 tokens in ~35 ms on an idle machine: each step is slowed to
+        # 2 ms, so the 50 ms deadline surely comes first (the test failed when run alone).
+        engine = server.server.llm.engine
+        real_step = engine.step
+        engine.step = lambda: (time.sleep(0.002), real_step())[1]
+        try:
+            with pytest.raises(ServerError) as e:
+                c.generate("a long story", _long(120), timeout=0.05)
+        finally:
+            del engine.step  # the class's own again
         assert e.value.code == "DEADLINE_EXCEEDED"
         server.wait_idle()
         assert _aborted(server) == aborted + 2
