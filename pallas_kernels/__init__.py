@@ -4,6 +4,8 @@
   (Mosaic) kernel that also runs in Pallas' TPU interpret mode, so it is tested on CPU.
 - ragged_paged_attention_gpu: the same contract on GPU (Pallas' Triton lowering); also testable in
   interpret mode.
+- ragged_paged_attention_mgpu: its Mosaic GPU (Hopper: TMA + wgmma) variant for bfloat16/float16
+  pools, tested in Pallas' GPU interpret mode; not yet compiled on a GPU, so nothing dispatches to it.
 - kv_write: the new tokens' K/V (float or int8 with scales) written into their pages in place (TPU).
 - sharded: both under shard_map over the mesh's KV-head axis.
 

@@ -10,7 +10,9 @@ bandwidth of a plain device copy (read + write of a large buffer) timed in the s
 
 Variants: `reference` (plain pure JAX, jitted), `xla` (the tiled pure-JAX attention, CPU's default),
 `ours` (on TPU and CPU pallas_kernels.ragged_paged_attention, on GPU
-pallas_kernels.ragged_paged_attention_gpu), and `upstream` (jax.experimental.pallas.ops.tpu or
+pallas_kernels.ragged_paged_attention_gpu), `mosaic` (GPU only: the Mosaic GPU variant,
+pallas_kernels.ragged_paged_attention_mgpu, bfloat16/float16 pools; a compile failure is printed
+and the other variants still run), and `upstream` (jax.experimental.pallas.ops.tpu or
 .gpu paged_attention, decode only). On CPU the kernels can only run in TPU interpret mode: their
 times are then a simulation's, printed for completeness and marked, never a speed.
 
@@ -59,7 +61,7 @@ def _blocks(s: str) -> dict[str, int]:
     return out
 
 
-VARIANTS = ("copy", "reference", "xla", "ours", "upstream")
+VARIANTS = ("copy", "reference", "xla", "ours", "mosaic", "upstream")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -216,6 +218,24 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
         kp, vp, sc = layers[0]["kernel"]
         kernel(q, kp, vp, table, lens, ones, **static, **sc)  # the eager input checks, once
         attn["ours"] = "kernel", lambda q, kp, vp, sc: kernel(q, kp, vp, table, lens, ones, **static, **sc)
+    if "mosaic" in variants and not on_gpu:
+        print(f"  (mosaic: a Hopper GPU kernel, not run on {platform}; skipped)")
+    elif "mosaic" in variants:
+        from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, supports
+
+        kp, vp, sc = layers[0]["kernel"]
+        static = dict(scale=scale, window=args.window)
+        mosaic = lambda q, kp, vp, sc: ragged_paged_attention_mgpu(q, kp, vp, table, lens, ones, **static, **sc)  # noqa: E731
+        if not supports(dtype=kp.dtype, page_size=s, head_dim=h, int8=bool(sc)):
+            pools = "int8" if sc else str(kp.dtype)
+            print(f"  (mosaic: not for {pools} pools of page {s}, head_dim {h}; skipped)")
+        else:
+            try:  # never compiled before a GPU session: a failure is a finding, not the end of the bench
+                jax.block_until_ready(mosaic(q, kp, vp, sc))
+                attn["mosaic"] = "kernel", mosaic
+            except Exception as e:  # noqa: BLE001 - any compile or launch error, reported by name
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                print(f"  (mosaic: failed: {type(e).__name__}: {first})")
     if "upstream" in variants and args.window is not None:
         print("  (upstream: its paged attention has no sliding window; skipped)")
     elif "upstream" in variants and on_gpu:

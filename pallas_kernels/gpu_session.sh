@@ -10,9 +10,9 @@ date -u +%FT%TZ | tee -a "$OUT/env.txt"
 step() { echo "=== $1"; shift; "$@"; echo "=== rc $?"; }
 # Kernel vs reference (float32 at full precision), vs upstream, and a model's greedy tokens end to end.
 step tests timeout 600 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -q -n 0 -p no:cacheprovider \
-  tests/test_pallas_kernels.py tests/test_pallas_kernels_gpu.py -k "gpu_kernel or model_with_the_pallas" 2>&1 \
+  tests/test_pallas_kernels.py tests/test_pallas_kernels_gpu.py -k "gpu_kernel or model_with_the_pallas or mosaic_kernel_compiled" 2>&1 \
   | grep -v "DeprecationWarning\|return rule\|warnings$" | tee "$OUT/tests.log" | tail -15
-bench() { $PY -m pallas_kernels.bench --variants copy,reference,ours,upstream --repeats 20 --layers 8 "$@"; }
+bench() { $PY -m pallas_kernels.bench --variants copy,reference,ours,mosaic,upstream --repeats 20 --layers 8 "$@"; }
 step bench bench --batch 8 --contexts 1024,4096,16384 2>&1 | tee "$OUT/bench.log"
 step bench-b32 bench --batch 32 --contexts 4096 2>&1 | tee -a "$OUT/bench.log"
 step bench-int8 bench --batch 8 --contexts 4096,16384 --kv-dtype int8 2>&1 | tee -a "$OUT/bench.log"

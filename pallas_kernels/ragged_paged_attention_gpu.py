@@ -19,9 +19,9 @@ structure is the GPU's own:
   merges them. With one split the kernel normalises and writes the output itself.
 
 Block sizes come from the table in `blocks_for` (per page size, head dim, rows and programs) and
-every entry can be overridden per call. The loop body is the part a Mosaic GPU (Hopper) variant
-would replace with TMA copies into shared memory and wgmma; the wrapper, grid and masking stay.
-That variant is not written.
+every entry can be overridden per call. The loop body is the part the Mosaic GPU (Hopper) variant,
+`ragged_paged_attention_mgpu`, replaces with TMA copies into shared memory and wgmma; the grid, the
+visible-range arithmetic, the masking and the split merge are the same.
 
 Run compiled on an H100 (2026-11-23, jax 0.11.2): the tests in tests/test_pallas_kernels.py that
 need a GPU pass, and decode reaches 87-90% of copy bandwidth at 16k x 8 and 4k x 32 there; on an

@@ -1,9 +1,12 @@
-"""The Pallas ragged paged-attention kernel for GPUs: in interpret mode on CPU against the pure-JAX
+"""The Pallas ragged paged-attention kernels for GPUs: in interpret mode on CPU against the pure-JAX
 reference on the random ragged batches of kernel_cases.py, under shard_map, against upstream's GPU
 paged attention; and, where a GPU is present, compiled by Triton (those tests skip without one).
+The Mosaic GPU (Hopper) variant runs in Pallas' GPU interpret mode here, compiled where a Hopper GPU is.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from jaxinfer.attention import reference_paged_attention
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from jaxinfer.kv_cache import QuantizedPages
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_paged_attention_mgpu import SMEM_BYTES, ragged_paged_attention_mgpu, smem_bytes
 
 # Interpret mode: the table's choice, one page per step with more KV splits than a row has pages,
 # and row blocks.
@@ -134,3 +138,64 @@ def test_gpu_kernel_agrees_with_upstream_gpu_paged_attention(group, soft_cap, in
             k_splits=2, pages_per_compute_block=2, attn_logits_soft_cap=soft_cap, interpret=not on_gpu,
         )  # fmt: skip
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-3, rtol=2e-3)
+
+
+# The Mosaic GPU variant takes bfloat16/float16 pools only (wgmma's operand types): every non-int8
+# static in 16 bits, plus 96 query rows (two 64-row blocks, the second mostly padding) and float16.
+MOSAIC_STATICS = [dataclasses.replace(st, dtype="bfloat16") for st in STATICS if not st.int8] + [
+    Static(group=8, head_dim=64, t=12, kv_heads=1, dtype="bfloat16"),
+    Static(group=2, head_dim=128, t=1, window=5, dtype="float16"),
+]
+# The default 64 keys per step (8 pages of 8), more KV splits than a row has steps, 128 keys per step.
+MOSAIC_BLOCKS = [{}, dict(kv_splits=3), dict(keys_per_step=128), dict(keys_per_step=128, kv_splits=8)]
+
+
+def _mosaic_blocks(st: Static) -> list[dict]:
+    """MOSAIC_BLOCKS but those whose tiles would not fit a Hopper GPU's shared memory (128 keys at head_dim 256)."""
+    fits = lambda keys: smem_bytes(keys=keys, head_dim=st.head_dim, itemsize=2) <= SMEM_BYTES  # noqa: E731
+    return [b for b in MOSAIC_BLOCKS if fits(b.get("keys_per_step", 64))]
+
+
+@pytest.mark.parametrize("st", MOSAIC_STATICS, ids=static_id)
+def test_mosaic_kernel_matches_reference(st):
+    """In Pallas' GPU interpret mode: the TMA copies of single pages into shared-memory tiles, the
+    barriers, both wgmmas and the KV-split merge, on the same random ragged batches (NaN in every
+    page a row does not own) as the other kernels."""
+    check_kernel_against_reference(ragged_paged_attention_mgpu, st, _mosaic_blocks(st), interpret=True, cases=8)
+
+
+def test_mosaic_kernel_refuses_what_it_cannot_run():
+    """float32 and int8 pools, head dims off wgmma's tiles, pages that do not divide a step: named errors."""
+    rng = np.random.default_rng(3)
+    q, k, v, table, kv, ql = random_batch(rng, Static(group=2, head_dim=64, t=1, dtype="bfloat16"))
+    kp, vp, _ = kernel_args(k, v)
+
+    def call(q, kp, vp, **kw):
+        return ragged_paged_attention_mgpu(q, kp, vp, table, kv, ql, scale=0.125, interpret=True, **kw)
+
+    with pytest.raises(ValueError, match="bfloat16 or float16 pools .* got float32 pools"):
+        call(q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32))
+    q8, k8, v8, *_ = random_batch(rng, Static(group=2, head_dim=64, t=1, dtype="bfloat16", int8=True))
+    kp8, vp8, scales = kernel_args(k8, v8)
+    with pytest.raises(ValueError, match=r"\(int8\)"):
+        call(q8, kp8, vp8, **scales)
+    with pytest.raises(ValueError, match="keys_per_step must be 64 or 128"):
+        call(q, kp, vp, keys_per_step=32)
+    with pytest.raises(ValueError, match="q in the pools' dtype"):
+        call(q.astype(jnp.float16), kp, vp)
+    with pytest.raises(ValueError, match="kv_splits must be a positive int"):
+        call(q, kp, vp, kv_splits=0)
+    q, k, v, table, kv, ql = random_batch(rng, Static(group=1, head_dim=256, t=1, dtype="bfloat16"))
+    kp, vp, _ = kernel_args(k, v)
+    with pytest.raises(ValueError, match="keys_per_step 128 at head_dim 256 needs 304 KiB of shared memory"):
+        call(q, kp, vp, keys_per_step=128)
+
+
+def _hopper() -> bool:
+    return any(getattr(d, "compute_capability", None) == "9.0" for d in _gpus())
+
+
+@pytest.mark.skipif(not _hopper(), reason="no Hopper GPU present: the Mosaic GPU kernel compiles for sm_90a only")
+@pytest.mark.parametrize("st", MOSAIC_STATICS, ids=static_id)
+def test_mosaic_kernel_compiled_matches_reference(st):
+    check_kernel_against_reference(ragged_paged_attention_mgpu, st, _mosaic_blocks(st), interpret=None, seed_offset=2)
