@@ -271,13 +271,22 @@ def _partials(qg, page_table, kv_lens, q_lens, k_pages, v_pages, *scales, q_toke
 
 
 def _query_blocks(q, num_kv_heads: int, rows_per_block: int):
-    """q [B, T, N, H] -> [B, K, row blocks, R, H]: each KV head's T x G query rows, padded."""
+    """q [B, T, N, H] -> [B, K, row blocks, R, H]: each KV head's T x G query rows, zero-padded to
+    whole blocks of R = rows_per_block."""
     b, t, n, h = q.shape
     g = n // num_kv_heads
-    padded = _pow2_at_least(t * g, rows_per_block)
+    padded = -(-t * g // rows_per_block) * rows_per_block
     qg = q.reshape(b, t, num_kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, t * g, h)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - t * g), (0, 0)))
     return qg.reshape(b, num_kv_heads, padded // rows_per_block, rows_per_block, h)
+
+
+def _query_rows(out, t: int, n: int):
+    """[B, K, row blocks, R, H] -> [B, T, N, H]: `_query_blocks` undone, padding dropped."""
+    b, nk, _, _, h = out.shape
+    g = n // nk
+    out = out.reshape(b, nk, -1, h)[:, :, : t * g]
+    return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret", "blocks"))
@@ -295,8 +304,7 @@ def _call(
         q_tokens=t, blocks=blocks, interpret=interpret, scale=scale, soft_cap=soft_cap, window=window, group=g,
     )  # fmt: skip
     out = out[:, :, :, 0] if blocks.kv_splits == 1 else _merge(*out, q.dtype)  # [b, nk, rb, r, h]
-    out = out.reshape(b, nk, -1, h)[:, :, : t * g]
-    return out.reshape(b, nk, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+    return _query_rows(out, t, n)
 
 
 def ragged_paged_attention_gpu(

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import _MASKED, check_call
-from pallas_kernels.ragged_paged_attention_gpu import TARGET_PROGRAMS, _merge
+from pallas_kernels.ragged_paged_attention_gpu import TARGET_PROGRAMS, _merge, _query_blocks, _query_rows
 
 ROWS = 64  # wgmma's M: query rows per program
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
@@ -232,21 +232,11 @@ def _kernel(
     )
 
 
-def _query_blocks(q, num_kv_heads: int):
-    """q [B, T, N, H] -> [B, K, row blocks, 64, H]: each KV head's T x G query rows, zero-padded."""
-    b, t, n, h = q.shape
-    g = n // num_kv_heads
-    padded = -(-t * g // ROWS) * ROWS
-    qg = q.reshape(b, t, num_kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, t * g, h)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - t * g), (0, 0)))
-    return qg.reshape(b, num_kv_heads, padded // ROWS, ROWS, h)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret", "keys", "splits"))
 def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret, keys, splits):
     b, t, n, h = q.shape
     nk = k_pages.shape[0]
-    qg = _query_blocks(q, nk)
+    qg = _query_blocks(q, nk, ROWS)
     rb = qg.shape[2]
     int32 = lambda x: x if x.dtype == jnp.int32 else x.astype(jnp.int32)  # noqa: E731
     kernel = functools.partial(
@@ -272,9 +262,7 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, so
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params() if interpret else None,
     )(int32(page_table), int32(kv_lens), int32(q_lens), qg, k_pages, v_pages)
-    out = _merge(acc, m, total, q.dtype)  # [b, nk, rb, 64, h]
-    out = out.reshape(b, nk, -1, h)[:, :, : t * (n // nk)]
-    return out.reshape(b, nk, t, n // nk, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+    return _query_rows(_merge(acc, m, total, q.dtype), t, n)  # merged: [b, nk, rb, 64, h]
 
 
 def ragged_paged_attention_mgpu(
