@@ -14,8 +14,9 @@ that kernel's contract, wrapper, grid and masking, and swaps the loop body:
 - Logits come from one wgmma ([64, H] x [H, keys]), the online softmax runs in registers, and the
   probabilities, stored in the cache dtype to a shared-memory tile, are the second wgmma's A operand
   against the V tile. (Pallas' GPU interpreter reads wgmma operands only from shared memory and
-  without transposed views, so in interpret mode K^T is written out to a scratch tile first; that
-  branch is the only code the interpreter runs that the GPU does not.)
+  without transposed views, so in interpret mode K^T is written out to a scratch tile first; and it
+  has no rule for register-layout casts, which change no value, so it skips them. Those two are the
+  only differences between what the interpreter runs and what the GPU would.)
 - V rows past the row's length are zeroed in the tile before they meet the probabilities: a
   recycled page may hold anything, NaN included, and 0 x NaN is NaN inside a matmul too.
 - Every program writes float32 partials (accumulator, running max, running sum); the KV splits
@@ -50,6 +51,7 @@ ROWS = 64  # wgmma's M: query rows per program
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
 _SWIZZLE = 128  # bytes: the widest shared-memory swizzle, a row of 64 16-bit elements per tile
 _LOG2E = math.log2(math.e)
+_MMA = plgpu.Layout.WGMMA
 
 
 def supports(*, dtype, page_size: int, head_dim: int, int8: bool = False) -> bool:
@@ -139,9 +141,13 @@ def _kernel(
             fetch(0, 0)
 
         plgpu.barrier_wait(q_bar)
-        q_pos = q_start + (row_block * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 0)) // group
-        key_offsets = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 1)
-        v_offsets = plgpu.broadcasted_iota(jnp.int32, (keys, h), 0)
+        # Register layouts as the wgmma results have them: the hardware's rule. The interpreter has no
+        # rule for layout casts (they change no value), so it skips them.
+        layout = (lambda x, _: x) if interpret else plgpu.layout_cast  # noqa: E731
+        mma = None if interpret else _MMA
+        q_pos = q_start + (row_block * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 0, layout=mma)) // group
+        key_offsets = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 1, layout=mma)
+        v_offsets = plgpu.broadcasted_iota(jnp.int32, (keys, h), 0, layout=mma)
 
         def step(i, carry):
             acc, m, total = carry
@@ -173,7 +179,7 @@ def _kernel(
                 mask &= q_pos - kv_pos < window
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.where(mask, jnp.exp2((s - m_new[:, None]) * _LOG2E), 0.0)
+            p = jnp.where(mask, jnp.exp2((s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])) * _LOG2E), 0.0)
             alpha = jnp.exp2((m - m_new) * _LOG2E)
             total = alpha * total + jnp.sum(p, axis=1)
 
@@ -193,12 +199,12 @@ def _kernel(
                 return acc_ref[...]
 
             pv = pl.run_scoped(values, plgpu.ACC((ROWS, h), jnp.float32))
-            return acc * alpha[:, None] + pv, m_new, total
+            return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, total
 
         init = (
-            jnp.zeros((ROWS, h), jnp.float32),
-            jnp.full((ROWS,), _MASKED, jnp.float32),
-            jnp.zeros((ROWS,), jnp.float32),
+            layout(jnp.zeros((ROWS, h), jnp.float32), _MMA),
+            layout(jnp.full((ROWS,), _MASKED, jnp.float32), _MMA.reduce(1)),
+            layout(jnp.zeros((ROWS,), jnp.float32), _MMA.reduce(1)),
         )
         return jax.lax.fori_loop(0, steps, step, init)
 
