@@ -25,6 +25,7 @@ from kernel_cases import (
 from jaxinfer.attention import reference_paged_attention
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from jaxinfer.kv_cache import QuantizedPages
+from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention_mgpu import SMEM_BYTES, ragged_paged_attention_mgpu, smem_bytes
 
@@ -189,6 +190,44 @@ def test_mosaic_kernel_refuses_what_it_cannot_run():
     kp, vp, _ = kernel_args(k, v)
     with pytest.raises(ValueError, match="keys_per_step 128 at head_dim 256 needs 304 KiB of shared memory"):
         call(q, kp, vp, keys_per_step=128)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(head_dim=64),
+        dict(head_dim=256),
+        dict(keys=128),
+        dict(t=12, kv_heads=1),  # 96 query rows: two row blocks
+        dict(window=100, soft_cap=30.0),
+        dict(page=8),
+        dict(page=64),
+        dict(dtype="float16", kv_splits=1),
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default",
+)
+def test_mosaic_kernel_lowers_for_hopper_without_a_gpu(shape):
+    """Pallas lowers the kernel for CUDA on any machine: the Mosaic GPU lowering checks the hardware's
+    rules that the interpreter does not (register layouts of every value, wgmma operand shapes and
+    dtypes, shared-memory transforms and TMA slices) and serialises the kernel. Without the layout
+    casts this failed ("Failed to infer the output layout of the iota"). Compiling to machine code
+    and running still need a GPU."""
+    d = dict(t=1, kv_heads=2, group=4, head_dim=128, page=16, keys=64, kv_splits=2, window=None, soft_cap=None)
+    d = {**d, "dtype": "bfloat16", **shape}
+    dtype, b = jnp.dtype(d["dtype"]), 2
+    q = jax.ShapeDtypeStruct((b, d["t"], d["kv_heads"] * d["group"], d["head_dim"]), dtype)
+    pool = jax.ShapeDtypeStruct((d["kv_heads"], 64, d["page"], d["head_dim"]), dtype)
+    table, lens = jax.ShapeDtypeStruct((b, 16), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)
+
+    def attend(q, k, v, table, kv_lens, q_lens):
+        return mgpu._call(
+            q, k, v, table, kv_lens, q_lens, scale=0.1, window=d["window"], soft_cap=d["soft_cap"],
+            interpret=False, keys=d["keys"], splits=d["kv_splits"],
+        )  # fmt: skip
+
+    lowered = jax.jit(attend).trace(q, pool, pool, table, lens, lens).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()  # the kernel, as a Mosaic GPU custom call
 
 
 def _hopper() -> bool:
