@@ -25,6 +25,7 @@ from kernel_cases import (
 from jaxinfer.attention import reference_paged_attention
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from jaxinfer.kv_cache import QuantizedPages
+from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention_mgpu import SMEM_BYTES, ragged_paged_attention_mgpu, smem_bytes
@@ -228,6 +229,33 @@ def test_mosaic_kernel_lowers_for_hopper_without_a_gpu(shape):
 
     lowered = jax.jit(attend).trace(q, pool, pool, table, lens, lens).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()  # the kernel, as a Mosaic GPU custom call
+
+
+@pytest.mark.parametrize(
+    "dtype,t,int8,window,soft_cap",
+    [("bfloat16", 1, False, None, None), ("float32", 12, False, 100, 30.0), ("bfloat16", 1, True, None, None)],
+)
+def test_triton_kernel_lowers_for_cuda_without_a_gpu(dtype, t, int8, window, soft_cap):
+    """The Triton-lowered kernel (compiled on an H100 on 2026-11-23) still lowers for CUDA here, in CI:
+    what a change to it breaks at lowering time shows without a GPU."""
+    b, nk, g, h, s = 2, 2, 4, 128, 16
+    q = jax.ShapeDtypeStruct((b, t, nk * g, h), jnp.dtype(dtype))
+    pool = jax.ShapeDtypeStruct((nk, 64, s, h), jnp.int8 if int8 else jnp.dtype(dtype))
+    scale_pool = jax.ShapeDtypeStruct((nk, 64, s), jnp.float32) if int8 else None
+    table, lens = jax.ShapeDtypeStruct((b, 16), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)
+    rows = max(16, 1 << (t * g - 1).bit_length())
+    blocks = gpu.blocks_for(page_size=s, head_dim=h, rows=rows, programs=b * nk, table_pages=16, int8=int8)
+
+    def attend(q, k, v, table, kv_lens, q_lens, *scales):
+        k_scales, v_scales = scales or (None, None)
+        return gpu._call(
+            q, k, v, table, kv_lens, q_lens, k_scales, v_scales, scale=0.1, window=window, soft_cap=soft_cap,
+            interpret=False, blocks=blocks,
+        )  # fmt: skip
+
+    args = (q, pool, pool, table, lens, lens) + ((scale_pool, scale_pool) if int8 else ())
+    lowered = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()  # the kernel, as a Triton custom call
 
 
 def _hopper() -> bool:
