@@ -707,15 +707,17 @@ def test_queue_full_is_resource_exhausted(llm):
             stub = pb_grpc.InferenceServiceStub(ch)
             req = pb.GenerateRequest(text="one", sampling_params=pb.SamplingParams(max_tokens=20, temperature=0))
             a, b = stub.GenerateStream(req), stub.GenerateStream(req)
-            deadline = time.monotonic() + 10
-            while s.server.engine.num_in_flight < 2 and time.monotonic() < deadline:
+            deadline = time.monotonic() + 60
+            while s.server.engine.num_in_flight < 2:
+                assert time.monotonic() < deadline, f"{s.server.engine.num_in_flight} of 2 streams reached the engine"
                 time.sleep(0.01)
             with pytest.raises(ServerError) as e:
                 c.generate("three", SamplingParams(max_tokens=2))
-            assert e.value.code == "RESOURCE_EXHAUSTED"
+            assert e.value.code == "RESOURCE_EXHAUSTED", (e.value.code, e.value.details)
             assert "admission queue is full" in e.value.details and "max_queued_requests (1)" in e.value.details
             gate.set()
-            assert sum(len(m.token_ids) for m in a) == 20 and sum(len(m.token_ids) for m in b) == 20
+            lengths = [sum(len(m.token_ids) for m in stream) for stream in (a, b)]
+            assert lengths == [20, 20], lengths
             s.wait_idle()
             assert c.generate("four", SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
     finally:
