@@ -28,7 +28,8 @@ pools stay on the Triton kernel), head_dim a multiple of 64, page_size a multipl
 
 Status, honestly: written and tested (tests/test_pallas_kernels_gpu.py) in Pallas' GPU interpret
 mode on CPU, which runs the kernel's TMA copies, barriers and wgmmas against simulated shared
-memory but checks neither the hardware's layout rules nor its timing; and lowered for CUDA on CPU,
+memory but checks neither the hardware's layout rules nor its timing (it completes each copy at
+once, so a missing barrier wait would pass there too); and lowered for CUDA on CPU,
 which checks those rules (register layouts, wgmma operands, shared-memory transforms) as far as
 Pallas' Mosaic GPU lowering does. It has NOT been compiled to machine code or run on a Hopper GPU:
 no GPU was lent to the session that wrote it (2026-11-24). Nothing dispatches to it until it has
