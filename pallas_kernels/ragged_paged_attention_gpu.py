@@ -49,6 +49,33 @@ from pallas_kernels.ragged_paged_attention import _MASKED, check_call
 TARGET_PROGRAMS = 512
 
 
+def _visible_steps(
+    kv_len, q_len, *, row_block, split, rows, group, width, page_size, pages_per_step, splits, q_tokens, window
+):
+    """Inside a kernel: which pages one program (row block x KV split) of a row reads.
+
+    Returns (kv_len, q_start, lo, steps): the row's length and first query position, clamped here,
+    not in XLA before the call (a launch each), so that whatever the inputs no read leaves the table
+    or the pool (the wrappers refuse out-of-range values when they can see them); and the program's
+    first page-table slot and its number of steps of `pages_per_step` pages. The visible keys are
+    causal up to the block's last real token and windowed from its first; a split gets whole steps,
+    and splits past the row's pages get none. Shared by the Triton and Mosaic GPU kernels.
+    """
+    s_, n = page_size, pages_per_step
+    kv_len = jnp.clip(kv_len, 0, width * s_)
+    q_start = kv_len - jnp.clip(q_len, 0, jnp.minimum(kv_len, q_tokens))
+    first_tok = row_block * rows // group
+    last_tok = jnp.minimum(((row_block + 1) * rows - 1) // group, kv_len - q_start - 1)
+    hi_pos = jnp.minimum(kv_len, q_start + last_tok + 1)
+    lo_pos = 0 if window is None else jnp.maximum(q_start + first_tok - window + 1, 0)
+    first = lo_pos // s_
+    last = jnp.where(first_tok <= last_tok, (hi_pos + s_ - 1) // s_, first)
+    per_split = ((last - first + splits - 1) // splits + n - 1) // n * n
+    lo = first + split * per_split
+    hi = jnp.minimum(lo + per_split, last)
+    return kv_len, q_start, lo, jnp.maximum((hi - lo + n - 1) // n, 0)
+
+
 def _kernel(
     page_table_ref,  # [W] int32 (this row)
     kv_lens_ref,  # [B]
@@ -77,23 +104,10 @@ def _kernel(
     n, s_ = pages_per_step, page_size
     keys = n * s_
     width, num_pages = page_table_ref.shape[0], k_ref.shape[0]
-    # Clamped here, not in XLA before the call (a launch each): whatever the inputs, no read leaves
-    # the table or the pool. The wrapper refuses out-of-range values when it can see them.
-    kv_len = jnp.clip(kv_lens_ref[b], 0, width * s_)
-    q_start = kv_len - jnp.clip(q_lens_ref[b], 0, jnp.minimum(kv_len, q_tokens))
-
-    # The keys this row block can see: causal up to its last real token, windowed from its first.
-    first_tok = row_block * rows // group
-    last_tok = jnp.minimum(((row_block + 1) * rows - 1) // group, kv_len - q_start - 1)
-    hi_pos = jnp.minimum(kv_len, q_start + last_tok + 1)
-    lo_pos = 0 if window is None else jnp.maximum(q_start + first_tok - window + 1, 0)
-    first = lo_pos // s_
-    last = jnp.where(first_tok <= last_tok, (hi_pos + s_ - 1) // s_, first)
-    # This split's share, in whole steps: splits past the row's pages get none.
-    per_split = ((last - first + splits - 1) // splits + n - 1) // n * n
-    lo = first + split * per_split
-    hi = jnp.minimum(lo + per_split, last)
-    steps = jnp.maximum((hi - lo + n - 1) // n, 0)
+    kv_len, q_start, lo, steps = _visible_steps(
+        kv_lens_ref[b], q_lens_ref[b], row_block=row_block, split=split, rows=rows, group=group, width=width,
+        page_size=s_, pages_per_step=n, splits=splits, q_tokens=q_tokens, window=window,
+    )  # fmt: skip
 
     q_pos = q_start + (row_block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 0)) // group
     offsets = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 1)

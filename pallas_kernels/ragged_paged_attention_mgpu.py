@@ -47,7 +47,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import _MASKED, check_call
-from pallas_kernels.ragged_paged_attention_gpu import TARGET_PROGRAMS, _merge, _query_blocks, _query_rows
+from pallas_kernels.ragged_paged_attention_gpu import (
+    TARGET_PROGRAMS,
+    _merge,
+    _query_blocks,
+    _query_rows,
+    _visible_steps,
+)
 
 ROWS = 64  # wgmma's M: query rows per program
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
@@ -63,9 +69,7 @@ def supports(*, dtype, page_size: int, head_dim: int, int8: bool = False) -> boo
         and not int8
         and head_dim % 64 == 0
         and head_dim <= 256
-        and page_size % 8 == 0
-        and page_size <= 128
-        and 128 % page_size == 0
+        and page_size in (8, 16, 32, 64, 128)
     )
 
 
@@ -110,19 +114,10 @@ def _kernel(
     n = keys // s_  # pages per step
     dtype = q_ref.dtype
 
-    # The same clamps and visible range as the Triton kernel: no read leaves the table or the pool.
-    kv_len = jnp.clip(kv_lens_ref[b], 0, width * s_)
-    q_start = kv_len - jnp.clip(q_lens_ref[b], 0, jnp.minimum(kv_len, q_tokens))
-    first_tok = row_block * ROWS // group
-    last_tok = jnp.minimum(((row_block + 1) * ROWS - 1) // group, kv_len - q_start - 1)
-    hi_pos = jnp.minimum(kv_len, q_start + last_tok + 1)
-    lo_pos = 0 if window is None else jnp.maximum(q_start + first_tok - window + 1, 0)
-    first = lo_pos // s_
-    last = jnp.where(first_tok <= last_tok, (hi_pos + s_ - 1) // s_, first)
-    per_split = ((last - first + splits - 1) // splits + n - 1) // n * n
-    lo = first + split * per_split
-    hi = jnp.minimum(lo + per_split, last)
-    steps = jnp.maximum((hi - lo + n - 1) // n, 0)
+    kv_len, q_start, lo, steps = _visible_steps(
+        kv_lens_ref[b], q_lens_ref[b], row_block=row_block, split=split, rows=ROWS, group=group, width=width,
+        page_size=s_, pages_per_step=n, splits=splits, q_tokens=q_tokens, window=window,
+    )  # fmt: skip
 
     tile = plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize))
     swizzle = plgpu.SwizzleTransform(_SWIZZLE)
