@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -34,6 +34,8 @@ from jaxinfer.sampling import SamplingParams, generation_defaults, is_int
 from jaxinfer.sharding import make_mesh
 from jaxinfer.tokenizer import (
     check_chat_options,
+    check_documents,
+    check_tools,
     encode_prompt,
     load_tokenizer,
     render_chat_template,
@@ -557,6 +559,8 @@ class LLM:
         *,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping | Callable] | None = None,
+        documents: Sequence[Mapping] | None = None,
         chat_template_kwargs: Mapping | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -570,6 +574,13 @@ class LLM:
                 by default True, unless continue_final_message (the two cannot be combined).
             continue_final_message: leave the last message open (cut after its text, before whatever
                 ends a turn) so the model goes on writing it, e.g. a prefilled assistant answer.
+            tools: the functions the model may call, for templates that support tool use: JSON-schema
+                dicts ({"type": "function", "function": {"name", "description", "parameters"}}) or
+                Python functions with type hints and a Google-style docstring, described as
+                transformers describes them (`jaxinfer.tool_schema`). Tool calls and results go in
+                `messages` (an assistant message's "tool_calls", a "tool" role message). The model's
+                reply is returned as text: parsing a tool call out of it is the caller's.
+            documents: for retrieval-augmented templates, dicts such as {"title": ..., "text": ...}.
             chat_template_kwargs: further variables for the template, e.g. {"enable_thinking": False}
                 for Qwen 3.
             use_tqdm: a progress bar over the finished conversations, as in `generate`.
@@ -596,6 +607,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
+        tools, documents = check_tools(tools), check_documents(documents)
         batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = list(messages) if batched else [messages]
         params = self._params_list(sampling_params, len(conversations))
@@ -610,6 +622,8 @@ class LLM:
                 template_kwargs=template_kwargs,
                 continue_final_message=continue_final_message,
                 field=field,
+                tools=tools,
+                documents=documents,
             )
             texts.append(text)
             max_tokens = self.engine.prompt_token_limit(params[i])

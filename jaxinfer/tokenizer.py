@@ -629,6 +629,71 @@ def _text_content(message: dict, where: str) -> dict:
 # Template variables the renderer sets itself; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
 
+# The names a message's reasoning goes by; a template reads one of them (Qwen 3 reasoning_content,
+# gpt-oss thinking), so a message carrying any of them gets the first two as well, as in transformers.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def check_tools(tools) -> list[dict] | None:
+    """The `tools` a chat template is given: each a JSON-schema dict, taken as it is, or a Python
+    function, described by `tool_schema.function_schema`. None stays None (templates test for it)."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(
+            f"tools must be a list of tool schemas (dicts) or functions, got {type(tools).__name__}"
+        )
+    import inspect
+
+    from jaxinfer.tool_schema import function_schema
+
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, Mapping):
+            if not all(isinstance(k, str) for k in tool):
+                raise InvalidRequestError(f"tools[{i}] must have string keys")
+            tool = dict(tool)
+        elif inspect.isfunction(tool) or inspect.ismethod(tool):
+            try:
+                tool = function_schema(tool)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"tools[{i}]: {e}") from None
+        else:
+            raise InvalidRequestError(
+                f"tools[{i}] must be a JSON-schema dict or a function with type hints and a docstring, "
+                f"got {type(tool).__name__}"
+            )
+        _require_unicode_everywhere(tool, f"tools[{i}]")
+        out.append(tool)
+    return out
+
+
+def check_documents(documents) -> list[dict] | None:
+    """The `documents` a retrieval-augmented chat template is given: dicts, usually with "title"
+    and "text" (what each template reads is its own business). None stays None."""
+    if documents is None:
+        return None
+    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Sequence):
+        raise InvalidRequestError(
+            f"documents must be a list of dicts (e.g. {{'title': ..., 'text': ...}}), got {type(documents).__name__}"
+        )
+    out = []
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, Mapping) or not all(isinstance(k, str) for k in doc):
+            raise InvalidRequestError(
+                f"documents[{i}] must be a dict with string keys (e.g. 'title', 'text'), got {type(doc).__name__}"
+            )
+        _require_unicode_everywhere(dict(doc), f"documents[{i}]")
+        out.append(dict(doc))
+    return out
+
 
 def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final_message) -> dict:
     """Validates chat_template_kwargs (returned as a dict) and the two turn options."""
@@ -686,13 +751,17 @@ def render_chat_template(
     template_kwargs: dict | None = None,
     continue_final_message: bool = False,
     field: str = "messages",
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
 ) -> str:
     """Renders one (validated) conversation into the prompt text the model was trained on.
 
-    The template sees `messages`, `add_generation_prompt`, `tools` / `documents` (None), the named
-    special tokens (`bos_token`, `eos_token`, ...) and `template_kwargs` (e.g. Qwen 3's
-    `enable_thinking`), as with transformers' `apply_chat_template`. `continue_final_message` leaves
-    the last message open (see `_continue_final`). `field` names the conversation in errors.
+    The template sees `messages`, `add_generation_prompt`, `tools` and `documents` (checked by
+    `check_tools` / `check_documents`; None when not given), the named special tokens (`bos_token`,
+    `eos_token`, ...) and `template_kwargs` (e.g. Qwen 3's `enable_thinking`), as with transformers'
+    `apply_chat_template`. A message's reasoning is also under the names other templates read
+    (`_with_reasoning_aliases`). `continue_final_message` leaves the last message open (see
+    `_continue_final`). `field` names the conversation in errors.
 
     Raises:
         InvalidRequestError: the template refused the conversation (`raise_exception`), e.g. roles
@@ -710,21 +779,22 @@ def render_chat_template(
         _TEMPLATES[template] = compiled
     if not _iterates_content(template):
         messages = [_text_content(m, f"{field}[{i}]") for i, m in enumerate(messages)]
+    messages = [_with_reasoning_aliases(m) for m in messages]
     try:
         rendered = compiled.render(
             **{**(special_tokens or {}), **(template_kwargs or {})},
             messages=messages,
-            tools=None,
-            documents=None,
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
         )
     except jinja2.exceptions.SecurityError as e:
         raise CheckpointError(f"chat_template tried an unsafe operation: {e}") from None
     except jinja2.exceptions.TemplateError as e:
-        raise InvalidRequestError(f"messages: the model's chat_template refused them: {e}") from None
+        raise InvalidRequestError(f"{field}: the model's chat_template refused them: {e}") from None
     except Exception as e:  # a template written for string content given a list of parts, ...
         raise InvalidRequestError(
-            f"messages: the model's chat_template failed on them ({type(e).__name__}: {e}); "
-            "check the content types this model's template expects"
+            f"{field}: the model's chat_template failed on them ({type(e).__name__}: {e}); "
+            "check the content types (and tools, documents) this model's template expects"
         ) from None
     return _continue_final(rendered, messages[-1]) if continue_final_message else rendered

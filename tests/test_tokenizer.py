@@ -1,8 +1,10 @@
 """Tokenizers and chat templates against transformers' AutoTokenizer on the same files."""
 
 import dataclasses
+import enum
 import json
 import random
+from typing import Any, Literal
 
 import pytest
 import transformers
@@ -616,6 +618,242 @@ def test_content_parts_are_joined_for_a_string_template_and_kept_for_a_list_temp
     image = validate_messages([{"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}])
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[2\] is of type 'image_url'"):
         render_chat_template(string_template, image)
+
+
+# A tool-use and retrieval template in the manner of Llama 3.1 / Qwen 2.5 (written here): tools as
+# indented JSON, documents numbered, assistant tool calls as JSON, tool results as their own turns,
+# and a reasoning block read under Qwen 3's name (reasoning_content) or gpt-oss's (thinking).
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nFunctions you may call:\n"
+    "{% for t in tools %}{{ t | tojson(indent=2) }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% if documents %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "{% for d in documents %}[{{ loop.index }}] {{ d.title }}: {{ d.text }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.thinking is defined %}<analysis>{{ m.thinking }}</analysis>{% endif %}"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+class Unit(enum.Enum):
+    CELSIUS = "C"
+    FAHRENHEIT = "F"
+
+
+def get_weather(city: str, unit: Literal["C", "F"] = "C", days: int | None = None) -> float:
+    """Current temperature in a city.
+
+    Args:
+        city: the city's name, spelled
+            in English
+        unit: the temperature scale
+        days (int): how many days ahead, or none for now
+    Returns:
+        The temperature in the given unit.
+    """
+
+
+def search(
+    query: str,
+    k: int = 3,
+    tags: list[str] | None = None,
+    weights: dict[str, float] | None = None,
+    span: tuple[int, float] = (0, 1.0),
+    key: int | str = 1,
+    unit: Unit = Unit.CELSIUS,
+    extra: Any = None,
+    exact: bool = False,
+    mode: str = "fast",
+):
+    """Searches the corpus
+    for passages.
+
+    Args:
+        query: what to look for
+        k: how many passages
+        tags: only passages with these tags
+        weights: a weight per field
+        span: where to look
+        key: an id or a name
+        unit: a scale
+        extra: anything else
+        exact: match the words exactly
+        mode: how hard to look (choices: ["fast", "thorough"])
+    """
+
+
+class Calculator:
+    def add(self, a: float, b: float) -> dict:
+        """Adds two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+
+
+def test_function_tools_are_described_as_transformers_describes_them():
+    """A Python function passed as a tool becomes the JSON schema transformers' get_json_schema
+    writes for it: types, defaults, enums from Literal / Enum / "(choices: ...)", unions, methods."""
+    from transformers.utils import get_json_schema
+
+    from jaxinfer.tool_schema import function_schema
+
+    for fn in (get_weather, search, Calculator().add):
+        assert function_schema(fn) == get_json_schema(fn), fn.__name__
+    weather = function_schema(get_weather)["function"]
+    assert weather["parameters"]["required"] == ["city"]
+    assert weather["parameters"]["properties"]["unit"] == {
+        "type": "string",
+        "enum": ["C", "F"],
+        "description": "the temperature scale",
+    }
+    assert weather["parameters"]["properties"]["city"]["description"] == "the city's name, spelled in English"
+    assert weather["return"] == {"type": "number", "description": "The temperature in the given unit."}
+
+
+def _no_docstring(x: int):
+    pass
+
+
+def _no_hint(x):
+    """Has no hint.
+
+    Args:
+        x: a value
+    """
+
+
+def _undocumented(x: int, y: int):
+    """Documents one argument.
+
+    Args:
+        x: a value
+    """
+
+
+def _custom_type(x: Calculator):
+    """Takes an object.
+
+    Args:
+        x: a calculator
+    """
+
+
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        ("get_weather", r"tools must be a list"),
+        ({"type": "function"}, r"tools must be a list"),
+        ([{"type": "function"}, 3], r"tools\[1\] must be a JSON-schema dict or a function"),
+        ([_no_docstring], r"tools\[0\]: tool '_no_docstring' has no docstring"),
+        ([_no_hint], r"tools\[0\]: tool '_no_hint': argument 'x' has no type hint"),
+        ([_undocumented], r"tools\[0\]: tool '_undocumented': argument 'y' has no description under Args:"),
+        ([_custom_type], r"tools\[0\]: tool '_custom_type': argument 'x': type hint .*Calculator.* no JSON schema"),
+        ([{"name": "x\udcff"}], r"tools\[0\]\.name"),
+    ],
+)
+def test_bad_tools_are_refused_by_field(chat_llm, tools, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        chat_llm[0].chat(CONVERSATIONS[0], tools=tools)
+
+
+@pytest.mark.parametrize(
+    "documents, message",
+    [
+        ("text", r"documents must be a list of dicts"),
+        ([{"title": "a", "text": "b"}, "c"], r"documents\[1\] must be a dict"),
+    ],
+)
+def test_bad_documents_are_refused_by_field(chat_llm, documents, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        chat_llm[0].chat(CONVERSATIONS[0], documents=documents)
+
+
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "How warm is Paris?"},
+    {
+        "role": "assistant",
+        "reasoning": "The user wants the weather; call the tool.",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": "21.5"},
+    {"role": "assistant", "thinking": "Answer briefly.", "content": "21.5 degrees."},
+    {"role": "user", "content": "And in Lyon?"},
+]
+
+
+def test_tools_documents_and_reasoning_reach_the_template_as_in_transformers(tmp_path):
+    """tools (schema dicts and functions), documents, tool-call and tool-result messages, and
+    reasoning under any of its three names render as transformers' apply_chat_template renders them
+    (tools and documents were always None, a message's reasoning only under the name it was given)."""
+    from jaxinfer.tokenizer import check_documents, check_tools, render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, "llama3")
+    _edit_config(d, chat_template=TOOL_TEMPLATE)
+    ours = load_tokenizer(str(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    schema = {
+        "type": "function",
+        "function": {"name": "lookup", "description": "Looks a word up.", "parameters": {"type": "object"}},
+    }
+    documents = [{"title": "Paris", "text": "The capital of France."}, {"title": "Lyon", "text": "On the Rhône."}]
+    for tools, docs in [(None, None), ([get_weather, schema], None), (None, documents), ([search], documents)]:
+        for conv in [CONVERSATIONS[0], TOOL_CONVERSATION]:
+            text = render_chat_template(
+                ours.chat_template,
+                validate_messages(conv),
+                special_tokens=ours.special_tokens,
+                tools=check_tools(tools),
+                documents=check_documents(docs),
+            )
+            expected = theirs.apply_chat_template(
+                conv, tools=tools, documents=docs, tokenize=False, add_generation_prompt=True
+            )
+            assert text == expected
+    assert '"name": "get_weather"' in text or '"name": "search"' in text
+    assert "[2] Lyon: On the Rhône." in text
+    # "reasoning" reached a template reading reasoning_content (and thinking), "thinking" both too.
+    assert "<think>The user wants the weather; call the tool.</think>" in text
+    assert "<think>Answer briefly.</think><analysis>Answer briefly.</analysis>" in text
+
+
+def now(tz: str):
+    """Time.
+
+    Args:
+        tz: zone
+    """
+
+
+def test_llm_chat_with_tools_generates_from_the_rendered_prompt(chat_llm):
+    """LLM.chat(tools=, documents=) prompts with the ids transformers renders and tokenizes (through
+    a terser template than TOOL_TEMPLATE: this tokenizer's small vocabulary spells JSON out)."""
+    llm, d = chat_llm
+    template = (
+        "{% for t in tools %}{{ t.function.name }}({{ t.function.parameters.properties | list | join(',') }})"
+        "{% endfor %}{% for d in documents %}[{{ d.title }}]{% endfor %}"
+        "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+        "<start_of_turn>model\n"
+    )
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d), chat_template=template)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    conv = [{"role": "user", "content": "Time?"}]
+    documents = [{"title": "N", "text": "Late."}]
+    saved = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = template
+    try:
+        out = llm.chat(conv, params, tools=[now], documents=documents)[0]
+    finally:
+        llm.tokenizer.chat_template = saved
+    kw = dict(tools=[now], documents=documents, add_generation_prompt=True)
+    ids = theirs.apply_chat_template(conv, return_dict=False, **kw)
+    assert out.prompt_token_ids == ids and out.prompt.startswith("now(tz)[N]<start_of_turn>user")
+    assert out.token_ids == llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
 
 
 def test_model_without_chat_template_is_refused(tmp_path):

@@ -1,0 +1,183 @@
+"""Python functions as tool descriptions for chat templates.
+
+A chat template that supports tool use (Llama 3.1, Qwen 2.5/3, Mistral, ...) is given `tools`: a list
+of JSON-schema function descriptions, `{"type": "function", "function": {"name", "description",
+"parameters"}}`, which it writes into the prompt. `LLM.chat(tools=...)` takes those dicts as they are
+(the form vLLM and the OpenAI API take) or plain Python functions, which `function_schema` describes
+from their type hints and a Google-style docstring - the same schema transformers'
+`get_json_schema` writes for them (compared in tests/test_tokenizer.py), so a prompt rendered here
+equals `apply_chat_template(..., tools=[fn])`.
+
+    def get_weather(city: str, unit: Literal["C", "F"] = "C") -> float:
+        '''Current temperature in a city.
+
+        Args:
+            city: the city's name
+            unit: the temperature scale
+        '''
+
+Every argument needs a type hint and a line under `Args:`. A description ending in
+`(choices: ["a", "b"])` (a JSON list) becomes the argument's `enum`.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+import re
+import types
+import typing
+from typing import Any
+
+from jaxinfer.errors import InvalidRequestError
+
+_SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
+_BARE = {**{t: {"type": name} for t, name in _SCALARS.items()}, list: {"type": "array"}, tuple: {"type": "array"}}
+_BARE[dict] = {"type": "object"}
+
+# A docstring section header on a line of its own: where the description or the Args block ends.
+_SECTION = re.compile(r"^\s*(Args|Returns|Raises):\s*$", re.MULTILINE)
+# One argument's first line inside Args: "name: text" or "name (type): text".
+_ARG_LINE = re.compile(r"^(\s*)(\w+)(?:\s*\([^()\n]*\))?:\s*(.*)$")
+_CHOICES = re.compile(r"\(choices:\s*(.*?)\)\s*$", re.IGNORECASE | re.DOTALL)
+
+
+def function_schema(func) -> dict:
+    """The tool description of a Python function (see the module docstring).
+
+    Raises:
+        InvalidRequestError: no docstring, an argument without a type hint or a description, or a
+            type hint with no JSON equivalent (a custom class: write that tool's schema by hand).
+    """
+    name = getattr(func, "__name__", "operation")
+    doc = inspect.getdoc(func)
+    if not doc or not doc.strip():
+        raise InvalidRequestError(f"tool {name!r} has no docstring: its description and Args: section come from it")
+    description, arg_docs, returns_doc = _parse_docstring(doc.strip())
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as e:  # a hint naming a type that does not resolve
+        raise InvalidRequestError(f"tool {name!r}: its type hints do not resolve ({type(e).__name__}: {e})") from None
+    params = list(inspect.signature(func).parameters.values())
+    if params and params[0].name in ("self", "cls") and params[0].annotation is inspect.Parameter.empty:
+        params = params[1:]  # the receiver of a method
+    properties, required = {}, []
+    for p in params:
+        if p.name not in hints:
+            raise InvalidRequestError(f"tool {name!r}: argument {p.name!r} has no type hint")
+        if p.default is inspect.Parameter.empty:
+            required.append(p.name)
+    for arg, hint in hints.items():
+        if arg == "return" or arg not in {p.name for p in params}:
+            continue
+        schema = _type_schema(hint, f"tool {name!r}: argument {arg!r}")
+        if arg not in arg_docs:
+            raise InvalidRequestError(
+                f"tool {name!r}: argument {arg!r} has no description under Args: in the docstring"
+            )
+        text = arg_docs[arg]
+        if m := _CHOICES.search(text):
+            try:
+                choices = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                raise InvalidRequestError(
+                    f"tool {name!r}: argument {arg!r}: '(choices: ...)' must hold a JSON list, got {m.group(1)!r}"
+                ) from None
+            schema["enum"] = [c.strip() if isinstance(c, str) else c for c in choices]
+            text = text[: m.start()].strip()
+        schema["description"] = text
+        properties[arg] = schema
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    function: dict[str, Any] = {"name": name, "description": description, "parameters": parameters}
+    if "return" in hints:
+        try:  # the model never writes the return value: a hint with no JSON form is left out
+            function["return"] = _type_schema(hints["return"], "")
+        except InvalidRequestError:
+            pass
+        else:
+            if returns_doc is not None:
+                function["return"]["description"] = returns_doc
+    return {"type": "function", "function": function}
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
+    """(description, {argument: description}, returns) of a Google-style docstring."""
+    sections = {}
+    headers = list(_SECTION.finditer(doc))
+    for h, nxt in zip(headers, [*headers[1:], None]):
+        sections.setdefault(h.group(1), doc[h.end() : nxt.start() if nxt else len(doc)])
+    description = doc[: headers[0].start()].strip() if headers else doc
+    returns = sections["Returns"].strip() if "Returns" in sections else None
+    args: dict[str, str] = {}
+    lines = [line for line in sections.get("Args", "").splitlines() if line.strip()]
+    if lines:
+        indent = min(len(line) - len(line.lstrip()) for line in lines)
+        current = None
+        for line in lines:
+            m = _ARG_LINE.match(line)
+            if m and len(m.group(1)) == indent:  # a new argument; deeper lines continue the last one
+                current = m.group(2)
+                args[current] = m.group(3).strip()
+            elif current is not None:
+                args[current] = f"{args[current]} {line.strip()}".strip()
+    return description, args, returns
+
+
+def _enum_schema(values: list, where: str) -> dict:
+    if not values:
+        raise InvalidRequestError(f"{where}: an enumeration with no values cannot be matched")
+    if bad := [v for v in values if type(v) not in _SCALARS]:
+        raise InvalidRequestError(f"{where}: enumeration values must be JSON scalars, got {bad!r}")
+    kinds = list(dict.fromkeys(_SCALARS[type(v)] for v in values))
+    return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(values)}
+
+
+def _type_schema(hint, where: str) -> dict:
+    """The JSON schema of one type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return {}
+    if origin is None:
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            return _enum_schema([m.value for m in hint], where)
+        if hint in _BARE:
+            return dict(_BARE[hint])
+        raise InvalidRequestError(
+            f"{where}: type hint {hint!r} has no JSON schema (basic types, Enum, Literal, list, tuple, dict and "
+            "unions of them do); pass this tool as a schema dict instead"
+        )
+    if origin is typing.Union or origin is types.UnionType:
+        options = [_type_schema(a, where) for a in args if a is not type(None)]
+        if len(options) == 1:
+            out = options[0]
+        elif all(o.keys() == {"type"} and isinstance(o["type"], str) for o in options):
+            kinds = sorted({o["type"] for o in options})
+            out = {"type": kinds[0] if len(kinds) == 1 else kinds}
+        else:
+            out = {"anyOf": options}
+        if type(None) in args:
+            out["nullable"] = True
+        return out
+    if origin is typing.Literal:
+        return _enum_schema(list(args), where)
+    if origin is list:
+        return {"type": "array", "items": _type_schema(args[0], where)} if args else {"type": "array"}
+    if origin is tuple:
+        if not args:
+            return {"type": "array"}
+        if len(args) == 1 or ... in args:
+            raise InvalidRequestError(
+                f"{where}: {hint} has no fixed-length JSON form (a one-element or open tuple): use list[...]"
+            )
+        return {"type": "array", "prefixItems": [_type_schema(a, where) for a in args]}
+    if origin is dict:
+        out = {"type": "object"}
+        if len(args) == 2:
+            out["additionalProperties"] = _type_schema(args[1], where)
+        return out
+    raise InvalidRequestError(
+        f"{where}: type hint {hint!r} has no JSON schema; pass this tool as a schema dict instead"
+    )
