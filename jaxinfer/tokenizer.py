@@ -30,7 +30,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError
@@ -646,7 +646,7 @@ def check_tools(tools) -> list[dict] | None:
     function, described by `tool_schema.function_schema`. None stays None (templates test for it)."""
     if tools is None:
         return None
-    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
         raise InvalidRequestError(
             f"tools must be a list of tool schemas (dicts) or functions, got {type(tools).__name__}"
         )
@@ -657,9 +657,7 @@ def check_tools(tools) -> list[dict] | None:
     out = []
     for i, tool in enumerate(tools):
         if isinstance(tool, Mapping):
-            if not all(isinstance(k, str) for k in tool):
-                raise InvalidRequestError(f"tools[{i}] must have string keys")
-            tool = dict(tool)
+            tool = _json_data(tool, f"tools[{i}]")
         elif inspect.isfunction(tool) or inspect.ismethod(tool):
             try:
                 tool = function_schema(tool)
@@ -680,19 +678,41 @@ def check_documents(documents) -> list[dict] | None:
     and "text" (what each template reads is its own business). None stays None."""
     if documents is None:
         return None
-    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Sequence):
+    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Iterable):
         raise InvalidRequestError(
             f"documents must be a list of dicts (e.g. {{'title': ..., 'text': ...}}), got {type(documents).__name__}"
         )
     out = []
     for i, doc in enumerate(documents):
-        if not isinstance(doc, Mapping) or not all(isinstance(k, str) for k in doc):
+        if not isinstance(doc, Mapping):
             raise InvalidRequestError(
-                f"documents[{i}] must be a dict with string keys (e.g. 'title', 'text'), got {type(doc).__name__}"
+                f"documents[{i}] must be a dict (e.g. with 'title' and 'text'), got {type(doc).__name__}"
             )
-        _require_unicode_everywhere(dict(doc), f"documents[{i}]")
-        out.append(dict(doc))
+        doc = _json_data(doc, f"documents[{i}]")
+        _require_unicode_everywhere(doc, f"documents[{i}]")
+        out.append(doc)
     return out
+
+
+def _json_data(value, where: str):
+    """`value` as plain JSON data for a template (which writes it with `tojson` or prints it): the
+    subclasses of str / int / float (enum members, ...) as their base values, as transformers hands
+    them over; anything with no JSON form is refused by its path."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):
+        if isinstance(value, base):
+            return base(value) if base is not str else str.__str__(value)
+    if isinstance(value, Mapping):
+        if bad := [k for k in value if not isinstance(k, str)]:
+            raise InvalidRequestError(f"{where} has a key that is not a string: {bad[0]!r}")
+        return {str.__str__(k): _json_data(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_json_data(v, f"{where}[{j}]") for j, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise InvalidRequestError(
+        f"{where} is a {type(value).__name__}, which has no JSON form (strings, numbers, booleans, None, lists, dicts)"
+    )
 
 
 def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final_message) -> dict:

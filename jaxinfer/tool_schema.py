@@ -6,7 +6,11 @@ of JSON-schema function descriptions, `{"type": "function", "function": {"name",
 (the form vLLM and the OpenAI API take) or plain Python functions, which `function_schema` describes
 from their type hints and a Google-style docstring - the same schema transformers'
 `get_json_schema` writes for them (compared in tests/test_tokenizer.py), so a prompt rendered here
-equals `apply_chat_template(..., tools=[fn])`.
+equals `apply_chat_template(..., tools=[fn])`. The docstring is read by its sections: where
+transformers' parser mangles one, ours keeps the sections apart (a section it does not know, e.g.
+`Examples:` or a closing paragraph, ends up in the last argument's description or the return's there;
+`Returns: text` on the header's line is not read there; text before `Args:` on a summary line cuts
+the summary there). A torch.Tensor or PIL image hint (transformers' "audio" / "image") is refused.
 
     def get_weather(city: str, unit: Literal["C", "F"] = "C") -> float:
         '''Current temperature in a city.
@@ -36,8 +40,14 @@ _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", typ
 _BARE = {**{t: {"type": name} for t, name in _SCALARS.items()}, list: {"type": "array"}, tuple: {"type": "array"}}
 _BARE[dict] = {"type": "object"}
 
-# A docstring section header on a line of its own: where the description or the Args block ends.
-_SECTION = re.compile(r"^\s*(Args|Returns|Raises):\s*$", re.MULTILINE)
+# A Google-style section header: its name and a colon at the docstring's outer indentation (where
+# `inspect.getdoc` leaves it), text after it on the same line allowed. A section runs until the next
+# line back at that indentation.
+_SECTION = re.compile(
+    r"^(Args|Arguments|Returns?|Raises|Yields|Examples?|Notes?|Warnings?|See Also|Todo|Attributes|References"
+    r"|Keyword Args|Keyword Arguments|Other Parameters):[ \t]*(.*)$",
+    re.MULTILINE,
+)
 # One argument's first line inside Args: "name: text" or "name (type): text".
 _ARG_LINE = re.compile(r"^(\s*)(\w+)(?:\s*\([^()\n]*\))?:\s*(.*)$")
 _CHOICES = re.compile(r"\(choices:\s*(.*?)\)\s*$", re.IGNORECASE | re.DOTALL)
@@ -81,9 +91,11 @@ def function_schema(func) -> dict:
             try:
                 choices = json.loads(m.group(1))
             except json.JSONDecodeError:
+                choices = None
+            if not isinstance(choices, list):
                 raise InvalidRequestError(
                     f"tool {name!r}: argument {arg!r}: '(choices: ...)' must hold a JSON list, got {m.group(1)!r}"
-                ) from None
+                )
             schema["enum"] = [c.strip() if isinstance(c, str) else c for c in choices]
             text = text[: m.start()].strip()
         schema["description"] = text
@@ -105,24 +117,27 @@ def function_schema(func) -> dict:
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
     """(description, {argument: description}, returns) of a Google-style docstring."""
-    sections = {}
     headers = list(_SECTION.finditer(doc))
-    for h, nxt in zip(headers, [*headers[1:], None]):
-        sections.setdefault(h.group(1), doc[h.end() : nxt.start() if nxt else len(doc)])
     description = doc[: headers[0].start()].strip() if headers else doc
-    returns = sections["Returns"].strip() if "Returns" in sections else None
+    sections: dict[str, list[str]] = {}
+    for h in headers:
+        lines = [h.group(2)] if h.group(2).strip() else []
+        for line in doc[h.end() :].splitlines()[1:]:
+            if line.strip() and not line[0].isspace():
+                break  # back at the outer indentation: the next section, or a closing paragraph
+            lines.append(line)
+        name = {"Arguments": "Args", "Return": "Returns"}.get(h.group(1), h.group(1))
+        sections.setdefault(name, lines)
+    returns = "\n".join(sections["Returns"]).strip() if "Returns" in sections else None
     args: dict[str, str] = {}
-    lines = [line for line in sections.get("Args", "").splitlines() if line.strip()]
-    if lines:
-        indent = min(len(line) - len(line.lstrip()) for line in lines)
-        current = None
-        for line in lines:
-            m = _ARG_LINE.match(line)
-            if m and len(m.group(1)) == indent:  # a new argument; deeper lines continue the last one
-                current = m.group(2)
-                args[current] = m.group(3).strip()
-            elif current is not None:
-                args[current] = f"{args[current]} {line.strip()}".strip()
+    current, indent = None, 0
+    for line in sections.get("Args", []):
+        m = _ARG_LINE.match(line)
+        if m and (current is None or len(m.group(1)) <= indent):  # a new argument
+            current, indent = m.group(2), len(m.group(1))
+            args[current] = m.group(3).strip()
+        elif current is not None and line.strip():  # deeper lines continue the last one
+            args[current] = f"{args[current]} {line.strip()}".strip()
     return description, args, returns
 
 
@@ -143,7 +158,7 @@ def _type_schema(hint, where: str) -> dict:
     if origin is None:
         if isinstance(hint, type) and issubclass(hint, enum.Enum):
             return _enum_schema([m.value for m in hint], where)
-        if hint in _BARE:
+        if isinstance(hint, type) and hint in _BARE:
             return dict(_BARE[hint])
         raise InvalidRequestError(
             f"{where}: type hint {hint!r} has no JSON schema (basic types, Enum, Literal, list, tuple, dict and "
