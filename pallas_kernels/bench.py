@@ -341,6 +341,11 @@ def run(args) -> list[dict]:
             rows.append(row)
             mbu = "  sim." if simulated else f"{100 * bw / ceiling:5.1f}%"
             print(f"{ctx:>8} {name:>10} {seconds * 1e3:>8.3f}ms {moved / 1e6:>9.1f} {bw / 1e9:>7.1f} {mbu:>6}")
+    if any(r["mbu"] > 1 and not r["simulated"] for r in rows):
+        print(
+            "  (MBU above 100%: those shapes' K/V fit in the processor's caches, so they were not read from "
+            "memory; the copy ceiling streams 512 MB. Longer --contexts or a larger --batch measure memory.)"
+        )
     return rows
 
 
