@@ -699,9 +699,12 @@ def test_queue_full_is_resource_exhausted(llm):
         default_model.TINY_RANDOM, max_model_len=128, num_kv_pages=40, max_num_seqs=1, max_num_batched_tokens=64
     )
     s = ServerThread(small, max_queued_requests=1)
-    gate = threading.Event()  # holds the engine's steps, so nothing finishes while the queue fills
+    # Holds the engine's steps, so nothing finishes while the queue fills. The wait's own limit is only
+    # a backstop (`finally` opens the gate): at 30 s, on a loaded machine the held step could go on
+    # before the third request came, finish the first stream and make room for it.
+    gate = threading.Event()
     step = small.engine.step
-    small.engine.step = lambda: (gate.wait(30), step())[1]
+    small.engine.step = lambda: (gate.wait(300), step())[1]
     try:
         with Client(s.address) as c, grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.InferenceServiceStub(ch)
@@ -984,9 +987,9 @@ def test_bench_serve_says_at_once_when_nothing_answers():
 def test_drain_refuses_new_calls_and_finishes_old_ones():
     llm = LLM(**ENGINE)
     s = ServerThread(llm)
-    gate = threading.Event()
+    gate = threading.Event()  # holds the steps while the drain starts; 300 s: a backstop only (`finally`)
     step = llm.engine.step
-    llm.engine.step = lambda: (gate.wait(30), step())[1]
+    llm.engine.step = lambda: (gate.wait(300), step())[1]
     try:
         with Client(s.address) as c, grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.InferenceServiceStub(ch)
