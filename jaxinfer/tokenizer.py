@@ -500,7 +500,8 @@ def load_tokenizer(model_dir: str, *, eos_ids: tuple[int, ...] = ()) -> Tokenize
 
 
 def validate_messages(messages, field: str = "messages") -> list[dict]:
-    """Checks one conversation: a non-empty list of {"role": str, "content": str | list} dicts.
+    """Checks one conversation: a non-empty list of {"role": str, "content": str | list | dict} dicts
+    (a dict: a tool's structured result, which e.g. Llama 3.1's template writes as JSON).
 
     Keys whose value is None are dropped (as transformers does: templates test for a key's presence).
 
@@ -527,9 +528,10 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
         if "content" not in message and not message.get("tool_calls"):
             raise InvalidRequestError(f"{where}.content is missing")
         content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
+        if content is not None and not isinstance(content, (str, list, dict)):
             raise InvalidRequestError(
-                f"{where}.content must be a string or a list of parts, got {type(content).__name__}"
+                f"{where}.content must be a string, a list of parts or a dict (a tool's result), "
+                f"got {type(content).__name__}"
             )
         _require_unicode_everywhere(message, where)
         out.append(message)
@@ -700,6 +702,8 @@ def _json_data(value, where: str):
     them over; anything with no JSON form is refused by its path."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # a NumPy scalar
+        return _json_data(value.item(), where)
     for base in (bool, str, int, float):
         if isinstance(value, base):
             return base(value) if base is not str else str.__str__(value)
@@ -736,7 +740,7 @@ def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final
         )
     if taken := [k for k in _RESERVED_TEMPLATE_VARIABLES if k in template_kwargs]:
         raise InvalidRequestError(f"chat_template_kwargs may not set {taken}: pass them as chat()'s own arguments")
-    return dict(template_kwargs)
+    return _json_data(template_kwargs, "chat_template_kwargs")
 
 
 def _continue_final(rendered: str, message: dict) -> str:
@@ -815,6 +819,6 @@ def render_chat_template(
     except Exception as e:  # a template written for string content given a list of parts, ...
         raise InvalidRequestError(
             f"{field}: the model's chat_template failed on them ({type(e).__name__}: {e}); "
-            "check the content types (and tools, documents) this model's template expects"
+            "check the content types this model's template expects"
         ) from None
     return _continue_final(rendered, messages[-1]) if continue_final_message else rendered

@@ -554,6 +554,7 @@ def test_llm_chat_continues_the_final_message(chat_llm):
         (dict(continue_final_message=1, add_generation_prompt=False), r"continue_final_message must be True or False"),
         (dict(chat_template_kwargs=["x"]), r"chat_template_kwargs must be a dict"),
         (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
+        (dict(chat_template_kwargs={"date_string": b"x"}), r"chat_template_kwargs\.date_string is a bytes"),
     ],
 )
 def test_llm_chat_refuses_bad_options(chat_llm, kwargs, message):
@@ -634,7 +635,7 @@ TOOL_TEMPLATE = (
     "{% if m.thinking is defined %}<analysis>{{ m.thinking }}</analysis>{% endif %}"
     "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}"
     "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}{% endfor %}"
-    "{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% elif m.content is mapping %}{{ m.content | tojson }}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
@@ -815,7 +816,7 @@ TOOL_CONVERSATION = [
         "reasoning": "The user wants the weather; call the tool.",
         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
     },
-    {"role": "tool", "content": "21.5"},
+    {"role": "tool", "content": {"temperature": 21.5}},  # a structured result, as Llama 3.1's template takes
     {"role": "assistant", "thinking": "Answer briefly.", "content": "21.5 degrees."},
     {"role": "user", "content": "And in Lyon?"},
 ]
@@ -857,6 +858,7 @@ def test_tools_documents_and_reasoning_reach_the_template_as_in_transformers(tmp
     # "reasoning" reached a template reading reasoning_content (and thinking), "thinking" both too.
     assert "<think>The user wants the weather; call the tool.</think>" in text
     assert "<think>Answer briefly.</think><analysis>Answer briefly.</analysis>" in text
+    assert '{"temperature": 21.5}<|eot_id|>' in text
 
 
 def now(tz: str):
