@@ -6,11 +6,15 @@ of JSON-schema function descriptions, `{"type": "function", "function": {"name",
 (the form vLLM and the OpenAI API take) or plain Python functions, which `function_schema` describes
 from their type hints and a Google-style docstring - the same schema transformers'
 `get_json_schema` writes for them (compared in tests/test_tokenizer.py), so a prompt rendered here
-equals `apply_chat_template(..., tools=[fn])`. The docstring is read by its sections: where
-transformers' parser mangles one, ours keeps the sections apart (a section it does not know, e.g.
-`Examples:` or a closing paragraph, ends up in the last argument's description or the return's there;
-`Returns: text` on the header's line is not read there; text before `Args:` on a summary line cuts
-the summary there). A torch.Tensor or PIL image hint (transformers' "audio" / "image") is refused.
+equals `apply_chat_template(..., tools=[fn])`. The docstring is read by its sections, and in a few
+shapes transformers' parser reads it differently; ours keeps the sections apart there:
+
+- a section transformers does not know (`Examples:`, `Note:`) or a closing paragraph: transformers
+  appends it to the last argument's (or the return's) description;
+- `Returns: text` on the header's own line: transformers drops the text;
+- `Args:` inside a summary line: transformers cuts the summary there.
+
+A torch.Tensor or PIL image hint (transformers' "audio" / "image") is refused.
 
     def get_weather(city: str, unit: Literal["C", "F"] = "C") -> float:
         '''Current temperature in a city.
@@ -37,8 +41,7 @@ from typing import Any
 from jaxinfer.errors import InvalidRequestError
 
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
-_BARE = {**{t: {"type": name} for t, name in _SCALARS.items()}, list: {"type": "array"}, tuple: {"type": "array"}}
-_BARE[dict] = {"type": "object"}
+_BARE = {**_SCALARS, list: "array", tuple: "array", dict: "object"}  # unparameterised types
 
 # A Google-style section header: its name and a colon at the docstring's outer indentation (where
 # `inspect.getdoc` leaves it), text after it on the same line allowed. A section runs until the next
@@ -62,7 +65,7 @@ def function_schema(func) -> dict:
     """
     name = getattr(func, "__name__", "operation")
     doc = inspect.getdoc(func)
-    if not doc or not doc.strip():
+    if not doc:
         raise InvalidRequestError(f"tool {name!r} has no docstring: its description and Args: section come from it")
     description, arg_docs, returns_doc = _parse_docstring(doc.strip())
     try:
@@ -72,16 +75,12 @@ def function_schema(func) -> dict:
     params = list(inspect.signature(func).parameters.values())
     if params and params[0].name in ("self", "cls") and params[0].annotation is inspect.Parameter.empty:
         params = params[1:]  # the receiver of a method
-    properties, required = {}, []
-    for p in params:
-        if p.name not in hints:
-            raise InvalidRequestError(f"tool {name!r}: argument {p.name!r} has no type hint")
-        if p.default is inspect.Parameter.empty:
-            required.append(p.name)
-    for arg, hint in hints.items():
-        if arg == "return" or arg not in {p.name for p in params}:
-            continue
-        schema = _type_schema(hint, f"tool {name!r}: argument {arg!r}")
+    if missing := [p.name for p in params if p.name not in hints]:
+        raise InvalidRequestError(f"tool {name!r}: argument {missing[0]!r} has no type hint")
+    properties = {}
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    for arg in (p.name for p in params):
+        schema = _type_schema(hints[arg], f"tool {name!r}: argument {arg!r}")
         if arg not in arg_docs:
             raise InvalidRequestError(
                 f"tool {name!r}: argument {arg!r} has no description under Args: in the docstring"
@@ -159,7 +158,7 @@ def _type_schema(hint, where: str) -> dict:
         if isinstance(hint, type) and issubclass(hint, enum.Enum):
             return _enum_schema([m.value for m in hint], where)
         if isinstance(hint, type) and hint in _BARE:
-            return dict(_BARE[hint])
+            return {"type": _BARE[hint]}
         raise InvalidRequestError(
             f"{where}: type hint {hint!r} has no JSON schema (basic types, Enum, Literal, list, tuple, dict and "
             "unions of them do); pass this tool as a schema dict instead"
