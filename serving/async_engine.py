@@ -326,12 +326,12 @@ class AsyncEngine:
                 if isinstance(e, PeerFailureError):  # not a bug: the job is gone; nothing more can run
                     self._peer_failed = True
                     log.error("%s", e)
-                    self._loop.call_soon_threadsafe(self._break, e)
+                    self._post(self._break, e)
                 else:
                     log.exception("engine step failed; failing the requests in flight")
                 batch += self._fail_all(e)
             if batch:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+                self._post(self._deliver, batch)
         self._finish_on_stop()
 
     def _finish_on_stop(self) -> None:
@@ -353,7 +353,20 @@ class AsyncEngine:
             log.exception("aborting the requests left at shutdown failed")
             batch += self._fail_all(e)
         if batch:
-            self._loop.call_soon_threadsafe(self._deliver, batch)
+            self._post(self._deliver, batch)
+
+    def _post(self, fn, *args) -> None:
+        """Engine thread: runs `fn(*args)` on the event loop. Once that loop has closed (its owner
+        ended without `shutdown()`), nobody can read a stream any more: the thread stops quietly
+        instead of dying on the RuntimeError with a misleading critical log."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
+            if not self._stop.is_set():
+                log.info("the event loop has closed; the engine thread stops")
+                self._stop.set()
 
     def _apply(self, cmd: tuple, batch: list) -> None:
         engine = self.engine

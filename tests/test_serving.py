@@ -518,6 +518,35 @@ def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
         s.stop()
 
 
+def test_an_event_loop_closed_without_shutdown_stops_the_engine_thread_quietly(llm, caplog):
+    """An owner whose event loop ends without `shutdown()` (a notebook cell, a test fixture): the
+    engine thread's next delivery finds the loop closed. It stops, aborting what it ran so the
+    engine's pages come back, and logs no critical "engine thread stopped" (before: it died on the
+    RuntimeError with that log and left the request's pages held)."""
+    from serving.async_engine import AsyncEngine
+
+    engine = llm.engine
+    ae = AsyncEngine(engine)
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        ae.start()
+        ae.submit([5, 6, 7, 8], SamplingParams(max_tokens=100, ignore_eos=True))
+
+    loop.run_until_complete(start())
+    while not engine.has_unfinished():  # the engine thread has taken the request
+        time.sleep(0.01)
+    loop.close()
+    with caplog.at_level("INFO", logger="jaxinfer.serving"):
+        ae._thread.join(timeout=60)
+    assert not ae._thread.is_alive()
+    assert not [r for r in caplog.records if r.levelname == "CRITICAL"], caplog.text
+    assert "the event loop has closed" in caplog.text
+    stats = llm.stats()
+    assert not engine.has_unfinished() and not engine.requests
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 def test_cache_salt_keeps_tenants_out_of_each_others_prefix_pages(server):
     """GenerateRequest.cache_salt reaches the engine: the same long prompt hits the prefix cache only
     from a request with the same salt, and the tokens are the same either way."""
