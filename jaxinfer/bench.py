@@ -209,6 +209,19 @@ def _write_preset(name: str, path: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
+def _check_hf_stack(flag: str) -> None:
+    """`--preset` writes its checkpoint with transformers, `--vs-hf` runs transformers: both need the
+    Hugging Face stack, which only the test extra installs."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidRequestError(
+            f"{flag} needs {' and '.join(missing)} (the Hugging Face reference stack), which `pip install -e .` "
+            'does not install: `pip install -e ".[test]"` adds it'
+        )
+
+
 def _is_hf_directory(model: str | None) -> bool:
     """A Hugging Face checkpoint directory: a config.json, and not a jaxinfer checkpoint (which has one too)."""
     from jaxinfer import checkpoint
@@ -228,6 +241,9 @@ def run(args) -> dict:
             "--vs-hf needs a Hugging Face checkpoint (a directory with config.json): pass --model DIR "
             f"or --preset NAME{f', not {args.model}' if args.model else ''}"
         )
+    for flag, on in (("--preset", args.preset), ("--vs-hf", args.vs_hf)):
+        if on:  # refused now: without it the comparison would fail after the whole benchmark had run
+            _check_hf_stack(flag)
     if args.profile and args.mode != "latency":
         raise InvalidRequestError(
             f"--profile traces the latency mode's decode run; it does nothing in {args.mode} mode"

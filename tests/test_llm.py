@@ -993,6 +993,24 @@ def test_bench_vs_hf_needs_a_hugging_face_directory_before_it_runs(model, tmp_pa
         bench.run(_bench_args(["--vs-hf"] + (["--model", model] if model else [])))
 
 
+@pytest.mark.parametrize("argv", [["--preset", "llama-tiny"], ["throughput", "--preset", "llama-tiny"]])
+def test_bench_without_the_hf_stack_says_which_install_adds_it(argv, tmp_path, monkeypatch):
+    """On a base install (no torch): `--preset` died in an 'unexpected ModuleNotFoundError', and
+    `--vs-hf` only after the whole jaxinfer half of the benchmark had run."""
+    import importlib.util
+
+    from jaxinfer import bench
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    needs = r"--(preset|vs-hf) needs torch \(the Hugging Face reference stack\).*pip install -e \"\.\[test\]\""
+    with pytest.raises(InvalidRequestError, match=needs):
+        bench.run(_bench_args(argv))
+    (tmp_path / "config.json").write_text("{}")  # a Hugging Face directory, as far as the check looks
+    with pytest.raises(InvalidRequestError, match=needs.replace("(preset|vs-hf)", "vs-hf")):
+        bench.run(_bench_args(["--vs-hf", "--model", str(tmp_path)]))
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
