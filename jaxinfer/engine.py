@@ -58,7 +58,7 @@ from jaxinfer.sampling import (
     is_int,
     sample,
 )
-from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, most_pages_held
+from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, decode_bucket, most_pages_held
 from jaxinfer.sharding import shard_bytes
 from jaxinfer.tokenizer import Tokenizer
 
@@ -466,9 +466,12 @@ class Engine:
     def _decode_mp(self, max_kv_len: int) -> int:
         return bucket(pages_needed(max_kv_len, self.page_size), minimum=self._min_mp, maximum=self.max_pages_per_seq)
 
+    def _decode_rows(self, n: int) -> int:
+        return decode_bucket(n, rows_multiple=1 if self.mesh is None else dict(self.mesh.shape).get("data", 1))
+
     def decode_shapes(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, page-table width) of every single-token call the engine can make."""
-        rows = sorted({bucket(b) for b in range(1, self.max_num_seqs + 1)})
+        rows = sorted({self._decode_rows(b) for b in range(1, self.max_num_seqs + 1)})
         widths = sorted({self._decode_mp(n) for n in range(1, self.max_model_len + 1, self.page_size)})
         return [(b, 1, w) for b in rows for w in widths]
 
@@ -921,7 +924,7 @@ class Engine:
 
     def _dispatch(self, chunks: list[Chunk], t: int, mp: int):
         """Runs one model call and its sampler: (SampleOutput, PromptLogprobs or None), on the device."""
-        b = bucket(len(chunks))
+        b = self._decode_rows(len(chunks)) if t == 1 else bucket(len(chunks))
         tok = np.zeros((b, t), np.int32)
         q = np.zeros(b, np.int32)
         kv = np.zeros(b, np.int32)

@@ -443,3 +443,21 @@ def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), clipped to maximum: the shape buckets of every step."""
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
     return min(b, maximum) if maximum is not None else b
+
+
+def decode_bucket(n: int, *, rows_multiple: int = 1) -> int:
+    """Rows of a single-token (decode) call: a power of two, and above 16 also three quarters of
+    one (24, 48, 96, 192, ...) when that divides by `rows_multiple` (a mesh's `data` axis: rows it
+    cannot split would run whole on every replica).
+
+    A large decode batch is compute-bound where the matmuls are (CPUs), and a padding row costs what
+    a real one does: on the 2-core CPU a 150M model's decode step took 57 ms at 48 rows and 77 ms at
+    64, and `jaxinfer bench throughput` (47.5 decode rows a step on average) went from 5.62x to 6.05x.
+    Each doubling of max_num_seqs past 16 adds one bucket, compiled in the warm-up: its decode
+    shapes (one per page-table width) and samplers, 24 more compilations there (66 s -> 80 s).
+    Multiples of 8 past 16 (20, 28, 40, 56, ...) gained nothing more for twice the compilations."""
+    b = bucket(n)
+    three_quarters = 3 * b // 4
+    if b > 16 and n <= three_quarters and three_quarters % rows_multiple == 0:
+        return three_quarters
+    return b

@@ -11,6 +11,7 @@ from jaxinfer import InvalidRequestError, SamplingParams
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, num_compiles
 from jaxinfer.model import init_params
+from jaxinfer.scheduler import decode_bucket
 
 CFG = ModelConfig(
     vocab_size=128,
@@ -80,6 +81,31 @@ def test_batch_invariance_with_chunked_prefill_and_prefix_sharing(params, alone)
     stats = e.stats()
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_decode_calls_between_powers_of_two_are_batch_invariant(params):
+    """Past 16 rows a decode call also runs in 24-, 48-, ...-row buckets (scheduler.decode_bucket):
+    40 sequences decoding at once, then fewer as they end, give each one's tokens alone."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 128, 16).tolist() for _ in range(40)]
+    sps = [SamplingParams(max_tokens=int(rng.integers(4, 24)), temperature=0.0, ignore_eos=True) for _ in prompts]
+    e = make_engine(params, max_num_seqs=48, max_num_batched_tokens=256, num_kv_pages=512)
+    rows = set()  # padded rows of every decode call
+    model_step = e._model_step
+
+    def counting(batch, t, targets=None):
+        if t == 1:
+            rows.add(batch.tokens.shape[0])
+        return model_step(batch, t, targets)
+
+    e._model_step = counting
+    got, _ = run(e, prompts, sps)
+    assert {24, 48} <= rows <= {1, 2, 4, 8, 16, 24, 32, 48}
+    assert [decode_bucket(n) for n in (16, 17, 24, 25, 33, 48, 49, 97)] == [16, 24, 24, 32, 48, 48, 64, 128]
+    # On a mesh the rows must split over `data`: 48 does over 16 devices, not over 32.
+    assert decode_bucket(40, rows_multiple=16) == 48 and decode_bucket(40, rows_multiple=32) == 64
+    alone = [run(make_engine(params, enable_prefix_caching=False), [p], [sp])[0][0] for p, sp in zip(prompts, sps)]
+    assert got == alone
 
 
 def test_preemption_under_a_tiny_kv_budget(params, alone):
