@@ -459,6 +459,8 @@ class Engine:
         # repeats them nor has its stream advanced by generate().
         self._seeds = np.random.default_rng()
         self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
+        # Decode rows must split over a mesh's `data` axis (see scheduler.decode_bucket).
+        self._rows_multiple = 1 if mesh is None else dict(mesh.shape).get("data", 1)
         self._after_step()  # the gauges read true (all pages free) before the first step
 
     # -- shapes -----------------------------------------------------------------------------
@@ -467,7 +469,7 @@ class Engine:
         return bucket(pages_needed(max_kv_len, self.page_size), minimum=self._min_mp, maximum=self.max_pages_per_seq)
 
     def _decode_rows(self, n: int) -> int:
-        return decode_bucket(n, rows_multiple=1 if self.mesh is None else dict(self.mesh.shape).get("data", 1))
+        return decode_bucket(n, rows_multiple=self._rows_multiple)
 
     def decode_shapes(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, page-table width) of every single-token call the engine can make."""
