@@ -16,6 +16,7 @@ tensor is reported by name instead of from deep inside tensorstore.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -216,22 +217,23 @@ def _stored_tree(params_dir: str) -> dict:
     """{tensor name: (shape, dtype)} from the orbax metadata, without reading any array."""
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"checkpoint is missing its parameter directory {params_dir!r}")
-    _OrbaxLeftovers.install()
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # "Failed to get item metadata ...": said below, as an error
     try:
-        with _checkpointer() as ckpt:
+        with _OrbaxLeftovers.reading(), _checkpointer() as ckpt:
             meta = ckpt.metadata(params_dir)
+            item = getattr(meta, "item_metadata", meta)
+            tree = getattr(item, "tree", item)
+            if not isinstance(tree, dict):  # orbax logs a warning and returns no tree for unreadable metadata
+                why = "corrupt or incomplete checkpoint"
+                raise CheckpointError(f"{params_dir}: cannot read the orbax metadata ({why})")
+    except CheckpointError:
+        raise
     except Exception as e:  # orbax raises assorted types for unreadable metadata
-        _OrbaxLeftovers.read_failed = True
         raise CheckpointError(f"{params_dir}: cannot read the orbax metadata ({type(e).__name__}: {e})") from None
     finally:
         absl.setLevel(level)
-    item = getattr(meta, "item_metadata", meta)
-    tree = getattr(item, "tree", item)
-    if not isinstance(tree, dict):  # orbax logs a warning and returns no tree for unreadable metadata
-        raise CheckpointError(f"{params_dir}: cannot read the orbax metadata (corrupt or incomplete checkpoint)")
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
     return {_leaf_name(p): (tuple(x.shape), x.dtype) for p, x in leaves}
 
@@ -247,16 +249,26 @@ class _OrbaxLeftovers(logging.Filter):
     """When a read fails, orbax abandons its other reads on an event loop it then closes; their
     coroutines, futures and callbacks, collected later (at exit at the latest), each printed a
     traceback with a dump of TensorStore's spec ("Exception ignored in: <coroutine ...>", "exception
-    was never retrieved", "Event loop is closed") under the one-line CheckpointError. Installed
-    before orbax reads, a hook for unraisable exceptions and this filter on asyncio's logger drop
-    those: exceptions raised in orbax's code, and - only after a read has failed - the bare "Event
-    loop is closed" of a completion callback calling into orbax's closed loop."""
+    was never retrieved", "Event loop is closed") under the one-line CheckpointError. `reading()`,
+    around every orbax read, installs a hook for unraisable exceptions and this filter on asyncio's
+    logger, which drop those: exceptions raised in orbax's code, and - only while orbax reads or
+    after a read has failed - the bare "Event loop is closed" of a completion callback calling into
+    orbax's closed loop. (The abandoned reads' callbacks run on TensorStore's threads and can beat
+    the failure out of orbax, so "while orbax reads" counts too.)"""
 
     read_failed = False
+    active = 0  # orbax reads in progress
+
+    @classmethod
+    def _suspect(cls) -> bool:
+        return cls.read_failed or cls.active > 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info
-        return not ("never retrieved" in str(record.msg) and exc and exc[2] is not None and _from_orbax(exc[2]))
+        if not ("never retrieved" in str(record.msg) and exc):
+            return True
+        from_orbax = exc[2] is not None and _from_orbax(exc[2])
+        return not (from_orbax or (self._suspect() and "tensorstore_spec" in str(exc[1])))
 
     @classmethod
     def drops(cls, unraisable) -> bool:
@@ -264,7 +276,7 @@ class _OrbaxLeftovers(logging.Filter):
         if (code is not None and _ORBAX in code.co_filename) or _from_orbax(unraisable.exc_traceback):
             return True
         closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-        return cls.read_failed and closed and unraisable.object is None
+        return cls._suspect() and closed and unraisable.object is None
 
     @classmethod
     def install(cls) -> None:
@@ -281,6 +293,20 @@ class _OrbaxLeftovers(logging.Filter):
         asyncio_log = logging.getLogger("asyncio")
         if not any(isinstance(f, cls) for f in asyncio_log.filters):
             asyncio_log.addFilter(cls())
+
+    @classmethod
+    @contextlib.contextmanager
+    def reading(cls):
+        """Around one orbax read: a read that raises marks the process as having left reads behind."""
+        cls.install()
+        cls.active += 1
+        try:
+            yield
+        except BaseException:
+            cls.read_failed = True
+            raise
+        finally:
+            cls.active -= 1
 
 
 def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=None):
@@ -326,12 +352,10 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
     target = jax.tree_util.tree_map_with_path(
         lambda p, x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=want[_leaf_name(p)][1]), abstract
     )
-    _OrbaxLeftovers.install()
     try:
-        with _checkpointer() as ckpt:
+        with _OrbaxLeftovers.reading(), _checkpointer() as ckpt:
             params = ckpt.restore(params_dir, target)
     except Exception as e:  # tensorstore/orbax errors: corrupt or truncated array data
-        _OrbaxLeftovers.read_failed = True
         while e.__cause__ is not None:  # orbax wraps TensorStore's one-line reason in a dump of its spec
             e = e.__cause__
         reason = (str(e).strip().splitlines() or [""])[0][:400]
