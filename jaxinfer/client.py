@@ -185,10 +185,9 @@ def _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt=N
     if (prompt is None) == (prompt_token_ids is None):
         raise InvalidRequestError("pass exactly one of prompt or prompt_token_ids")
     check_cache_salt(cache_salt)
-    req = pb.GenerateRequest(
-        sampling_params=_params(sampling_params),
-        request_id="" if request_id is None else _text(request_id, "request_id"),
-    )
+    request_id = "" if request_id is None else _text(request_id, "request_id")
+    check_request_id(request_id)
+    req = pb.GenerateRequest(sampling_params=_params(sampling_params), request_id=request_id)
     if cache_salt is not None:
         req.cache_salt = cache_salt
     if prompt is not None:
@@ -269,6 +268,17 @@ def _model_info(msg: pb.ModelInfo) -> dict:
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
 # The shortest keepalive interval a client may ask for; `jaxinfer serve` accepts pings this often.
 MIN_KEEPALIVE = 1.0
+# GenerateRequest.request_id's limit: a label for logs, echoed in every streamed message, so an
+# unbounded one let a request multiply what the server sends (a 3 MB id, 100 tokens: 300 MB).
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuses a request_id longer than MAX_REQUEST_ID_CHARS (InvalidRequestError naming it)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+        )
 
 
 def _channel_options(keepalive: float | None) -> list[tuple[str, int]]:

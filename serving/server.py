@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 import jaxinfer
-from jaxinfer.client import MIN_KEEPALIVE
+from jaxinfer.client import MIN_KEEPALIVE, check_request_id
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.kv_cache import check_cache_salt
@@ -519,6 +519,10 @@ class Server:
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     async def _start_generate(self, request: pb.GenerateRequest, info: dict, *, streaming: bool) -> RequestStream:
+        try:
+            check_request_id(request.request_id)
+        except InvalidRequestError as e:
+            raise _invalid(str(e)) from None
         info["cid"] = request.request_id or None
         which = request.WhichOneof("prompt")
         if which is None:

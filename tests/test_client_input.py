@@ -153,6 +153,10 @@ BAD_GENERATE = {
         {"prompt": "x", "request_id": 5},
         r"request_id must be a string, got int 5",
     ),
+    "request_id_too_long": (
+        {"prompt": "x", "request_id": "r" * 257},
+        r"request_id must be at most 256 characters, got 257",
+    ),
     "request_id_lone_surrogate": (
         {"prompt": "x", "request_id": "r\udcff"},
         r"request_id is not valid Unicode",

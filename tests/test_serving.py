@@ -614,6 +614,8 @@ BAD = [
     (dict(text="hi", cache_salt=""), "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
     (dict(text="hi", cache_salt="s" * 1025), "cache_salt must be a non-empty string of at most 1024"),
     (dict(text="hi", cache_salt="tenant"), None),
+    (dict(text="hi", request_id="r" * 257), "request_id must be at most 256 characters, got 257"),
+    (dict(text="hi", request_id="r" * 256), None),
 ]
 
 
