@@ -82,6 +82,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
         min_p: drop tokens less likely than min_p times the most likely one, in [0, 1].
+            The three apply in HF's warper order: top_k, then top_p over what top_k kept
+            (renormalised), then min_p (vLLM's V1 sampler applies min_p first, so a request that
+            sets both top_p and min_p can keep a different set there).
         presence_penalty: subtracted once from every token already generated, in [-2, 2].
         frequency_penalty: subtracted per occurrence of a token already generated, in [-2, 2].
         repetition_penalty: > 1 discourages tokens seen in the prompt or output (positive logits are
