@@ -51,7 +51,9 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    # "stop" | "length" | "abort". A stop/EOS token drawn as the max_tokens-th token is "stop" (the
+    # model ended it, as vLLM V0 says too), where vLLM V1 checks the length first and says "length".
+    finish_reason: str
     logprobs: list[Logprob] | None = None
     # The stop token id (from SamplingParams.stop_token_ids) or stop string that ended it; None when
     # EOS, max_tokens or an abort did (vLLM's meaning).
