@@ -358,7 +358,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            (prefill if n > 1 else decode).append(Chunk(seq, seq.num_computed, n))
+            (prefill if n > 1 or seq.pending_prompt_logprobs else decode).append(Chunk(seq, seq.num_computed, n))
             budget -= n
 
         # Waiting sequences, first come first served; none in a step that had to preempt.
@@ -384,7 +384,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
-            (prefill if n > 1 else decode).append(Chunk(seq, seq.num_computed, n))
+            (prefill if n > 1 or seq.pending_prompt_logprobs else decode).append(Chunk(seq, seq.num_computed, n))
             budget -= n
 
         # A preempted sequence may have been scheduled before it was chosen as a victim.
@@ -395,9 +395,6 @@ class Scheduler:
     def _chunk_length(self, seq: Sequence, n: int, prefill: list[Chunk]) -> int:
         """How many of a sequence's next n prompt tokens to compute this step (0: none this step).
 
-        A sequence owing prompt logprobs takes no one-token chunk: that would run in the decode
-        call, which returns no logits of its positions (see Sequence.prompt_logprobs).
-
         A prompt-chunk call costs its padded shape (rows and length rounded up to powers of two), so
         chunks are cut to fit the shape instead of the shape growing around them. The first chunk of
         a step that its bucket would pad by more than _MAX_CHUNK_PADDING tokens is cut to the power
@@ -406,7 +403,7 @@ class Scheduler:
         real tokens.
         """
         if n <= 1:
-            return 0 if n == 1 and seq.pending_prompt_logprobs else n
+            return n
         if not prefill:
             if bucket(n, minimum=16) - n > _MAX_CHUNK_PADDING:
                 n = 1 << (n.bit_length() - 1)

@@ -133,10 +133,11 @@ def _assert_same_prompt_logprobs(got, ref):
     assert [list(x.top) for x in got] == [list(x.top) for x in ref]
 
 
-def test_prompt_logprobs_wait_out_one_token_budgets(params):
+def test_prompt_logprobs_advance_through_one_token_budgets(params):
     """15 sequences decoding under a 16-token budget leave one token a step. A prompt whose logprobs
-    are asked for waits for a larger share instead of running one position in the decode call,
-    which returns no logprobs of its positions (it used to lose them, then find the gap)."""
+    are asked for takes it, in a prompt-chunk call (the decode call returns no logprobs of its
+    positions: run there, they were lost, then the gap found). It used to wait for a larger share
+    instead - with a steady stream of decoders, forever, and the queue behind it with it."""
     e = make_engine(params, max_num_batched_tokens=16, max_num_seqs=16)
     rng = np.random.default_rng(3)
     decoding = [
@@ -146,12 +147,18 @@ def test_prompt_logprobs_wait_out_one_token_budgets(params):
     while any(not r.seqs[0].output_ids for r in decoding):
         e.step()
     prompt = rng.integers(3, 128, 40).tolist()
-    req = e.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))
-    e.step()
-    assert req.seqs[0].num_computed == 0  # one token of budget left: it waits
+    sp = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    req = e.add_request(prompt, sp)
+    for i in range(1, 4):
+        e.step()
+        assert req.seqs[0].num_computed == i  # one position a step, beside the 15 decoding
+        assert all(r.seqs[0].finish_reason is None for r in decoding)
     while e.has_unfinished():
         e.step()
-    _assert_same_prompt_logprobs(req.seqs[0].prompt_logprobs, _prompt_logprobs_alone(params, prompt, 2))
+    roomy = make_engine(params, enable_prefix_caching=False, max_num_batched_tokens=256)
+    (tokens,), (alone,) = run(roomy, [prompt], [sp])
+    _assert_same_prompt_logprobs(req.seqs[0].prompt_logprobs, alone.seqs[0].prompt_logprobs)
+    assert req.seqs[0].output_ids == tokens
 
 
 def test_prompt_logprobs_through_chunks_preemption_and_prefix_sharing(params, alone):
