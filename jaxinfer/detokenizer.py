@@ -10,6 +10,11 @@ such a run as a whole, into one U+FFFD per byte if any byte is invalid, so a val
 sent could later have been a U+FFFD. A window stays open for at most _MAX_PENDING tokens; then
 it is taken in up to its last whole character (a long run of valid text is not cut mid-character).
 
+Ids that decode to nothing (the special tokens a decode skips, ids past the tokenizer's vocabulary)
+are left out of the windows altogether: the decode drops them anyway, and kept, they filled the
+prompt's context (six trailing specials, and a SentencePiece word lost its space) or a pending
+window (a character split by 15 of them came out as U+FFFD).
+
 Stop strings: the text is searched for them as it grows; the last `max(len(stop)) - 1` characters
 are held back from the stream until they can no longer begin a stop string, so a stop string is
 never emitted, not even in part. With `include_stop` (vLLM's include_stop_str_in_output) the text
@@ -40,7 +45,16 @@ class IncrementalDetokenizer:
         self._decode = (
             tokenizer.decode if skip_special_tokens else functools.partial(tokenizer.decode, skip_special_tokens=False)
         )
-        self._ids = list(prompt_ids[-_CONTEXT:])
+        silent = getattr(tokenizer, "skipped_ids", frozenset()) if skip_special_tokens else frozenset()
+        vocab = getattr(tokenizer, "vocab_size", None)
+        self._has_text = lambda i: i not in silent and (vocab is None or 0 <= i < vocab)
+        self._ids = []  # the prompt's last _CONTEXT ids with text, then the output's
+        for i in reversed(prompt_ids):
+            if len(self._ids) == _CONTEXT:
+                break
+            if self._has_text(i):
+                self._ids.append(i)
+        self._ids.reverse()
         self._prefix = 0  # start of the decoding window
         self._read = len(self._ids)  # tokens before this are already in `text`
         self.text = ""  # the output text so far (stop string and what follows removed)
@@ -59,7 +73,7 @@ class IncrementalDetokenizer:
 
         `find_stops=False` (short of min_tokens): the text is not searched, and a stop string that
         ends in the text taken in meanwhile is never one; one it began and a later token ends is."""
-        if self.stopped:
+        if self.stopped or not self._has_text(token_id):
             return
         self._ids.append(token_id)
         self._advance(final=False, find_stops=find_stops)

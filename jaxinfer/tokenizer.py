@@ -46,6 +46,8 @@ class Tokenizer(Protocol):
     special_tokens: dict[str, str]  # bos_token / eos_token / ... -> its string, for chat templates
     chat_template: str | None
     byte_ids: frozenset[int]  # byte-fallback pieces "<0xNN>": a run of them decodes as a whole
+    # Ids below vocab_size that decode(skip_special_tokens=True) drops (special tokens): no text.
+    skipped_ids: frozenset[int]
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -289,6 +291,7 @@ class HFTokenizer:
             _rebuild_as_llama_tokenizer(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
+        self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.special_tokens = dict(settings.special_tokens)
         self.chat_template = settings.chat_template
         self.bos_id = self._id(self.special_tokens.get("bos_token"))
@@ -389,6 +392,7 @@ class SentencePieceTokenizer:
         byte_ids = ((self._sp.piece_to_id(f"<0x{b:02X}>"), b) for b in range(256))
         self._byte_of = {i: b for i, b in byte_ids if self._sp.is_byte(i)}
         self.byte_ids = frozenset(self._byte_of)
+        self.skipped_ids = self._skipped
 
     def _piece_id(self, token: str | None) -> int | None:
         if not token:
@@ -469,6 +473,7 @@ class ByteTokenizer:
         self.chat_template = None
         self.max_token_bytes = 1
         self.byte_ids = frozenset()  # its ids are bytes, but decoded by Python's rules, not ByteFallback's
+        self.skipped_ids = frozenset(range(self.OFFSET))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]

@@ -112,6 +112,45 @@ def test_byte_fallback_runs_come_out_as_the_whole_decode_gives_them(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["tokenizer.model", "tokenizer.json"])
+def test_ids_without_text_neither_fill_the_context_nor_hold_a_character_open(tmp_path, source):
+    """Special tokens the decode skips add no text, so they are left out of the detokenizer's windows.
+    Kept, six of them ending a prompt were its whole context and the first word lost its space, and
+    15 of them inside a two-byte character filled the pending window: "é" came out as U+FFFD."""
+    from test_tokenizer import _spm_dir
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    d = _spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    if source == "tokenizer.json":  # the same model, as transformers writes its tokenizer.json
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(d)).save_pretrained(str(d))
+        (d / "tokenizer.model").unlink()
+    tok = load_tokenizer(str(d))
+    eos = tok.eos_ids[0]
+    assert eos in tok.skipped_ids and tok.bos_id in tok.skipped_ids
+
+    def expected(prompt, ids):
+        return tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+
+    prompt = tok.encode("In the beginning") + [eos] * 8
+    ids = tok.encode(" God created", add_special_tokens=False)
+    deltas, det = feed(tok, prompt, ids)
+    assert "".join(deltas) == det.text == expected(prompt, ids) == " God created"
+
+    piece_id = tok._piece_id if source == "tokenizer.model" else tok._tok.token_to_id
+    c3, a9 = (piece_id(f"<0x{b:02X}>") for b in (0xC3, 0xA9))
+    assert {c3, a9} <= tok.byte_ids
+    ids = [c3, *[eos] * 15, a9, *tok.encode(" ok", add_special_tokens=False)]
+    deltas, det = feed(tok, prompt, ids)
+    assert "".join(deltas) == det.text == expected(prompt, ids) == "é ok"
+
+    byte = ByteTokenizer()  # its BOS and EOS have no text either
+    deltas, det = feed(byte, byte.encode("x"), [0xC3 + 3, *[2] * 15, 0xA9 + 3])
+    assert "".join(deltas) == det.text == "é"
+
+
+@pytest.mark.parametrize("source", ["tokenizer.model", "tokenizer.json"])
 def test_long_byte_runs_of_valid_text_stream_whole(tmp_path, source):
     """Characters outside a SentencePiece vocabulary are spelled in byte pieces, and neighbours join
     one run: six rare CJK characters are 18 pieces, more than a window holds back. The window used

@@ -368,6 +368,25 @@ def test_sentencepiece_decode_of_random_ids_matches_transformers(tmp_path, dummy
         assert got == theirs.decode(ids, skip_special_tokens=False), theirs.convert_ids_to_tokens(ids)
 
 
+@pytest.mark.parametrize("kind", ["spm_llama", "spm_gemma", "bpe"])
+def test_skipped_ids_are_the_ids_transformers_decode_drops(tmp_path, kind):
+    """`skipped_ids` (what the detokenizer leaves out of its windows): exactly the ids that vanish
+    from transformers' decode with skip_special_tokens=True, placed between two words."""
+    if kind == "bpe":
+        _bpe_dir(tmp_path, specials=["<|im_start|>"])
+    elif kind == "spm_llama":
+        _spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    else:
+        config = {"tokenizer_class": "GemmaTokenizer", "additional_special_tokens": ["<start_of_turn>"]}
+        _spm_dir(tmp_path, dummy_prefix=False, tokenizer_config=config)
+    ours = load_tokenizer(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    word = ours.encode("hello", add_special_tokens=False)[-1]
+    both = theirs.decode([word, word], skip_special_tokens=True)
+    vanish = {i for i in range(ours.vocab_size) if theirs.decode([word, i, word], skip_special_tokens=True) == both}
+    assert ours.skipped_ids == vanish and ours.bos_id in vanish and set(ours.eos_ids) <= vanish
+
+
 @pytest.mark.parametrize("source", ["added_tokens_decoder", "added_tokens.json"])
 def test_sentencepiece_added_tokens_have_their_own_ids(tmp_path, source):
     """Tokens a tokenizer_config.json (or an older added_tokens.json) adds past the model's pieces, as
