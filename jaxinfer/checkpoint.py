@@ -137,6 +137,18 @@ def _leaf_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def _check_out_dir(out_dir: str | os.PathLike) -> str:
+    """The absolute path of an output directory that is new or empty; else CheckpointError."""
+    if not os.fspath(out_dir):  # abspath("") is the working directory
+        raise CheckpointError("the output directory must be a path, got an empty string")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"output directory {out_dir!r} is a file")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"output directory {out_dir!r} exists and is not empty")
+    return out_dir
+
+
 def save(
     out_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -158,11 +170,7 @@ def save(
         tokenizer_files: further files to copy beside the parameters.
         tokenizer_config: written as tokenizer_config.json (after the copies).
     """
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"output directory {out_dir!r} is a file")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise CheckpointError(f"output directory {out_dir!r} exists and is not empty")
+    out_dir = _check_out_dir(out_dir)
     dtype = dtype or cfg.dtype
     if dtype not in config_module.DTYPES:
         raise CheckpointError(f"dtype must be one of {config_module.DTYPES}, got {dtype!r}")
@@ -190,7 +198,8 @@ def save(
 def load_config(ckpt_dir: str, *, dtype: str | None = None) -> ModelConfig:
     """The ModelConfig of a checkpoint directory (dtype overridden when given)."""
     if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist")
+        what = "is a file, not a directory" if os.path.exists(ckpt_dir) else "does not exist"
+        raise CheckpointError(f"checkpoint directory {ckpt_dir!r} {what}")
     marker = os.path.join(ckpt_dir, MARKER)
     try:
         with open(marker, encoding="utf-8") as f:
@@ -372,6 +381,7 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "float32") -> ModelCon
     from jaxinfer.loading import load_hf_checkpoint
     from jaxinfer.tokenizer import load_tokenizer
 
+    _check_out_dir(out_dir)  # before the load, which a large model spends minutes on
     cfg, params = load_hf_checkpoint(hf_dir, dtype=dtype)
     # Like LLM does: the tokenizer's own EOS joins the config's, so the checkpoint stands alone.
     tok = load_tokenizer(hf_dir, eos_ids=cfg.eos_token_ids)
@@ -410,11 +420,17 @@ def bench_load(hf_dir: str, *, dtype: str = "float32", repeats: int = 3, orbax_d
             _, params = load_hf_checkpoint(hf_dir, dtype=dtype)
             _block(params)
             hf_s.append(time.perf_counter() - t)
+            shapes = jax.tree.map(lambda x: x.shape, params)
             del params
             t = time.perf_counter()
             _, params = restore(orbax_dir, dtype=dtype)
             _block(params)
             orbax_s.append(time.perf_counter() - t)
+            if jax.tree.map(lambda x: x.shape, params) != shapes:
+                raise CheckpointError(
+                    f"{orbax_dir!r} holds another model than {hf_dir!r} (its tensors differ in names or shapes): "
+                    "give a `jaxinfer convert` output of the same checkpoint"
+                )
             n = sum(x.size for x in jax.tree.leaves(params))
             nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
             del params

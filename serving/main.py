@@ -112,7 +112,8 @@ def run(args) -> int:
         level="DEBUG" if args.log_level == "DEBUG" else "WARNING", format="%(message)s", stream=sys.stderr
     )
     logging.getLogger("jaxinfer").setLevel(args.log_level)
-    if args.distributed or args.coordinator_address or args.num_processes or args.process_id is not None:
+    multi = (args.coordinator_address, args.num_processes, args.process_id)
+    if args.distributed or any(v is not None for v in multi):  # a 0 or "" is refused by name, not ignored
         from jaxinfer import distributed
 
         try:

@@ -325,10 +325,25 @@ def test_save_refuses_a_non_empty_directory(small_ckpt):
         checkpoint.save(small_ckpt, SMALL, init_params(SMALL, 0))
 
 
-def test_cli_convert_error_and_bench_load(tmp_path, hf_dir, capsys):
+def test_cli_convert_error_and_bench_load(tmp_path, hf_dir, small_ckpt, capsys, monkeypatch):
     assert main(["convert", str(tmp_path / "no_such_hf"), str(tmp_path / "out")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # The output directory is checked before anything is loaded: an empty path (abspath made it the
+    # working directory, and the checkpoint went there), and a file with a broken source.
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["convert", hf_dir, ""]) == 2
+    assert "the output directory must be a path, got an empty string" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "cwd") == []
+    (tmp_path / "a_file").write_text("x")
+    assert main(["convert", str(tmp_path / "no_such_hf"), str(tmp_path / "a_file")]) == 2
+    assert "output directory" in (err := capsys.readouterr().err) and "is a file" in err
     assert main(["bench", "load", hf_dir, "--repeats", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["hf_s"][0] > 0 and report["orbax_s"][0] > 0
     assert report["params"] == load_hf_checkpoint(hf_dir)[0].num_params
+    # --orbax-dir of another model: two unrelated load times were compared.
+    assert main(["bench", "load", hf_dir, "--repeats", "1", "--orbax-dir", small_ckpt]) == 2
+    assert "holds another model than" in capsys.readouterr().err
+    assert main(["bench", "load", hf_dir, "--repeats", "1", "--orbax-dir", str(tmp_path / "a_file")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

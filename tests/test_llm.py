@@ -726,6 +726,9 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
         (["serve", "--port", "47124", "--metrics-port", "47124"], "--port and --metrics-port must differ"),
+        # Falsy, but given: refused by name, not taken for "no multi-host" (a server started instead).
+        (["serve", "--num-processes", "0"], "give --coordinator-address, --num-processes and --process-id together"),
+        (["serve", "--coordinator-address", ""], "give --coordinator-address, --num-processes and --process-id"),
         (["generate", "--server", "127.0.0.1", "x"], "--server must be HOST:PORT ([IPv6]:PORT"),  # dialled :443
         (["bench", "--repeats", "2", "kernels"], "`jaxinfer bench kernels` takes flags of its own"),
     ],
