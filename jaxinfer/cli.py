@@ -72,6 +72,24 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_engine_flags(args) -> None:
+    """The capacity flags' ranges, before anything loads (or `serve` binds its port): InvalidRequestError
+    naming the flag (LLM's own check names its argument, `page_size`)."""
+    from jaxinfer.engine import check_capacity
+    from jaxinfer.errors import InvalidRequestError
+
+    try:
+        check_capacity(
+            page_size=args.page_size,
+            max_num_seqs=args.max_num_seqs,
+            num_kv_pages=args.num_kv_pages,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    except InvalidRequestError as e:
+        name, rest = str(e).split(" ", 1)
+        raise InvalidRequestError(f"--{name.replace('_', '-')} {rest}") from None
+
+
 def engine_kwargs(args) -> dict:
     return dict(
         max_model_len=args.max_model_len,
@@ -291,6 +309,7 @@ def _generate(args) -> int:
     check_cache_salt(args.cache_salt, "--cache-salt")
     if args.server:
         return _generate_remote(args, params_over)
+    check_engine_flags(args)
     llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
     params = params_over(llm.generation_overrides)
     # vLLM's prompt dicts: text or ids, with the salt when one is given.

@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from jaxinfer.cli import engine_kwargs
+    from jaxinfer.cli import check_engine_flags, engine_kwargs
+    from jaxinfer.errors import InvalidRequestError
     from serving.server import Server, ServerConfig
 
     for name, lo, hi in (
@@ -93,6 +94,11 @@ def run(args) -> int:
         if v is not None and not lo <= v <= hi:
             print(f"error: --{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}", file=sys.stderr)
             return 2
+    try:
+        check_engine_flags(args)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.metrics_port and args.metrics_port == args.port:  # else "cannot bind ...: is the port in use"
         print(f"error: --port and --metrics-port must differ, both are {args.port}", file=sys.stderr)
         return 2

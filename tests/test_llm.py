@@ -719,7 +719,10 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "x\udcff"], "is not valid Unicode"),  # argv bytes that are not UTF-8
         # A cache no machine holds: named, not an allocator failure (or the process killed).
         (["generate", "--num-kv-pages", str(2**30), "--prompt-ids", "1,5"], "the KV cache would take"),
-        (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "page_size must be an integer in [1, 65536]"),
+        (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "--page-size must be an integer in [1, 65536"),
+        # Before the port is bound and the model loads (it said "listening on ...", then failed).
+        (["serve", "--page-size", "0"], "--page-size must be an integer in [1, 65536], got 0"),
+        (["serve", "--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be an integer in [16, 1048576]"),
         (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
         (["generate", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
@@ -737,6 +740,8 @@ def test_cli_errors_are_one_line_no_traceback(argv, message):
     r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if "error:" in line]) == 1, r.stderr
+    assert "listening" not in r.stdout  # nothing bound before the flags were checked
 
 
 def _bench_args(argv):
