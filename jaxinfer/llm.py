@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -529,6 +530,8 @@ class LLM:
         return self._generate(*self._prompts(prompts, sampling_params, prompt_token_ids), use_tqdm=use_tqdm)
 
     def _generate(self, texts, ids, params, salts, *, use_tqdm: bool = False) -> list[RequestOutput]:
+        if not isinstance(use_tqdm, bool):  # "no" would have shown a bar
+            raise InvalidRequestError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         bar = _progress_bar(len(ids)) if use_tqdm else None
         requests = []
         try:
@@ -655,11 +658,16 @@ class LLM:
                 f"stream takes one prompt (a string or a prompt dict), got a {type(prompt).__name__}; "
                 "generate takes several"
             )
-        texts, ids, params, salts = self._prompts(
-            None if prompt is None else [prompt],
-            sampling_params,
-            None if prompt_token_ids is None else [prompt_token_ids],
-        )
+        try:
+            texts, ids, params, salts = self._prompts(
+                None if prompt is None else [prompt],
+                sampling_params,
+                None if prompt_token_ids is None else [prompt_token_ids],
+            )
+        except InvalidRequestError as e:  # named as this call's arguments: one prompt, one list of ids
+            message = re.sub(r"^prompts\[0\]", "prompt", str(e))
+            message = re.sub(r"^prompt_token_ids\[0\]", "prompt_token_ids", message)
+            raise InvalidRequestError(message.replace("one of prompts or", "one of prompt or")) from None
         return self._stream(ids[0], params[0], salts[0])
 
     def _stream(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> Iterator[StreamDelta]:

@@ -237,6 +237,12 @@ def test_generation_stops_at_max_model_len(llm):
         (lambda m: m.generate([{"prompt_token_ids": [1, 999]}]), r"prompts\[0\]: .*999 is outside the vocabulary"),
         (lambda m: m.generate("a", 5), "sampling_params must be a SamplingParams or a list of them, got int"),
         (lambda m: m.generate(prompt_token_ids=np.array(5)), "prompt_token_ids must be a list"),
+        # stream takes one prompt: its refusals name its own arguments, not generate's lists.
+        (lambda m: m.stream(""), r"^prompt is empty"),
+        (lambda m: m.stream(prompt_token_ids=[[1, 2]]), r"^prompt_token_ids must be a list of integers"),
+        (lambda m: m.stream(prompt_token_ids=[1, 999]), r"^prompt_token_ids: prompt token id 999 is outside"),
+        (lambda m: m.stream(), r"^pass exactly one of prompt or prompt_token_ids"),
+        (lambda m: m.generate("a", GREEDY, use_tqdm="no"), "use_tqdm must be True or False, got 'no'"),  # drew a bar
         (lambda m: m.generate(prompt_token_ids=[np.ones((2, 2), int)]), r"prompt_token_ids\[0\] must be a list"),
         # Was accepted: an id the model can never produce, in a stop list.
         (
