@@ -19,6 +19,7 @@ import functools
 import itertools
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -176,6 +177,7 @@ class Server:
                     _reflection_handler(names),
                 )
             )
+            _check_host(self.config.host)
             address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
             try:
                 self.port = server.add_insecure_port(address)
@@ -830,6 +832,26 @@ class _EngineCollector:
         llm = self.server.llm
         if llm is not None:
             yield from llm.engine.metrics.registry.collect()
+
+
+def _check_host(host: str) -> None:
+    """OSError naming --host when it does not resolve, or is not an address of this machine: gRPC
+    would log its own error line before ours ("Failed to add port")."""
+    name = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(name or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise OSError(f"--host {host!r} does not resolve ({e})") from None
+    if not name:
+        raise OSError("--host is empty: give an address of this machine (127.0.0.1 by default)")
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(addr)
+            return
+        except OSError:
+            continue
+    raise OSError(f"--host {host!r} is not an address of this machine (cannot bind to it)")
 
 
 def _host_for_bind(host: str) -> str:

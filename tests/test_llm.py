@@ -728,6 +728,9 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--page-size", str(2**40), "--prompt-ids", "1,5"], "--page-size must be an integer in [1, 65536"),
         # Before the port is bound and the model loads (it said "listening on ...", then failed).
         (["serve", "--page-size", "0"], "--page-size must be an integer in [1, 65536], got 0"),
+        # Named before gRPC logs its own "Failed to add port" line.
+        (["serve", "--host", "8.8.8.8", "--port", "0"], "--host '8.8.8.8' is not an address of this machine"),
+        (["serve", "--host", "", "--port", "0"], "--host is empty"),
         (["serve", "--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be an integer in [16, 1048576]"),
         (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
@@ -748,6 +751,7 @@ def test_cli_errors_are_one_line_no_traceback(argv, message):
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len([line for line in r.stderr.splitlines() if "error:" in line]) == 1, r.stderr
     assert "listening" not in r.stdout  # nothing bound before the flags were checked
+    assert "Failed to add port" not in r.stderr
 
 
 def _bench_args(argv):
