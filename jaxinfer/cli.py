@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
@@ -317,12 +318,27 @@ def _generate(args) -> int:
     prompts = [{"prompt": p, **salt} for p in args.prompt] or [
         {"prompt_token_ids": ids, **salt} for ids in args.prompt_ids
     ]
-    if args.stream:
-        _print_stream(args, llm.stream(prompts[0], params), has_text=llm.tokenizer is not None)
-        return 0
-    outs = llm.generate(prompts, params)
+    try:
+        if args.stream:
+            _print_stream(args, llm.stream(prompts[0], params), has_text=llm.tokenizer is not None)
+            return 0
+        outs = llm.generate(prompts, params)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(_prompt_named_as_given(str(e), args)) from None
     _print_outputs(args, llm.cfg.name, outs, has_text=llm.tokenizer is not None)
     return 0
+
+
+def _prompt_named_as_given(message: str, args) -> str:
+    """A refusal of the prompt dicts built above, naming what was typed: "prompt 2" or "--prompt-ids",
+    not the API's "prompts[1].prompt"."""
+    count = len(args.prompt) or len(args.prompt_ids)
+
+    def name(m: re.Match) -> str:
+        label = "prompt" if args.prompt else "--prompt-ids"
+        return f"{label} {int(m.group(2)) + 1}" if count > 1 else label
+
+    return re.sub(r"^(prompts\[(\d+)\]|prompt)(\.prompt_token_ids|\.prompt)?", name, message)
 
 
 def _generate_remote(args, params_over) -> int:

@@ -735,6 +735,9 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--server", "localhost:70000", "x"], "the port must be in [1, 65535]"),  # not 4464
         (["bench", "load", "/no/such/dir", "--repeats", "0"], "--repeats must be >= 1"),
         (["generate", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
+        # Named as typed, not as the API's prompt dicts ("prompts[1]: ..."):
+        (["generate", "--prompt-ids", "1,2", "--prompt-ids", "1,99999"], "error: --prompt-ids 2: prompt token id"),
+        (["generate", "ok", "x\udcff"], "error: prompt 2 is not valid Unicode"),
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
         (["serve", "--port", "47124", "--metrics-port", "47124"], "--port and --metrics-port must differ"),
