@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -430,30 +429,31 @@ class LLM:
             )
         return encode_prompt(self.tokenizer, text, max_tokens=max_tokens, field=field)
 
-    def _prompt_item(self, p, i: int, max_tokens: int | None) -> tuple[str | None, list[int], str | None]:
-        """(text, ids, cache salt) of prompts[i]: a string, or a vLLM-style prompt dict ({"prompt":
-        text} or {"prompt_token_ids": [...]}, and optionally "cache_salt")."""
+    def _prompt_item(self, p, name: str, max_tokens: int | None) -> tuple[str | None, list[int], str | None]:
+        """(text, ids, cache salt) of the prompt a refusal calls `name`: a string, or a vLLM-style prompt
+        dict ({"prompt": text} or {"prompt_token_ids": [...]}, and optionally "cache_salt")."""
         if not isinstance(p, Mapping):
-            return p, self._encode(p, f"prompts[{i}]", max_tokens), None
+            return p, self._encode(p, name, max_tokens), None
         keys = set(p) - {"cache_salt"}
         if unknown := sorted(map(str, keys - {"prompt", "prompt_token_ids"})):
             raise InvalidRequestError(
-                f"prompts[{i}]: unsupported prompt field(s) {unknown}; a prompt dict holds 'prompt' (text) "
+                f"{name}: unsupported prompt field(s) {unknown}; a prompt dict holds 'prompt' (text) "
                 "or 'prompt_token_ids', and optionally 'cache_salt'"
             )
         if len(keys) != 1:
-            raise InvalidRequestError(f"prompts[{i}] must hold exactly one of 'prompt' or 'prompt_token_ids'")
+            raise InvalidRequestError(f"{name} must hold exactly one of 'prompt' or 'prompt_token_ids'")
         salt = p.get("cache_salt")
-        check_cache_salt(salt, f"prompts[{i}].cache_salt")
+        check_cache_salt(salt, f"{name}.cache_salt")
         if "prompt" in p:
-            return p["prompt"], self._encode(p["prompt"], f"prompts[{i}].prompt", max_tokens), salt
-        return None, _token_ids(p["prompt_token_ids"], f"prompts[{i}].prompt_token_ids"), salt
+            return p["prompt"], self._encode(p["prompt"], f"{name}.prompt", max_tokens), salt
+        return None, _token_ids(p["prompt_token_ids"], f"{name}.prompt_token_ids"), salt
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
         """Normalises and validates inputs; returns (texts, ids, params, cache salts). Raises before any
         work starts.
 
-        `name_of(i)`: what a refusal calls prompt i (chat: the caller's messages[i], not ids made of them)."""
+        `name_of(i)`: what a refusal calls prompt i (default prompts[i] or prompt_token_ids[i]; chat: the
+        caller's messages[i], not ids made of them; stream: its one prompt or prompt_token_ids)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, (str, Mapping)):
@@ -465,9 +465,9 @@ class LLM:
         if prompts is not None:
             sampling_params = self._params_list(sampling_params, len(prompts))
             limits = [self.engine.prompt_token_limit(sp) for sp in sampling_params]
-            items = [self._prompt_item(p, i, limit) for i, (p, limit) in enumerate(zip(prompts, limits))]
+            name_of = name_of or (lambda i: f"prompts[{i}]")
+            items = [self._prompt_item(p, name_of(i), limit) for i, (p, limit) in enumerate(zip(prompts, limits))]
             texts, ids, salts = map(list, zip(*items)) if items else ([], [], [])
-            field = "prompts"
         else:
             if (
                 isinstance(prompt_token_ids, (str, bytes))
@@ -478,14 +478,14 @@ class LLM:
             if len(prompt_token_ids) and all(is_int(t) for t in prompt_token_ids):
                 prompt_token_ids = [prompt_token_ids]  # one prompt, as a flat list of ids
             texts = salts = [None] * len(prompt_token_ids)
-            ids = [_token_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
-            field = "prompt_token_ids"
+            name_of = name_of or (lambda i: f"prompt_token_ids[{i}]")
+            ids = [_token_ids(p, name_of(i)) for i, p in enumerate(prompt_token_ids)]
             sampling_params = self._params_list(sampling_params, len(ids))
         for i, (p, sp) in enumerate(zip(ids, sampling_params)):
             try:
                 self.engine.validate(p, sp)
             except InvalidRequestError as e:
-                raise InvalidRequestError(f"{name_of(i) if name_of else f'{field}[{i}]'}: {e}") from None
+                raise InvalidRequestError(f"{name_of(i)}: {e}") from None
         return texts, ids, sampling_params, salts
 
     def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
@@ -658,16 +658,15 @@ class LLM:
                 f"stream takes one prompt (a string or a prompt dict), got a {type(prompt).__name__}; "
                 "generate takes several"
             )
-        try:
-            texts, ids, params, salts = self._prompts(
-                None if prompt is None else [prompt],
-                sampling_params,
-                None if prompt_token_ids is None else [prompt_token_ids],
-            )
-        except InvalidRequestError as e:  # named as this call's arguments: one prompt, one list of ids
-            message = re.sub(r"^prompts\[0\]", "prompt", str(e))
-            message = re.sub(r"^prompt_token_ids\[0\]", "prompt_token_ids", message)
-            raise InvalidRequestError(message.replace("one of prompts or", "one of prompt or")) from None
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("pass exactly one of prompt or prompt_token_ids")
+        name = "prompt" if prompt is not None else "prompt_token_ids"  # its one prompt, named as passed
+        texts, ids, params, salts = self._prompts(
+            None if prompt is None else [prompt],
+            sampling_params,
+            None if prompt_token_ids is None else [prompt_token_ids],
+            name_of=lambda i: name,
+        )
         return self._stream(ids[0], params[0], salts[0])
 
     def _stream(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> Iterator[StreamDelta]:

@@ -838,12 +838,12 @@ def _check_host(host: str) -> None:
     """OSError naming --host when it does not resolve, or is not an address of this machine: gRPC
     would log its own error line before ours ("Failed to add port")."""
     name = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(name or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:
-        raise OSError(f"--host {host!r} does not resolve ({e})") from None
     if not name:
         raise OSError("--host is empty: give an address of this machine (127.0.0.1 by default)")
+    try:
+        infos = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise OSError(f"--host {host!r} does not resolve ({e})") from None
     for family, kind, proto, _, addr in infos:
         try:
             with socket.socket(family, kind, proto) as s:
