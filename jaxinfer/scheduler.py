@@ -308,11 +308,20 @@ class Scheduler:
         return 0 if group.window is None else max(position - group.window + 1, 0) // self.page_size
 
     def _sibling_computing_prefix(self, seq: Sequence) -> bool:
-        """True while another sample of seq's request is computing prompt pages seq could share."""
+        """True while another sample of seq's request is computing pages seq could share: full pages
+        of the tokens the two have in common (the prompt, and any output they drew alike; a sample
+        preempted after it generated shares none of its own tokens with the others otherwise)."""
         if not self.pool.enable_prefix_cache:
             return False
-        shareable = (len(seq.tokens) - 1) // self.page_size * self.page_size
-        return any(s is not seq and s.status is SeqStatus.RUNNING and s.num_computed < shareable for s in seq.siblings)
+        for s in seq.siblings:
+            if s is seq or s.status is not SeqStatus.RUNNING:
+                continue
+            common, end = seq.prompt_len, min(len(seq.tokens) - 1, len(s.tokens))
+            while common < end and seq.tokens[common] == s.tokens[common]:
+                common += 1
+            if s.num_computed < min(common, end) // self.page_size * self.page_size:
+                return True
+        return False
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: offers the sequence's newly completed full pages to the prefix cache."""

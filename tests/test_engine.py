@@ -442,6 +442,34 @@ def test_prompt_chunks_are_cut_to_their_padded_shape():
     assert steps[3] == [(2, 14), (0, 1), (1, 1)]
 
 
+def test_a_preempted_sample_waits_for_its_siblings_only_on_tokens_they_share():
+    """n samples share their prompt's pages: while one computes them, the others wait for it at the
+    head of the queue. A sample preempted after it drew tokens of its own shares only the prompt (and
+    any output drawn alike) with them. It used to wait until a running sibling had computed as many
+    tokens as it holds, i.e. while the sibling decoded up to its length, and the queue behind it with it."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import GroupPages, PageGroup, Scheduler, SeqStatus, Sequence
+
+    sched = Scheduler(
+        groups=[PageGroup(PagePool(64))], page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens=64
+    )
+    sp = SamplingParams(max_tokens=40)
+    prompt = list(range(3, 19))  # 16 tokens: 4 full pages to share
+    a = Sequence(seq_id=0, request_id="r", index=0, params=sp, seed=0, tokens=prompt + [7] * 4, prompt_len=16)
+    b = Sequence(seq_id=1, request_id="r", index=1, params=sp, seed=1, tokens=prompt + [9] * 20, prompt_len=16)
+    a.siblings = b.siblings = [a, b]
+    sched.add(b)  # b: preempted after drawing 20 tokens of its own
+    sched.running.append(a)  # a: in decode, its prompt's pages computed and cached
+    a.status, a.num_computed = SeqStatus.RUNNING, 19
+    a.groups = [GroupPages(pages=sched.pool.allocate(5))]
+    sched.register_full_pages(a)
+
+    plan = sched.schedule()
+    scheduled = {ch.seq.seq_id: (ch.start, ch.length) for ch in plan.prefill + plan.decode}
+    # b takes the prompt's 4 pages from the prefix cache and computes the rest.
+    assert scheduled.get(1) == (16, 20), f"the queue waited on a sibling: {scheduled}"
+
+
 def windowed_workload():
     """Four requests up to 15 pages long (at page size 8), two sharing a 40-token prefix: longer than
     a 12-key window by far, so pages leave it while the requests run."""
