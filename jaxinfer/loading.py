@@ -150,10 +150,27 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
     return out
 
 
+def stored_float_dtype(model_dir: str) -> str | None:
+    """The dtype a Hugging Face checkpoint stores its weights in ("bfloat16", "float16", ...), read
+    from the safetensors headers: the embedding's, else the first floating-point tensor's. transformers'
+    dtype="auto" falls back to the stored weights when config.json names no dtype. None when the
+    checkpoint has no floating-point tensor."""
+    stored = _checkpoint_files(model_dir)
+    names = _text_decoder_names(stored)
+    embedding = names.get("model.embed_tokens.weight")
+    headers: dict[str, dict] = {}
+    for name in ([embedding] if embedding else []) + list(stored):
+        path = stored[name]
+        if path not in headers:
+            headers[path] = SafetensorsFile(path).header
+        dtype = np.dtype(_ST_DTYPES[headers[path][name]["dtype"]]) if name in headers[path] else None
+        if dtype in _FLOAT_DTYPES:
+            return dtype.name
+    return None
+
+
 def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Exact equality of two (memory-mapped) tensors, a block of rows at a time."""
-    if a.shape != b.shape:
-        return False
+    """Exact equality of two (memory-mapped) tensors of one shape, a block of rows at a time."""
     rows = max(1, (1 << 24) // max(1, a[0].size * 4)) if a.ndim else 1
     for i in range(0, len(a) if a.ndim else 1, rows):
         x, y = (a[i : i + rows], b[i : i + rows]) if a.ndim else (a, b)
@@ -178,7 +195,13 @@ def _tying_as_stored(model_dir: str, cfg: ModelConfig) -> ModelConfig:
     def read(name):
         return SafetensorsFile(stored[names[name]]).get(names[name])
 
-    if _arrays_equal(read("model.embed_tokens.weight"), read("lm_head.weight")):
+    embedding, head = read("model.embed_tokens.weight"), read("lm_head.weight")
+    if head.shape != embedding.shape:
+        raise CheckpointError(
+            f"tensor {names['lm_head.weight']!r} {tuple(head.shape)} does not fit the config (expected "
+            f"{tuple(embedding.shape)}, the embedding's shape): wrong shape"
+        )
+    if _arrays_equal(embedding, head):
         return cfg
     sys.stderr.write(
         f"jaxinfer: {model_dir}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "

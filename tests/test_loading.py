@@ -131,6 +131,19 @@ def test_wrong_shape_is_named(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+def test_a_tied_checkpoints_head_of_another_shape_is_refused_without_a_tying_warning(tmp_path, capfd):
+    """A tied config with a stored lm_head.weight of the wrong shape: refused by name, and not first
+    announced as "different values; using it, untied" (a shape mismatch counted as different values)."""
+    d = tmp_path / "tied"
+    save_hf_model(make_hf_model("llama3.2-tied"), d)
+    _rewrite_safetensors(
+        d, lambda t: t.update({"lm_head.weight": np.zeros((t["model.embed_tokens.weight"].shape[0], 5), np.float32)})
+    )
+    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' \(\d+, 5\).*wrong shape"):
+        load_hf_checkpoint(str(d))
+    assert "untied" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"])
 def test_a_transposed_tensor_of_the_right_size_is_refused(ckpt, tmp_path, name):
     """Same element count, axes swapped: reshaping it would load scrambled weights without a word."""
@@ -348,6 +361,7 @@ def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     one in float32, a jaxinfer checkpoint (the embedded default model too) in the dtype it stores, the
     generated embedded models in float32."""
     import torch
+    import transformers
 
     from jaxinfer import checkpoint, default_model
 
@@ -356,6 +370,11 @@ def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
         save_hf_model(make_hf_model("llama2"), d, dtype=saved)
         assert json.loads((d / "config.json").read_text()).get("dtype") == str(saved).removeprefix("torch.")
         assert LLM(str(d), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == want
+    # A config.json that names no dtype: the weights' own, as transformers' dtype="auto" reads them.
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k not in ("dtype", "torch_dtype")}))
+    assert transformers.AutoModelForCausalLM.from_pretrained(d, dtype="auto").dtype == torch.float16
+    assert LLM(str(d), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "bfloat16"
     converted = tmp_path / "converted"  # a jaxinfer checkpoint: the dtype it stores
     checkpoint.convert_hf(str(ckpt), str(converted), dtype="bfloat16")
     assert LLM(str(converted), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "bfloat16"
