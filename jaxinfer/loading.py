@@ -137,7 +137,14 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
         return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
-        raise CheckpointError(f"model directory {model_dir!r} has no *.safetensors files")
+        pickled = sorted(f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth")))
+        hint = (
+            f" (PyTorch pickles such as {pickled[0]!r} are not read: save the model with transformers' "
+            "save_pretrained(..., safe_serialization=True) to get safetensors)"
+            if pickled
+            else ""
+        )
+        raise CheckpointError(f"model directory {model_dir!r} has no *.safetensors files{hint}")
     out = {}
     for fname in files:
         for k in SafetensorsFile(os.path.join(model_dir, fname)).keys():

@@ -46,6 +46,16 @@ def test_missing_directory_and_config(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_a_directory_without_safetensors_says_so(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"has no \*\.safetensors files$"):
+        load_hf_checkpoint(str(d))
+    (d / "pytorch_model.bin").write_bytes(b"")  # a PyTorch pickle instead: the message says it is not read
+    with pytest.raises(CheckpointError, match=r"'pytorch_model\.bin' are not read.*safe_serialization=True"):
+        load_hf_checkpoint(str(d))
+
+
 def test_malformed_config(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
     (d / "config.json").write_text("{not json")
