@@ -343,6 +343,12 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, abstract)
+    if jax.tree.structure(shardings) != jax.tree.structure(abstract):
+        raise ValueError(
+            f"shardings: a tree of {len(jax.tree.leaves(shardings))} shardings, the {cfg.name} parameters are "
+            f"{len(jax.tree.leaves(abstract))} arrays in another structure: give one sharding per parameter "
+            "(e.g. `lambda cfg: sharding.param_shardings(cfg, mesh)`), one sharding for all, or None"
+        )
     want = {}
     for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(shardings)):
         want[_leaf_name(path)] = (x.shape, sharding)
@@ -376,12 +382,21 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
 # Conversion and load-time measurement.
 
 
-def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "float32") -> ModelConfig:
-    """Hugging Face safetensors checkpoint -> jaxinfer checkpoint (parameters stored in `dtype`)."""
-    from jaxinfer.loading import load_hf_checkpoint
+def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "auto") -> ModelConfig:
+    """Hugging Face safetensors checkpoint -> jaxinfer checkpoint (parameters stored in `dtype`).
+
+    dtype="auto": the dtype `LLM(hf_dir)` computes in (`loading.auto_dtype`), so the copy behaves as
+    the original does (a bfloat16 checkpoint is not widened to float32). The returned config's dtype
+    is the one stored."""
+    from jaxinfer.loading import auto_dtype, load_hf_checkpoint
     from jaxinfer.tokenizer import load_tokenizer
 
     _check_out_dir(out_dir)  # before the load, which a large model spends minutes on
+    if dtype == "auto":
+        try:
+            dtype = auto_dtype(hf_dir)
+        except (OSError, ValueError, RecursionError, AttributeError, CheckpointError):
+            dtype = "float32"  # the load below names what is wrong with the directory
     cfg, params = load_hf_checkpoint(hf_dir, dtype=dtype)
     # Like LLM does: the tokenizer's own EOS joins the config's, so the checkpoint stands alone.
     tok = load_tokenizer(hf_dir, eos_ids=cfg.eos_token_ids)

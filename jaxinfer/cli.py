@@ -229,7 +229,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors)")
     c.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (must not exist, or be empty)")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored parameter dtype")
+    c.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="stored parameter dtype (default auto: what the checkpoint's config.json or weights say, as "
+        "`--dtype auto` runs it; float16 is stored as bfloat16)",
+    )
     return parser
 
 
@@ -426,7 +432,7 @@ def _convert(args) -> int:
     t = time.perf_counter()
     cfg = checkpoint.convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype)
     print(
-        f"wrote {args.out_dir}: {cfg.name} ({cfg.num_params / 1e6:.1f}M parameters, {args.dtype}) "
+        f"wrote {args.out_dir}: {cfg.name} ({cfg.num_params / 1e6:.1f}M parameters, {cfg.dtype}) "
         f"in {time.perf_counter() - t:.1f}s"
     )
     return 0

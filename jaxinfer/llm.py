@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 import threading
@@ -148,10 +147,9 @@ def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pa
 
 
 def _auto_dtype(model) -> str:
-    """dtype="auto": what the checkpoint stores. A Hugging Face config's `dtype` (`torch_dtype` before
-    transformers 5), else (as transformers) its weights' dtype; a jaxinfer checkpoint's stored dtype
-    (the embedded default model's: bfloat16); float32 for the generated embedded models. float16
-    checkpoints compute in bfloat16 (same memory; jaxinfer has no float16 path)."""
+    """dtype="auto": what the checkpoint stores (a Hugging Face one: `loading.auto_dtype`; a jaxinfer
+    one: its stored dtype, the embedded default model's bfloat16); float32 for the generated embedded
+    models."""
     from jaxinfer import checkpoint, loading
 
     if isinstance(model, str) and model in default_model.EMBEDDED:
@@ -160,15 +158,9 @@ def _auto_dtype(model) -> str:
     try:
         if checkpoint.is_checkpoint(path):
             return checkpoint.load_config(path).dtype
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            hf = json.load(f)
-        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-        stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-        if stored is None:  # as transformers: the weights' own
-            stored = loading.stored_float_dtype(path)
+        return loading.auto_dtype(path)
     except (OSError, ValueError, RecursionError, AttributeError, CheckpointError):
         return "float32"  # loading names what is wrong with the directory
-    return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
 
 
 GENERATION_CONFIG_CHOICES = ("auto", "none")

@@ -176,6 +176,20 @@ def stored_float_dtype(model_dir: str) -> str | None:
     return None
 
 
+def auto_dtype(model_dir: str) -> str:
+    """What dtype="auto" computes a Hugging Face checkpoint in: its config's `dtype` (`torch_dtype`
+    before transformers 5), else (as transformers) its weights' dtype; "bfloat16" for bfloat16 and
+    float16 (jaxinfer has no float16 path; same memory), else "float32". Raises OSError / ValueError /
+    CheckpointError on a directory it cannot read (the load then names what is wrong)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    if stored is None:
+        stored = stored_float_dtype(model_dir)
+    return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
+
+
 def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Exact equality of two (memory-mapped) tensors of one shape, a block of rows at a time."""
     rows = max(1, (1 << 24) // max(1, a[0].size * 4)) if a.ndim else 1
@@ -467,7 +481,7 @@ def load_hf_checkpoint(model_dir: str, *, dtype: str = "float32", shardings=None
     ):
         raise CheckpointError(
             f"{model_dir!r} holds a jaxinfer {checkpoint.PARAMS_DIR}/ directory but no {checkpoint.MARKER}: an "
-            "interrupted `jaxinfer convert`? Convert the Hugging Face checkpoint again."
+            "interrupted `jaxinfer convert`? Remove the directory and convert the Hugging Face checkpoint again."
         )
     cfg = _tying_as_stored(model_dir, load_hf_config(model_dir, dtype=dtype))
     if callable(shardings):

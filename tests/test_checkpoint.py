@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import torch
 from hf_models import make_hf_model, save_hf_model, train_sentencepiece
 
 from jaxinfer import LLM, SamplingParams, checkpoint
@@ -24,7 +25,7 @@ from jaxinfer.config import (
 )
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loading import load_hf_checkpoint
-from jaxinfer.model import init_params
+from jaxinfer.model import abstract_params, init_params
 from jaxinfer.tokenizer import load_tokenizer
 
 SMALL = ModelConfig(
@@ -159,6 +160,32 @@ def test_bfloat16_conversion_stores_bfloat16_and_restores_any_dtype(hf_dir, tmp_
     assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(p16))
 
 
+def test_convert_keeps_the_dtype_the_checkpoint_runs_in(tmp_path, capsys):
+    """Default --dtype auto: a bfloat16 checkpoint is stored in bfloat16 (not widened to float32), so
+    LLM(converted) runs as LLM(hf) does; a float32 one stays float32."""
+    hf16 = str(tmp_path / "hf16")
+    save_hf_model(make_hf_model("llama3.1", vocab_size=36), hf16, dtype=torch.bfloat16)
+    out = str(tmp_path / "bf16")
+    assert main(["convert", hf16, out]) == 0
+    assert "bfloat16) in" in capsys.readouterr().out
+    with open(os.path.join(out, checkpoint.MARKER)) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    a = LLM(hf16, num_kv_pages=16).generate(prompt_token_ids=[[1, 5, 9, 3]], sampling_params=p)[0]
+    b = LLM(out, num_kv_pages=16).generate(prompt_token_ids=[[1, 5, 9, 3]], sampling_params=p)[0]
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert checkpoint.load_config(out).dtype == "bfloat16"
+
+
+def test_a_shardings_tree_of_another_shape_is_named(converted):
+    cfg = checkpoint.load_config(converted)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree = jax.tree.map(lambda _: dev, abstract_params(cfg))
+    del tree["lm_head"]  # one sharding short: blamed on the checkpoint before
+    with pytest.raises(ValueError, match=r"shardings: a tree of \d+ shardings"):
+        checkpoint.restore(converted, shardings=tree)
+
+
 def test_restore_lands_on_a_two_device_named_sharding(converted):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -207,7 +234,7 @@ def test_a_jaxinfer_checkpoint_read_as_a_hugging_face_one_is_named(converted, tm
     partial = tmp_path / "partial"
     shutil.copytree(converted, partial)
     os.remove(partial / checkpoint.MARKER)  # a conversion interrupted before its marker
-    with pytest.raises(CheckpointError, match="interrupted `jaxinfer convert`"):
+    with pytest.raises(CheckpointError, match="interrupted `jaxinfer convert`.* Remove the directory"):
         LLM(str(partial))
 
 
