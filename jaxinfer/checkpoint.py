@@ -35,6 +35,7 @@ from jaxinfer import config as config_module
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.model import abstract_params
+from jaxinfer.tokenizer import CHAT_TEMPLATE_DIR
 
 MARKER = "jaxinfer_checkpoint.json"
 FORMAT = "jaxinfer-orbax"
@@ -48,7 +49,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "vocab.json",
     "merges.txt",
-    "chat_template.jinja",  # where transformers 5 writes the chat template
+    "chat_template.jinja",  # where transformers 5 writes the chat template (named others: CHAT_TEMPLATE_DIR)
     "chat_template.json",
     "generation_config.json",  # not the tokenizer's, but read beside it: EOS ids and default sampling
 )
@@ -187,6 +188,12 @@ def save(
         ]
     for src in files:
         shutil.copyfile(src, os.path.join(out_dir, os.path.basename(src)))
+    named = os.path.join(tokenizer_dir, CHAT_TEMPLATE_DIR) if tokenizer_dir is not None else None
+    if named is not None and os.path.isdir(named):  # transformers 5's named chat templates, NAME.jinja each
+        os.makedirs(os.path.join(out_dir, CHAT_TEMPLATE_DIR))
+        for name in os.listdir(named):
+            if name.endswith(".jinja") and os.path.isfile(os.path.join(named, name)):
+                shutil.copyfile(os.path.join(named, name), os.path.join(out_dir, CHAT_TEMPLATE_DIR, name))
     if tokenizer_config is not None:
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(tokenizer_config, f, indent=1)

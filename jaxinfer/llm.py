@@ -35,6 +35,7 @@ from jaxinfer.tokenizer import (
     check_chat_options,
     check_documents,
     check_tools,
+    choose_chat_template,
     encode_prompt,
     load_tokenizer,
     render_chat_template,
@@ -594,11 +595,6 @@ class LLM:
                 "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model), "
                 "so it cannot render a chat"
             )
-        if not tok.chat_template:
-            raise InvalidRequestError(
-                "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
-                "format the prompt yourself and call generate()"
-            )
         if add_generation_prompt is None:
             add_generation_prompt = continue_final_message is not True
         template_kwargs = check_chat_options(
@@ -607,6 +603,15 @@ class LLM:
             continue_final_message=continue_final_message,
         )
         tools, documents = check_tools(tools), check_documents(documents)
+        named = getattr(tok, "chat_templates", None) or {}
+        if tok.chat_template != named.get("default"):  # set by hand: it alone counts, as in transformers
+            named = {"default": tok.chat_template}
+        template = choose_chat_template({k: v for k, v in named.items() if v}, tools=tools)
+        if not template:
+            raise InvalidRequestError(
+                "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
+                "format the prompt yourself and call generate()"
+            )
         batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = list(messages) if batched else [messages]
         params = self._params_list(sampling_params, len(conversations))
@@ -614,7 +619,7 @@ class LLM:
         for i, conv in enumerate(conversations):
             field = f"messages[{i}]" if batched else "messages"
             text = render_chat_template(
-                tok.chat_template,
+                template,
                 validate_messages(conv, field),
                 add_generation_prompt=add_generation_prompt,
                 special_tokens=tok.special_tokens,

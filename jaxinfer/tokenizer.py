@@ -44,7 +44,8 @@ class Tokenizer(Protocol):
     bos_id: int | None
     eos_ids: tuple[int, ...]
     special_tokens: dict[str, str]  # bos_token / eos_token / ... -> its string, for chat templates
-    chat_template: str | None
+    chat_template: str | None  # the "default" one
+    chat_templates: dict[str, str]  # all of them by name (optional: a tokenizer of the user's own may lack it)
     byte_ids: frozenset[int]  # byte-fallback pieces "<0xNN>": a run of them decodes as a whole
     # Ids below vocab_size that decode(skip_special_tokens=True) drops (special tokens): no text.
     skipped_ids: frozenset[int]
@@ -110,8 +111,12 @@ class TokenizerSettings:
     add_prefix_space: bool | None = None
     legacy: bool | None = None
     tokenizer_class: str | None = None
-    chat_template: str | None = None
+    chat_templates: dict[str, str] = dataclasses.field(default_factory=dict)  # by name; "default" the main one
     has_config: bool = False  # whether there was a tokenizer_config.json at all
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.chat_templates.get("default")
 
 
 def _read_json(path: str) -> Any:
@@ -131,16 +136,33 @@ def _token_text(value) -> str | None:
     return None
 
 
-def _chat_template(model_dir: str, config: dict) -> str | None:
-    """chat_template.jinja (what transformers v5 writes), else tokenizer_config.json's chat_template
-    (a string, or a list of named templates: "default" is used), else chat_template.json's."""
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers 5: named templates, one NAME.jinja each
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not valid UTF-8: {e}") from None
+
+
+def _chat_templates(model_dir: str, config: dict) -> dict[str, str]:
+    """The checkpoint's chat templates by name, "default" for the main one, read as transformers 5
+    reads them: the files if there are any (chat_template.jinja is "default", and each
+    additional_chat_templates/NAME.jinja is NAME), else tokenizer_config.json's chat_template (a
+    string, or a list of {"name", "template"}), else chat_template.json's."""
+    templates = {}
     path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-        except UnicodeDecodeError as e:
-            raise CheckpointError(f"{path} is not valid UTF-8: {e}") from None
+        templates["default"] = _read_text(path)
+    extra = os.path.join(model_dir, CHAT_TEMPLATE_DIR)
+    if os.path.isdir(extra):
+        for name in sorted(os.listdir(extra)):
+            if name.endswith(".jinja") and os.path.isfile(os.path.join(extra, name)):
+                templates[name.removesuffix(".jinja")] = _read_text(os.path.join(extra, name))
+    if templates:
+        return templates
     template = config.get("chat_template")
     if template is None:
         path = os.path.join(model_dir, "chat_template.json")
@@ -150,15 +172,32 @@ def _chat_template(model_dir: str, config: dict) -> str | None:
                 raise CheckpointError(f"{path} must hold a JSON object with a chat_template")
             template = data.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-        if template is None:
+        templates = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    elif template is not None:
+        templates = {"default": template}
+    for name, text in templates.items():
+        if not isinstance(name, str) or not isinstance(text, str):
             raise CheckpointError(
-                f"tokenizer_config.json has named chat_templates {sorted(map(str, named))} but no 'default'"
+                f"{model_dir}: chat template {name!r} must be a string with a string name, got {type(text).__name__}"
             )
-    if template is not None and not isinstance(template, str):
-        raise CheckpointError(f"chat_template must be a string, got {type(template).__name__}")
-    return template
+    return templates
+
+
+def choose_chat_template(templates: Mapping[str, str], *, tools) -> str | None:
+    """The template a conversation is rendered with, as transformers picks it: "tool_use" when tools
+    are passed and the checkpoint names one, else "default". None: the checkpoint has no template.
+
+    Raises:
+        InvalidRequestError: named templates, and none of them is "default" (nor "tool_use" with tools).
+    """
+    if tools is not None and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates or not templates:
+        return templates.get("default")
+    raise InvalidRequestError(
+        f"this model has named chat templates {sorted(templates)} and no 'default' one"
+        + (" (pass tools= to use 'tool_use')" if "tool_use" in templates else "")
+    )
 
 
 def _token_id(value, field: str) -> int:
@@ -229,7 +268,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         add_prefix_space=flag("add_prefix_space"),
         legacy=flag("legacy"),
         tokenizer_class=config.get("tokenizer_class"),
-        chat_template=_chat_template(model_dir, config),
+        chat_templates=_chat_templates(model_dir, config),
         has_config=has_config,
     )
 
@@ -293,6 +332,7 @@ class HFTokenizer:
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
         self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.special_tokens = dict(settings.special_tokens)
+        self.chat_templates = dict(settings.chat_templates)
         self.chat_template = settings.chat_template
         self.bos_id = self._id(self.special_tokens.get("bos_token"))
         eos_id = self._id(self.special_tokens.get("eos_token"))
@@ -356,6 +396,7 @@ class SentencePieceTokenizer:
         self._added = {i: t for i, t, _ in settings.added_tokens if i >= self._num_pieces and t not in is_piece}
         self._added_ids = {t: i for i, t in self._added.items()}
         self.vocab_size = max([self._num_pieces, *(i + 1 for i in self._added)])
+        self.chat_templates = dict(settings.chat_templates)
         self.chat_template = settings.chat_template
         self.special_tokens = dict(settings.special_tokens)
         cls = settings.tokenizer_class or ""
@@ -470,6 +511,7 @@ class ByteTokenizer:
         self.bos_id = 1
         self.eos_ids = (2,)
         self.special_tokens = {}
+        self.chat_templates = {}
         self.chat_template = None
         self.max_token_bytes = 1
         self.byte_ids = frozenset()  # its ids are bytes, but decoded by Python's rules, not ByteFallback's
@@ -592,26 +634,45 @@ _TEMPLATES: dict[str, Any] = {}  # compiled templates by source: a model's templ
 
 @functools.cache
 def _iterates_content(template: str) -> bool:
-    """Whether a chat template loops over a message's content (written for OpenAI-style lists of
-    parts, as vision-language templates are) rather than printing it as a string."""
+    """Whether a chat template takes a message's content apart (written for OpenAI-style lists of
+    parts, as vision-language templates are) rather than printing it as a string: it loops over the
+    content, or picks parts out of it with filters (`content | selectattr('type', ...)`,
+    `map(attribute='text')`). Variables set from the content (`{% set c = m.get('content') %}`)
+    count as the content."""
     import jinja2
+    from jinja2 import nodes
 
     def names(node) -> set[str]:
         found = set()
-        for n in [node, *node.find_all((jinja2.nodes.Getitem, jinja2.nodes.Getattr, jinja2.nodes.Name))]:
-            if isinstance(n, jinja2.nodes.Getitem) and isinstance(n.arg, jinja2.nodes.Const):
+        for n in [node, *node.find_all((nodes.Getitem, nodes.Getattr, nodes.Name, nodes.Const))]:
+            if isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const):
                 found.add(str(n.arg.value))
-            elif isinstance(n, jinja2.nodes.Getattr):
+            elif isinstance(n, nodes.Getattr):
                 found.add(n.attr)
-            elif isinstance(n, jinja2.nodes.Name):
+            elif isinstance(n, nodes.Name):
                 found.add(n.name)
+            elif isinstance(n, nodes.Const) and isinstance(n.value, str):  # m.get('content')
+                found.add(n.value)
         return found
 
     try:
         tree = _jinja_environment().parse(template)
     except jinja2.TemplateSyntaxError:
         return False  # render_chat_template names the syntax error
-    return any("content" in names(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+    content = {"content"}
+    assigns = [a for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)]
+    while grown := {a.target.name for a in assigns if names(a.node) & content} - content:
+        content |= grown
+    if any(names(loop.iter) & content for loop in tree.find_all(nodes.For)):
+        return True
+    part_keys = {"type", "text"}
+    for f in tree.find_all(nodes.Filter):
+        if f.name in ("selectattr", "rejectattr", "map") and f.node is not None and names(f.node) & content:
+            args = {a.value for a in f.args if isinstance(a, nodes.Const)}
+            args |= {k.value.value for k in f.kwargs if isinstance(k.value, nodes.Const)}
+            if args & part_keys:
+                return True
+    return False
 
 
 def _text_content(message: dict, where: str) -> dict:
@@ -748,27 +809,37 @@ def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final
     return _json_data(template_kwargs, "chat_template_kwargs")
 
 
-def _continue_final(rendered: str, message: dict) -> str:
-    """The rendered conversation cut right after the final message's text, so the model continues
-    that message (transformers' continue_final_message): whatever the template wrote after it (an
-    end-of-turn token, a newline) goes."""
+# Appended to the final message's text with continue_final_message; the rendering is cut where it
+# lands, so whatever the template writes after the message (an end-of-turn token) goes. transformers'
+# own tag, so the two cut in the same place.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final(message: dict) -> dict:
+    """A copy of `message` with _CONTINUE_TAG after its text (its last text part's, for a list)."""
     content = message.get("content")
-    if isinstance(content, list):  # the last text part is the one to continue
-        content = next((p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
-    if not isinstance(content, str) or not content.strip():
-        raise InvalidRequestError("continue_final_message: the final message has no text to continue")
-    core = content.strip()
-    at = rendered.rfind(core)
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    if isinstance(content, list):
+        for j in range(len(content) - 1, -1, -1):
+            part = content[j]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts = list(content)
+                parts[j] = {**part, "text": part["text"] + _CONTINUE_TAG}
+                return {**message, "content": parts}
+    raise InvalidRequestError("continue_final_message: the final message has no text to continue")
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """The rendered conversation cut right where the final message's text ended (see _CONTINUE_TAG);
+    a template that trims the message also trimmed its trailing spaces, so they go here too."""
+    at = rendered.rfind(_CONTINUE_TAG.strip())
     if at < 0:
         raise InvalidRequestError(
             "continue_final_message: the chat template does not reproduce the final message's text "
             "(it rewrites or drops part of it), so there is no place to continue from"
         )
-    end = at + len(core)
-    tail = content[len(content.rstrip()) :]  # trailing whitespace the template kept is part of the message
-    if tail and rendered.startswith(tail, end):
-        end += len(tail)
-    return rendered[:end]
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
 
 
 def render_chat_template(
@@ -790,7 +861,7 @@ def render_chat_template(
     `eos_token`, ...) and `template_kwargs` (e.g. Qwen 3's `enable_thinking`), as with transformers'
     `apply_chat_template`. A message's reasoning is also under the names other templates read
     (`_with_reasoning_aliases`). `continue_final_message` leaves the last message open (see
-    `_continue_final`). `field` names the conversation in errors.
+    `_CONTINUE_TAG`). `field` names the conversation in errors.
 
     Raises:
         InvalidRequestError: the template refused the conversation (`raise_exception`), e.g. roles
@@ -806,6 +877,8 @@ def render_chat_template(
         except jinja2.TemplateSyntaxError as e:
             raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
         _TEMPLATES[template] = compiled
+    if continue_final_message:
+        messages = [*messages[:-1], _tag_final(messages[-1])]
     if not _iterates_content(template):
         messages = [_text_content(m, f"{field}[{i}]") for i, m in enumerate(messages)]
     messages = [_with_reasoning_aliases(m) for m in messages]
@@ -826,4 +899,4 @@ def render_chat_template(
             f"{field}: the model's chat_template failed on them ({type(e).__name__}: {e}); "
             "check the content types this model's template expects"
         ) from None
-    return _continue_final(rendered, messages[-1]) if continue_final_message else rendered
+    return _cut_at_tag(rendered) if continue_final_message else rendered

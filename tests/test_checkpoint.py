@@ -102,6 +102,8 @@ def hf_dir(tmp_path_factory):
     save_hf_model(make_hf_model("llama3.1", vocab_size=36), path)  # the vocabulary of the tokenizer below
     train_sentencepiece(path, vocab_size=36)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers 5 writes it
+    (path / "additional_chat_templates").mkdir()  # and its named ones
+    (path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools | length }}" + CHAT_TEMPLATE)
     gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
     (path / "generation_config.json").write_text(json.dumps(gen))
     return str(path)
@@ -118,6 +120,8 @@ def test_convert_writes_marker_config_params_and_tokenizer(converted, hf_dir):
     assert checkpoint.is_checkpoint(converted) and not checkpoint.is_checkpoint(hf_dir)
     assert {"jaxinfer_checkpoint.json", "config.json", "params", "tokenizer.model"} <= set(os.listdir(converted))
     assert load_tokenizer(converted).chat_template == CHAT_TEMPLATE  # llm.chat() works on the converted copy
+    assert load_tokenizer(converted).chat_templates == load_tokenizer(hf_dir).chat_templates
+    assert set(load_tokenizer(converted).chat_templates) == {"default", "tool_use"}
     cfg, params = checkpoint.restore(converted)
     hf_cfg, hf_params = load_hf_checkpoint(hf_dir)
     assert cfg == hf_cfg

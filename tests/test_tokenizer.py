@@ -468,10 +468,12 @@ THINKING_TEMPLATE = (
 
 
 @pytest.mark.parametrize("style", ["llama3", "gemma"])
-@pytest.mark.parametrize("answer", ["The answer is", "The answer is ", "  4\n"])
+@pytest.mark.parametrize("answer", ["The answer is", "The answer is ", "  4\n", "", "   ", "of", "id"])
 def test_continue_final_message_matches_transformers(tmp_path, style, answer):
     """The prompt ends inside the assistant's message, as transformers' continue_final_message makes it
-    (the template's end-of-turn cut off; trailing spaces kept only where the template kept them)."""
+    (the template's end-of-turn cut off; trailing spaces kept only where the template kept them). An
+    empty message leaves the turn open; "of" and "id" are in the end-of-turn tokens <end_of_turn> and
+    <|eot_id|> (found by searching for the text, the cut fell inside them)."""
     from jaxinfer.tokenizer import render_chat_template, validate_messages
 
     d = _chat_dir(tmp_path, style)
@@ -584,7 +586,7 @@ def test_llm_chat_refuses_bad_options(chat_llm, kwargs, message):
 
 def test_continue_final_message_needs_the_text_in_the_rendering(chat_llm):
     chat_llm, _ = chat_llm
-    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "   "}]
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "image", "url": "x"}]}]
     with pytest.raises(InvalidRequestError, match="the final message has no text to continue"):
         chat_llm.chat(conv, add_generation_prompt=False, continue_final_message=True)
 
@@ -638,6 +640,82 @@ def test_content_parts_are_joined_for_a_string_template_and_kept_for_a_list_temp
     image = validate_messages([{"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}])
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[2\] is of type 'image_url'"):
         render_chat_template(string_template, image)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # Kimi-K2-style: the parts are looped over through a variable set from the content.
+        "{% macro body(msg) %}{% set c = msg.get('content') %}{% if c is string %}{{ c }}{% else %}"
+        "{% for part in c %}[{{ part['text'] }}]{% endfor %}{% endif %}{% endmacro %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ body(m) }}</s>{% endfor %}",
+        # The text parts picked with filters, no loop.
+        "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+        "{{ m.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') }}{% endif %}"
+        "</s>{% endfor %}",
+    ],
+)
+def test_templates_that_take_parts_apart_without_a_loop_over_content_get_the_parts(tmp_path, template):
+    """Content parts reach a template that handles them through an alias or filters as they are,
+    as transformers passes them (they were joined into one string, as for a template that prints
+    content: "Hello\nworld" instead of "[Hello][world]" / "Hello world")."""
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, "gemma")
+    _edit_config(d, chat_template=template)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    conv = [{"role": "user", "content": parts}, {"role": "assistant", "content": "Hi"}]
+    text = render_chat_template(template, validate_messages(conv), add_generation_prompt=False)
+    assert text == theirs.apply_chat_template(conv, tokenize=False)
+    assert "Hello\nworld" not in text
+
+
+NAMED_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+TOOL_USE_TEMPLATE = "{% for t in tools %}({{ t.function.name }}){% endfor %}" + NAMED_TEMPLATE
+
+
+@pytest.mark.parametrize("layout", ["tokenizer_config", "files"])
+def test_named_chat_templates_are_chosen_as_transformers_chooses_them(tmp_path, layout):
+    """A checkpoint with named templates (tokenizer_config.json's list, or chat_template.jinja plus
+    additional_chat_templates/NAME.jinja): "tool_use" when tools are passed, else "default" - and
+    one with no "default" still loads (it was refused), its chat then needs tools."""
+    from jaxinfer.tokenizer import check_tools, choose_chat_template, render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, "gemma")
+    _edit_config(d, chat_template=None)
+    if layout == "tokenizer_config":
+        named = [{"name": "default", "template": NAMED_TEMPLATE}, {"name": "tool_use", "template": TOOL_USE_TEMPLATE}]
+        _edit_config(d, chat_template=named)
+    else:
+        (d / "chat_template.jinja").write_text(NAMED_TEMPLATE)
+        (d / "additional_chat_templates").mkdir()
+        (d / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_USE_TEMPLATE)
+    ours, theirs = load_tokenizer(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    assert set(ours.chat_templates) == {"default", "tool_use"} and ours.chat_template == NAMED_TEMPLATE
+    conv = CONVERSATIONS[0]
+    for tools in (None, [get_weather]):
+        template = choose_chat_template(ours.chat_templates, tools=check_tools(tools))
+        text = render_chat_template(template, validate_messages(conv), tools=check_tools(tools))
+        assert text == theirs.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("(get_weather)")
+    with pytest.raises(InvalidRequestError, match=r"named chat templates \['rag', 'tool_use'\] and no 'default'"):
+        choose_chat_template({"rag": "x", "tool_use": "y"}, tools=None)
+    assert choose_chat_template({"rag": "x", "tool_use": "y"}, tools=[]) == "y"
+
+
+def test_a_checkpoint_whose_templates_have_no_default_loads_and_chats_with_tools(tmp_path):
+    d = tmp_path / "m"
+    save_hf_model(make_hf_model("llama2", vocab_size=512), d)
+    _bpe_dir(d, GEMMA_SPECIALS, add_bos_token=True)
+    _edit_config(d, chat_template=[{"name": "tool_use", "template": TOOL_USE_TEMPLATE}])
+    llm = LLM(str(d), num_kv_pages=16, max_model_len=128, warmup=False)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    assert llm.generate(["Hello"], params)[0].token_ids
+    with pytest.raises(InvalidRequestError, match=r"named chat templates \['tool_use'\] and no 'default'"):
+        llm.chat(CONVERSATIONS[0], params)
+    out = llm.chat(CONVERSATIONS[0], params, tools=[get_weather])[0]
+    assert out.prompt.startswith("(get_weather)")
 
 
 # A tool-use and retrieval template in the manner of Llama 3.1 / Qwen 2.5 (written here): tools as
