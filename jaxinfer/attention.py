@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import AttentionKind, SlidingWindow
 from jaxinfer.kv_cache import Pool, QuantizedPages, quantize_int8
@@ -56,7 +57,11 @@ def write_kv(
             )
             return QuantizedPages(values=kv, scales=ks), QuantizedPages(values=vv, scales=vs)
         return kv_write(k_pages, v_pages, k, v, slots, interpret=interpret)
-    nk, _, s, h = k_pages.shape
+    nk, num_pages, s, h = k_pages.shape
+    if not isinstance(slots, jax.core.Tracer):  # called eagerly: refuse what the scatter would wrap or drop
+        from pallas_kernels.kv_write import check_slots
+
+        check_slots(slots, num_pages=num_pages, page_size=s)
     # Index pages and offsets separately: reshaping the pool to [K, P*S, H] first makes XLA copy
     # the whole pool around the scatter instead of updating the donated buffer in place.
     page = (slots // s).reshape(-1)
@@ -95,7 +100,9 @@ def reference_paged_attention(
     Args:
         q: [B, T, N, H] queries (RoPE applied).
         k_pages, v_pages: [K, P, S, H] one layer's page pools: arrays, or QuantizedPages (int8 with
-            per-token-per-head scales, dequantized to q's dtype after the gather).
+            per-token-per-head scales, dequantized to float32 after the gather: rounding value x scale
+            to a bfloat16 q's dtype moved logits by ~0.05 at a softmax scale of 1, where the kernels,
+            which apply the scales in float32, were 5x closer to a float64 oracle).
         page_table: [B, MP] pages of each row.
         q_positions: [B, T] absolute position of each query.
         kv_lens: [B] valid cached tokens per row (0 for a padding row).
@@ -110,10 +117,10 @@ def reference_paged_attention(
     nk = k_pages.shape[0]
     g = n // nk
 
-    def gather(pool: Pool) -> jax.Array:  # [K, B, S_ctx, H] in q's dtype
+    def gather(pool: Pool) -> jax.Array:  # [K, B, S_ctx, H] in the pool's dtype (int8: float32)
         if isinstance(pool, QuantizedPages):
             pool = QuantizedPages(values=pool.values[:, page_table], scales=pool.scales[:, page_table])
-            return pool.dequantize(q.dtype).reshape(nk, b, -1, h)
+            return pool.dequantize(jnp.float32).reshape(nk, b, -1, h)  # not rounded again to q's dtype
         return pool[:, page_table].reshape(nk, b, -1, h)
 
     k, v = gather(k_pages), gather(v_pages)
@@ -209,10 +216,10 @@ def tiled_paged_attention(
     need = last_tile - first_tile
     ends = jnp.cumsum(need)
 
-    def gather(pool: Pool, pages: jax.Array) -> jax.Array:  # [K, R, tile, H] in q's dtype
+    def gather(pool: Pool, pages: jax.Array) -> jax.Array:  # [K, R, tile, H] in q's dtype (int8: float32)
         if isinstance(pool, QuantizedPages):
             pool = QuantizedPages(values=pool.values[:, pages], scales=pool.scales[:, pages])
-            return pool.dequantize(q.dtype).reshape(nk, rows, tile, h)
+            return pool.dequantize(jnp.float32).reshape(nk, rows, tile, h)
         return pool[:, pages].reshape(nk, rows, tile, h).astype(q.dtype)
 
     def body(carry):
@@ -328,6 +335,14 @@ def paged_attention(
     `q_lens` ([B] new tokens per row) is needed by the kernel; the reference reads positions.
     """
     resolved = resolve_backend(backend)
+    if not any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
+        # Called eagerly (the engine's jitted steps are traced): indices every backend would wrap or
+        # clamp into another sequence's pages are refused here, by name, as the kernels refuse them.
+        from pallas_kernels.ragged_paged_attention import check_inputs
+
+        num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+        lens = q_lens if q_lens is not None else np.zeros(q.shape[0], np.int32)
+        check_inputs(page_table, kv_lens, lens, num_pages=num_pages, page_size=page_size, num_query_tokens=q.shape[1])
     if resolved in ("reference", "xla"):
         fn = reference_paged_attention if resolved == "reference" else tiled_paged_attention
         return fn(q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap)

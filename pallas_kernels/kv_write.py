@@ -93,6 +93,20 @@ def _write(pools, new_k, new_v, slots, *, interpret):
     return tuple(out)
 
 
+def check_slots(slots, *, num_pages: int, page_size: int) -> None:
+    """ValueError naming the first slot outside the pools, for concrete `slots` [B, T]; nothing for a
+    tracer (inside a jit, where no value can be refused)."""
+    if isinstance(slots, jax.core.Tracer):
+        return
+    flat = np.asarray(slots).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= num_pages * page_size):
+        i = int(np.argwhere((flat < 0) | (flat >= num_pages * page_size))[0, 0])
+        raise ValueError(
+            f"slots[{i // slots.shape[1]}, {i % slots.shape[1]}] = {flat[i]} is outside "
+            f"[0, {num_pages * page_size}) (pages x page_size)"
+        )
+
+
 def kv_write(k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, interpret: bool | str = False):
     """Writes new keys/values into their slots; same contract as `jaxinfer.attention.write_kv`.
 
@@ -117,13 +131,6 @@ def kv_write(k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, int
         )
     if not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"slots must hold integers, got {slots.dtype}")
-    if not isinstance(slots, jax.core.Tracer):  # inside a jit the kernel clamps instead (never out of the pools)
-        flat = np.asarray(slots).reshape(-1)
-        if flat.size and (flat.min() < 0 or flat.max() >= num_pages * page_size):
-            i = int(np.argwhere((flat < 0) | (flat >= num_pages * page_size))[0, 0])
-            raise ValueError(
-                f"slots[{i // slots.shape[1]}, {i % slots.shape[1]}] = {flat[i]} is outside "
-                f"[0, {num_pages * page_size}) (pages x page_size)"
-            )
+    check_slots(slots, num_pages=num_pages, page_size=page_size)  # inside a jit the kernel clamps instead
     pools = (k_pages, v_pages, k_scales, v_scales) if quantized else (k_pages, v_pages)
     return _write(pools, k.reshape(-1, nk, h), v.reshape(-1, nk, h), slots.reshape(-1), interpret=interpret)

@@ -29,7 +29,13 @@ from kernel_cases import (
 )
 
 from jaxinfer import LLM, InvalidRequestError, SamplingParams
-from jaxinfer.attention import reference_paged_attention, resolve_backend, tiled_paged_attention
+from jaxinfer.attention import (
+    paged_attention,
+    reference_paged_attention,
+    resolve_backend,
+    tiled_paged_attention,
+    write_kv,
+)
 from jaxinfer.config import GlobalAttention, SlidingWindow
 from jaxinfer.kv_cache import QuantizedPages
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -50,15 +56,13 @@ _tiled = jax.jit(
 )
 
 
-@pytest.mark.parametrize(
-    "st", STATICS, ids=lambda s: f"g{s.group}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}"
-)
+@pytest.mark.parametrize("st", STATICS, ids=static_id)
 def test_tiled_xla_attention_matches_reference(st):
     """The "xla" backend: tiles of R rows x T tokens with an online softmax; row groups that do not
     divide the batch (padded), tiles that do not divide the table (padded with scratch pages), tiles
     smaller than a page (one page per tile), and the default (one tile covers the table)."""
     rng = np.random.default_rng(zlib.crc32(static_id(st).encode()) + 1)
-    scale = float(st.head_dim**-0.5)
+    scale = st.softmax_scale
     kind = SlidingWindow(st.window) if st.window else GlobalAttention()
     tol = 2e-2 if st.dtype == "bfloat16" else 2e-5
     tiles = [dict(), dict(rows_per_tile=3, tokens_per_tile=3 * PAGE), dict(rows_per_tile=1, tokens_per_tile=2)]
@@ -94,6 +98,48 @@ def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours(kind):
         sl = slice(row, row + 1)
         alone = np.asarray(tiled_paged_attention(q[sl], k, v, table[sl], positions[sl], kv[sl], **args))
         np.testing.assert_array_equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize("attend", [reference_paged_attention, tiled_paged_attention])
+def test_int8_pools_are_dequantized_in_float32_whatever_the_query_dtype(attend):
+    """The pure-JAX forms over int8 pools give with bfloat16 queries what they give with the same
+    queries in float32, rounded once at the end: value x scale is not rounded to bfloat16 first (that
+    moved outputs by up to ~0.05 at softmax scale 1)."""
+    rng = np.random.default_rng(3)
+    st = Static(group=2, head_dim=64, t=4, dtype="bfloat16", int8=True)
+    q, k, v, table, kv, ql = random_batch(rng, st)
+    positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
+    args = (k, v, table, positions, kv)
+    kw = dict(scale=1.0, kind=GlobalAttention())
+    low = np.asarray(attend(q, *args, **kw), np.float32)
+    high = np.asarray(attend(q.astype(jnp.float32), *args, **kw).astype(jnp.bfloat16), np.float32)
+    for row in range(q.shape[0]):
+        n = int(ql[row])
+        np.testing.assert_allclose(low[row, :n], high[row, :n], rtol=2**-7, atol=1e-6)
+
+
+def test_out_of_range_inputs_are_refused_by_every_backend():
+    """The dispatch point refuses, by name, indices the pure-JAX forms would wrap (-1 read the pool's
+    last page: another sequence's) or clamp, as the kernels do; write_kv the slots its scatter would
+    wrap or drop. (Inside a jit nothing can be refused: there the engine's own tables are the guard.)"""
+    rng = np.random.default_rng(0)
+    q, k, v, table, kv, ql = random_batch(rng, Static(group=1, head_dim=64, t=2))
+    positions = (kv - ql)[:, None] + jnp.arange(2)[None, :]
+    for backend in ("reference", "xla", "pallas"):
+        call = lambda backend=backend, **kw: paged_attention(  # noqa: E731
+            q, k, v, kw.get("table", table), positions, kw.get("kv", kv),
+            q_lens=kw.get("ql", ql), scale=0.125, kind=GlobalAttention(), backend=backend,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=r"page_table\[0, 0\] = -1 is outside \[0, 24\)"):
+            call(table=table.at[0, 0].set(-1))
+        with pytest.raises(ValueError, match=r"kv_lens\[3\] = 33 is outside \[0, 32\]"):
+            call(kv=kv.at[3].set(WIDTH * PAGE + 1))
+        with pytest.raises(ValueError, match=r"q_lens\[1\] = -1"):
+            call(ql=ql.at[1].set(-1))
+        new = jnp.zeros((1, 2, k.shape[0], 64), jnp.float32)
+        for bad in (-1, POOL * PAGE):
+            with pytest.raises(ValueError, match=rf"slots\[0, 1\] = {bad} is outside \[0, {POOL * PAGE}\)"):
+                write_kv(k, v, new, new, jnp.asarray([[0, bad]], jnp.int32), backend=backend)
 
 
 def test_out_of_range_inputs_are_refused():
