@@ -400,10 +400,7 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "auto") -> ModelConfig
 
     _check_out_dir(out_dir)  # before the load, which a large model spends minutes on
     if dtype == "auto":
-        try:
-            dtype = auto_dtype(hf_dir)
-        except (OSError, ValueError, RecursionError, AttributeError, CheckpointError):
-            dtype = "float32"  # the load below names what is wrong with the directory
+        dtype = auto_dtype(hf_dir)
     cfg, params = load_hf_checkpoint(hf_dir, dtype=dtype)
     # Like LLM does: the tokenizer's own EOS joins the config's, so the checkpoint stands alone.
     tok = load_tokenizer(hf_dir, eos_ids=cfg.eos_token_ids)

@@ -159,9 +159,9 @@ def _auto_dtype(model) -> str:
     try:
         if checkpoint.is_checkpoint(path):
             return checkpoint.load_config(path).dtype
-        return loading.auto_dtype(path)
-    except (OSError, ValueError, RecursionError, AttributeError, CheckpointError):
-        return "float32"  # loading names what is wrong with the directory
+    except (OSError, ValueError, RecursionError, CheckpointError):
+        return "float32"  # restoring names what is wrong with the checkpoint
+    return loading.auto_dtype(path)
 
 
 GENERATION_CONFIG_CHOICES = ("auto", "none")

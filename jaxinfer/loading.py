@@ -179,14 +179,17 @@ def stored_float_dtype(model_dir: str) -> str | None:
 def auto_dtype(model_dir: str) -> str:
     """What dtype="auto" computes a Hugging Face checkpoint in: its config's `dtype` (`torch_dtype`
     before transformers 5), else (as transformers) its weights' dtype; "bfloat16" for bfloat16 and
-    float16 (jaxinfer has no float16 path; same memory), else "float32". Raises OSError / ValueError /
-    CheckpointError on a directory it cannot read (the load then names what is wrong)."""
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        hf = json.load(f)
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    if stored is None:
-        stored = stored_float_dtype(model_dir)
+    float16 (jaxinfer has no float16 path; same memory), else "float32" - also for a directory it
+    cannot read, whose load then names what is wrong."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+        stored = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+        if stored is None:
+            stored = stored_float_dtype(model_dir)
+    except (OSError, ValueError, RecursionError, AttributeError, CheckpointError):
+        return "float32"
     return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
 
 
