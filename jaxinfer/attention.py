@@ -100,9 +100,9 @@ def reference_paged_attention(
     Args:
         q: [B, T, N, H] queries (RoPE applied).
         k_pages, v_pages: [K, P, S, H] one layer's page pools: arrays, or QuantizedPages (int8 with
-            per-token-per-head scales, dequantized to float32 after the gather: rounding value x scale
-            to a bfloat16 q's dtype moved logits by ~0.05 at a softmax scale of 1, where the kernels,
-            which apply the scales in float32, were 5x closer to a float64 oracle).
+            per-token-per-head scales, dequantized to float32 after the gather whatever q's dtype,
+            as the kernels apply them: rounded to bfloat16, value x scale moves logits by ~0.05 at
+            a softmax scale of 1).
         page_table: [B, MP] pages of each row.
         q_positions: [B, T] absolute position of each query.
         kv_lens: [B] valid cached tokens per row (0 for a padding row).

@@ -11,9 +11,9 @@ sent could later have been a U+FFFD. A window stays open for at most _MAX_PENDIN
 it is taken in up to its last whole character (a long run of valid text is not cut mid-character).
 
 Ids that decode to nothing (the special tokens a decode skips, ids past the tokenizer's vocabulary)
-are left out of the windows altogether: the decode drops them anyway, and kept, they filled the
-prompt's context (six trailing specials, and a SentencePiece word lost its space) or a pending
-window (a character split by 15 of them came out as U+FFFD).
+are left out of the windows altogether: the decode drops them anyway, and kept, they would fill the
+prompt's context (six trailing specials, and a SentencePiece word loses its space) or a pending
+window (a character split by 15 of them would come out as U+FFFD).
 
 Stop strings: the text is searched for them as it grows; the last `max(len(stop)) - 1` characters
 are held back from the stream until they can no longer begin a stop string, so a stop string is

@@ -58,7 +58,16 @@ from jaxinfer.sampling import (
     is_int,
     sample,
 )
-from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, decode_bucket, most_pages_held
+from jaxinfer.scheduler import (
+    Chunk,
+    PageGroup,
+    Scheduler,
+    Sequence,
+    bucket,
+    decode_bucket,
+    most_pages_held,
+    pow2_floor,
+)
 from jaxinfer.sharding import shard_bytes
 from jaxinfer.tokenizer import Tokenizer
 
@@ -104,18 +113,14 @@ def _poison_pages(cache: KVCache, pages: jax.Array, layers: tuple[int, ...]) -> 
     )
 
 
-_poison = jax.jit(_poison_pages, static_argnames=("layers",))
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
+_poison_pages_jit = jax.jit(_poison_pages, static_argnames=("layers",))
 
 
 @dataclasses.dataclass
 class Logprob:
     token_id: int
     logprob: float
-    top: dict[int, float]  # the top-n token ids and their log-probabilities
+    top: dict[int, float]  # the top-n token ids and their log-probabilities, most likely first
 
 
 @dataclasses.dataclass(eq=False)
@@ -171,7 +176,7 @@ def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tok
 
 def prefill_token_limit(max_num_batched_tokens: int, max_model_len: int) -> int:
     """Padded tokens of one prompt-chunk call at most (rows bucket x length bucket)."""
-    return min(_pow2_floor(max_num_batched_tokens), bucket(max_model_len, minimum=16))
+    return min(pow2_floor(max_num_batched_tokens), bucket(max_model_len, minimum=16))
 
 
 def default_window_kv_pages(cfg, *, max_model_len, page_size, max_num_seqs, max_num_batched_tokens) -> int | None:
@@ -522,8 +527,8 @@ class Engine:
         if not sampler:
             return num_compiles() - before
         # The sampler is warmed on the steps' own logits: a jitted function's cache is keyed on its
-        # arguments' placement too, and logits from committed parameters are committed arrays, so
-        # warming on host arrays compiled a second sampler per batch size at the first real request.
+        # arguments' placement too, and logits from committed parameters are committed arrays: a
+        # sampler warmed on host arrays would be another program than the one requests call.
         for b, logits in sorted(step_logits.items()):
             if self._sample_device is not None:  # multi-host leader: its local copy, as _model_step takes
                 logits = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
@@ -631,7 +636,7 @@ class Engine:
     def _run_poison(self, pages: np.ndarray, group: int) -> None:
         layers = self._group_layers[group]
         if self.mesh is None:
-            self.cache = _poison(self.cache, pages, layers)
+            self.cache = _poison_pages_jit(self.cache, pages, layers)
         else:
             self.cache = self._sharded_poison(self.cache, pages, layers)
 
@@ -697,12 +702,12 @@ class Engine:
             need = self.scheduler.most_pages_held(length, group)
             if need > group.pool.capacity:
                 asked = (
-                    f"max_tokens ({params.max_tokens})"
+                    f"= {params.max_tokens}"
                     if params.max_tokens is not None
-                    else f"max_tokens None (up to max_model_len = {self.max_model_len})"
+                    else f"None (up to max_model_len = {self.max_model_len})"
                 )
                 raise InvalidRequestError(
-                    f"prompt ({len(prompt_ids)} tokens) + {asked} needs {need} KV pages; "
+                    f"SamplingParams.max_tokens {asked} with a {len(prompt_ids)}-token prompt needs {need} KV pages; "
                     f"the cache has {group.pool.capacity}: lower max_tokens or raise {name}"
                 )
         if params.stop and self.tokenizer is None:
@@ -717,11 +722,15 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        validated: bool = False,
     ) -> Request:
         """Queues a request. `arrival_time` (time.perf_counter()): when it arrived, if earlier than now
         (a server that received it while a step ran); latency metrics count from it. `cache_salt`:
-        prefix-cache pages are shared only between requests with the same salt (or none)."""
-        self.validate(prompt_ids, params)
+        prefix-cache pages are shared only between requests with the same salt (or none).
+        `validated`: the caller has run `validate` on these arguments already (a server does, on its
+        event loop), so the engine's thread does not pass over the prompt again."""
+        if not validated:
+            self.validate(prompt_ids, params)
         bad_words = self.bad_word_ids(params.bad_words)
         check_cache_salt(cache_salt)
         salt = salt_digest(cache_salt)

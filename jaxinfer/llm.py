@@ -46,7 +46,8 @@ from jaxinfer.tokenizer import (
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample. `token_ids` excludes the prompt and any stop/EOS token that ended it."""
+    """One sample. `token_ids` excludes the prompt and an EOS or stop_token_ids token that ended it;
+    a stop string's tokens stay (the text alone is cut at it), as in vLLM."""
 
     index: int
     token_ids: list[int]
@@ -147,15 +148,23 @@ def _default_num_pages(cfg, *, max_num_seqs, max_model_len, page_size, window_pa
     return max(2, min(want, budget // (cfg.num_layers * layer_page)))
 
 
+def _model_path(model) -> str | None:
+    """The directory `model` names: None for an embedded model made in memory (e.g. the tiny random
+    one), the embedded default model's assets for None."""
+    if isinstance(model, str) and model in default_model.EMBEDDED:
+        return None
+    return default_model.ASSETS if model is None else os.fspath(model)
+
+
 def _auto_dtype(model) -> str:
     """dtype="auto": what the checkpoint stores (a Hugging Face one: `loading.auto_dtype`; a jaxinfer
     one: its stored dtype, the embedded default model's bfloat16); float32 for the generated embedded
     models."""
     from jaxinfer import checkpoint, loading
 
-    if isinstance(model, str) and model in default_model.EMBEDDED:
+    path = _model_path(model)
+    if path is None:
         return "float32"
-    path = default_model.ASSETS if model is None else os.fspath(model)
     try:
         if checkpoint.is_checkpoint(path):
             return checkpoint.load_config(path).dtype
@@ -170,9 +179,9 @@ GENERATION_CONFIG_CHOICES = ("auto", "none")
 def _generation_overrides(model, generation_config: str) -> dict:
     """The checkpoint's generation_config.json defaults (see `generation_defaults`) as SamplingParams
     fields; says on stderr when there are any, as vLLM does."""
-    if generation_config == "none" or (isinstance(model, str) and model in default_model.EMBEDDED):
+    path = _model_path(model)
+    if generation_config == "none" or path is None:
         return {}
-    path = default_model.ASSETS if model is None else os.fspath(model)
     defaults = generation_defaults(path)
     if defaults:
         shown = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
@@ -195,9 +204,9 @@ def _load(model, dtype: str, mesh):
     def shardings(cfg):
         return None if mesh is None else param_shardings(cfg, mesh)
 
-    if isinstance(model, str) and model in default_model.EMBEDDED:  # e.g. the tiny random model
+    path = _model_path(model)
+    if path is None:
         return default_model.EMBEDDED[model](dtype=dtype)  # made in memory; the engine places it
-    path = default_model.ASSETS if model is None else os.fspath(model)
     if model is None or checkpoint.is_checkpoint(path):  # jaxinfer's orbax format (`jaxinfer convert`)
         cfg, params = checkpoint.restore(path, dtype=dtype, shardings=shardings)
     else:
@@ -298,7 +307,7 @@ class LLM:
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        # NumPy integers act as Python ones, as in SamplingParams (np.int64(16) was refused as not an integer).
+        # NumPy integers act as Python ones, as in SamplingParams.
         page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, max_model_len = (
             int(v) if is_int(v) else v
             for v in (page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, max_model_len)
@@ -383,7 +392,7 @@ class LLM:
         self._lock = threading.RLock()
         # Requests whose end came while this thread was inside a step: a stream abandoned in a
         # reference cycle is closed by the garbage collector wherever it runs, which can be in the
-        # middle of `engine.step()` (the RLock lets it in); aborting there corrupted the step.
+        # middle of `engine.step()` (the RLock lets it in), where aborting would corrupt the step.
         self._stepping = False
         self._deferred_ends: list[Request] = []
         if warmup:

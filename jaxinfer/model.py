@@ -4,8 +4,8 @@ The Flax modules describe the computation; parameters are a plain pytree passed 
 the KV cache goes in and comes out as an explicit argument. Nothing keeps state in a module.
 
 Each parameter is declared once, in the module that uses it, with its shape and logical axis
-names; the abstract tree, the initialiser and (later) the sharding all derive from that one
-declaration (`param_axes`, `init_params`). Einsum letters: see the glossary in WORKSPACE.md.
+names; the abstract tree, the initialiser and the sharding (`jaxinfer/sharding.py`) all derive
+from that one declaration (`param_axes`, `init_params`). Einsum letters: see the glossary in WORKSPACE.md.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class MLP(nn.Module):
     act is SiLU (SwiGLU, Llama) or GELU (GeGLU, Gemma): `cfg.mlp_activation`.
 
     One matrix-vector product over the merged weight streams it faster than two over the halves
-    (XLA CPU: 3-6% of a whole 150M decode step); the F axis still shards over `mlp` as before.
+    (XLA CPU: 3-6% of a whole 150M decode step); the F axis shards over `mlp`.
     """
 
     cfg: ModelConfig
@@ -345,7 +345,8 @@ def _init(key, *, cfg: ModelConfig):
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):
-    """Random parameters (normal(0.02) weights, unit norms, zero biases) as a pytree."""
+    """Random parameters as a pytree: normal(0.02) weights, zero biases, norm scales of one (zeros
+    where the norm adds one itself, as Gemma's do)."""
     return _init(jax.random.key(seed), cfg=cfg)
 
 

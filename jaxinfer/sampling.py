@@ -233,7 +233,7 @@ class SamplingParams:
             if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS:
                 bad("allowed_token_ids", self.allowed_token_ids, f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} distinct ids")
             object.__setattr__(self, "allowed_token_ids", allowed)
-        # NumPy scalars become Python numbers: a np.uint32 seed + sample index overflowed in the engine.
+        # NumPy scalars become Python numbers (a np.uint32 seed + sample index would overflow).
         for field in (
             *("max_tokens", "min_tokens", "top_k", "seed"),
             *("logprobs", "prompt_logprobs", "n", "truncate_prompt_tokens"),
@@ -243,7 +243,7 @@ class SamplingParams:
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, field, float(getattr(self, field)))
 
-    def __hash__(self) -> int:  # hashable as before logit_bias (a dict) joined the fields
+    def __hash__(self) -> int:  # logit_bias, a dict, hashes as its sorted items
         return hash(
             tuple(
                 tuple(sorted(v.items())) if isinstance(v, dict) else v

@@ -184,7 +184,7 @@ class Scheduler:
         max_prefill_tokens: int,
     ):
         self.groups = groups
-        self.pool = groups[0].pool  # its prefix-cache setting is every group's
+        self.enable_prefix_cache = groups[0].pool.enable_prefix_cache  # every group's setting
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -270,7 +270,7 @@ class Scheduler:
         the first evicted. With several groups, a hit needs its pages in every group's pool."""
         s = self.page_size
         # Always leave at least one token to compute: it produces the logits to sample from.
-        hit = (len(seq.tokens) - 1) // s if self.pool.enable_prefix_cache and not seq.pending_prompt_logprobs else 0
+        hit = (len(seq.tokens) - 1) // s if self.enable_prefix_cache and not seq.pending_prompt_logprobs else 0
         for group in self.groups:  # the whole-context groups: their longest cached run from page 0
             if group.window is None:
                 n = 0
@@ -311,7 +311,7 @@ class Scheduler:
         """True while another sample of seq's request is computing pages seq could share: full pages
         of the tokens the two have in common (the prompt, and any output they drew alike; a sample
         preempted after it generated shares none of its own tokens with the others otherwise)."""
-        if not self.pool.enable_prefix_cache:
+        if not self.enable_prefix_cache:
             return False
         for s in seq.siblings:
             if s is seq or s.status is not SeqStatus.RUNNING:
@@ -325,6 +325,8 @@ class Scheduler:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: offers the sequence's newly completed full pages to the prefix cache."""
+        if not self.enable_prefix_cache:
+            return
         full = seq.num_computed // self.page_size
         for group, held in zip(self.groups, seq.groups):
             for i in range(max(seq.num_keyed, held.num_dropped), full):
@@ -353,9 +355,7 @@ class Scheduler:
         for seq in order:
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue
-            n = self._chunk_length(
-                seq, min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill
-            )
+            n = self._chunk_length(min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill)
             if n == 0:
                 continue  # its next chunk runs next step
             self._drop_out_of_window(seq)
@@ -379,7 +379,7 @@ class Scheduler:
                 self._reuse_prefix(seq)
                 self._drop_out_of_window(seq)
             remaining = len(seq.tokens) - seq.num_computed
-            n = self._chunk_length(seq, min(remaining, budget, self.max_prefill_tokens), prefill)
+            n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)
             if n == 0 or not self._grow(seq, seq.num_computed + n):
                 # Not admitted this step: a waiting sequence holds no pages, or preemption could not
                 # reclaim them (it only sees running ones) and the engine could wedge. The prefix
@@ -401,7 +401,7 @@ class Scheduler:
         prefill = [c for c in prefill if c.seq.status is SeqStatus.RUNNING]
         return StepPlan(prefill=prefill, decode=decode)
 
-    def _chunk_length(self, seq: Sequence, n: int, prefill: list[Chunk]) -> int:
+    def _chunk_length(self, n: int, prefill: list[Chunk]) -> int:
         """How many of a sequence's next n prompt tokens to compute this step (0: none this step).
 
         A prompt-chunk call costs its padded shape (rows and length rounded up to powers of two), so
@@ -415,7 +415,7 @@ class Scheduler:
             return n
         if not prefill:
             if bucket(n, minimum=16) - n > _MAX_CHUNK_PADDING:
-                n = 1 << (n.bit_length() - 1)
+                n = pow2_floor(n)
             return n
         length = bucket(max(c.length for c in prefill), minimum=16)
         n = min(n, length)
@@ -449,6 +449,11 @@ def bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum), clipped to maximum: the shape buckets of every step."""
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
     return min(b, maximum) if maximum is not None else b
+
+
+def pow2_floor(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
 
 
 def decode_bucket(n: int, *, rows_multiple: int = 1) -> int:

@@ -182,7 +182,9 @@ class AsyncEngine:
         interval: int = 1,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queues a validated request for the engine. Raises QueueFullError or DrainingError.
+        """Queues a request for the engine. Raises QueueFullError or DrainingError. The request must
+        have passed `Engine.validate` (the server runs it on the event loop): the engine's thread,
+        which runs every step, does not pass over the prompt again.
 
         `interval`: deltas reach the stream once a sample has that many new tokens (see `_offer`).
         `cache_salt`: see `Engine.add_request`.
@@ -374,7 +376,9 @@ class AsyncEngine:
             _, rid, prompt_ids, params, arrival, salt = cmd
             try:
                 # The server's arrival time: TTFT and latency include the wait for the engine thread.
-                engine.add_request(prompt_ids, params, request_id=rid, arrival_time=arrival, cache_salt=salt)
+                engine.add_request(
+                    prompt_ids, params, request_id=rid, arrival_time=arrival, cache_salt=salt, validated=True
+                )
             except Exception as e:  # validated already; anything left is reported, not raised
                 batch.append((rid, e))
         elif cmd[0] == "abort":

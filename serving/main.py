@@ -20,7 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
     )
-    p.add_argument("--dtype", default="float32", choices=[*DTYPES, "auto"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=[*DTYPES, "auto"],
+        help="parameter and activation dtype; auto: what the checkpoint stores",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=9000, help="gRPC port (0: any free port, printed at start)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -51,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also compile the prompt-logprobs programs before serving (else the first request with "
         "prompt_logprobs at each prefill shape compiles one; a multi-host job always compiles them)",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity")
     add_engine_arguments(p)
     d = p.add_argument_group("multi-host (every process runs the same command with its own --process-id)")
     d.add_argument("--coordinator-address", help="HOST:PORT of process 0's coordinator (jax.distributed)")
@@ -178,10 +183,10 @@ def run(args) -> int:
         if server.state == "serving":
             print(f"jaxinfer serve: ready ({server.llm.cfg.name})", flush=True)
         await server.wait_stopped()
-        if server.engine is not None and server.engine.broken is not None:
-            print(f"jaxinfer serve: stopped; the multi-host job was broken ({server.engine.broken})", flush=True)
+        if server.async_engine is not None and server.async_engine.broken is not None:
+            print(f"jaxinfer serve: stopped; the multi-host job was broken ({server.async_engine.broken})", flush=True)
             return _exit_now(1)
-        if server.still_loading or (server.engine is None and jax.process_count() > 1):
+        if server.still_loading or (server.async_engine is None and jax.process_count() > 1):
             # Stopped before the model was ready: nothing was accepted. Multi-host, the followers
             # are in collectives that will not come: JAX's exit barrier would wait on them.
             print("jaxinfer serve: stopped while loading the model", flush=True)

@@ -43,7 +43,7 @@ from serving.async_engine import AsyncEngine, Delta, DrainingError, EngineFailed
 
 log = logging.getLogger("jaxinfer.serving")
 _DEADLINE_SLACK_S = 0.1
-_TOKENIZE_THREADS = 2  # truncating requests' texts tokenized at once (the tokenizers release the GIL)
+_TOKENIZE_THREADS = 2  # prompt texts tokenized at once (the tokenizers release the GIL)
 
 SERVICE = "jaxinfer.v1.InferenceService"
 JETSTREAM_SERVICE = "jetstream_proto.Orchestrator"
@@ -105,7 +105,7 @@ class Server:
     def __init__(self, config: ServerConfig, *, llm: jaxinfer.LLM | None = None):
         self.config = config
         self.llm = llm  # tests pass a loaded LLM; otherwise start() loads config.model
-        self.engine: AsyncEngine | None = None
+        self.async_engine: AsyncEngine | None = None
         self.state = "loading"  # loading -> serving -> draining -> stopped
         self.port: int | None = None
         self.load_error: BaseException | None = None
@@ -118,9 +118,9 @@ class Server:
         self._load_thread: threading.Thread | None = None
         self._load_watch: asyncio.Future | None = None  # multi-host: bounds the waits on the peers while loading
         self._rpc_ids = itertools.count(1)
-        # Truncating requests' texts, tokenized whatever their size off the event loop. Its own few
-        # threads: work queued for a call that ends meanwhile (deadline, cancel) is dropped unrun,
-        # and the default pool (shutdown uses it) never waits behind a backlog.
+        # Prompt texts are tokenized off the event loop, on their own few threads: work queued for a
+        # call that ends meanwhile (deadline, cancel) is dropped unrun, and the default pool
+        # (shutdown uses it) never waits behind a backlog.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=_TOKENIZE_THREADS, thread_name_prefix="jaxinfer-tokenize"
         )
@@ -139,11 +139,11 @@ class Server:
         self._in_flight = Gauge(
             "jaxinfer_requests_in_flight", "Generating requests admitted and not finished", registry=self.registry
         )
-        self._in_flight.set_function(lambda: self.engine.num_in_flight if self.engine else 0)
+        self._in_flight.set_function(lambda: self.async_engine.num_in_flight if self.async_engine else 0)
         self._queue_depth = Gauge(
             "jaxinfer_queue_depth", "Sequences admitted and waiting for a running slot or pages", registry=self.registry
         )
-        self._queue_depth.set_function(lambda: len(self.engine.engine.scheduler.waiting) if self.engine else 0)
+        self._queue_depth.set_function(lambda: len(self.llm.engine.scheduler.waiting) if self.async_engine else 0)
         self.registry.register(_EngineCollector(self))
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -269,13 +269,13 @@ class Server:
             return
         if self.state != "loading":  # stop() came first
             return
-        self.engine = AsyncEngine(
+        self.async_engine = AsyncEngine(
             self.llm.engine,
             max_queued=self.config.max_queued_requests,
             peer_timeout=self.config.peer_timeout if jax.process_count() > 1 else None,
             on_broken=self._on_broken,
         )
-        self.engine.start()
+        self.async_engine.start()
         self.state = "serving"
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -302,13 +302,13 @@ class Server:
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         drained = True
-        if self.engine is not None:
-            self.engine.draining = True
-            drained = await self.engine.wait_idle(timeout)
+        if self.async_engine is not None:
+            self.async_engine.draining = True
+            drained = await self.async_engine.wait_idle(timeout)
             if not drained:
-                log.warning("drain time (%.1f s) is up: aborting %d requests", timeout, self.engine.num_in_flight)
-            await self.engine.shutdown()
-            await self.engine.wait_idle(5.0)
+                log.warning("drain time (%.1f s) is up: aborting %d requests", timeout, self.async_engine.num_in_flight)
+            await self.async_engine.shutdown()
+            await self.async_engine.wait_idle(5.0)
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         self._stop_metrics()
@@ -355,6 +355,13 @@ class Server:
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
 
+    async def _tokenize_off_loop(self, text: str, field: str, params: SamplingParams | None = None) -> list[int]:
+        """`_tokenize` on the tokenize pool: a text may be megabytes (up to the message limit, or the
+        prompt limit times the longest token's bytes), which would hold up every stream for a second
+        on the event loop."""
+        tokenize = functools.partial(self._tokenize, text, field, params)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenize)
+
     def _admit(
         self,
         prompt_ids,
@@ -370,7 +377,7 @@ class Server:
         except InvalidRequestError as e:  # about the prompt, or about a sampling parameter
             raise _invalid(f"{'sampling_params' if str(e).startswith('SamplingParams.') else field}: {e}") from None
         try:
-            return self.engine.submit(
+            return self.async_engine.submit(
                 prompt_ids, params, request_id=info["id"], interval=interval, cache_salt=cache_salt
             )
         except QueueFullError as e:
@@ -433,8 +440,8 @@ class Server:
 
         def cleanup(info: dict) -> None:
             stream = info.get("stream")
-            if stream is not None and not stream.finished and self.engine is not None:
-                self.engine.abort(stream)
+            if stream is not None and not stream.finished and self.async_engine is not None:
+                self.async_engine.abort(stream)
 
         def begin(request) -> None:
             if isinstance(request, wire.BadMessage):
@@ -533,13 +540,8 @@ class Server:
             params = wire.sampling_params(request.sampling_params, self.llm.get_default_sampling_params())
         except InvalidRequestError as e:
             raise _invalid(f"sampling_params: {e}") from None
-        if which == "text" and self.llm.engine.prompt_token_limit(params) is None:
-            # A text of any size (up to the message limit): tokenized off the event loop, which
-            # several megabytes would hold up for a second.
-            tokenize = functools.partial(self._tokenize, request.text, "text", params)
-            ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenize)
-        elif which == "text":
-            ids = self._tokenize(request.text, "text")
+        if which == "text":
+            ids = await self._tokenize_off_loop(request.text, "text", params)
         else:
             ids = list(request.token_ids.ids)
         ids = self.llm.engine.truncated(ids, params)  # what runs: the response's prompt_token_ids
@@ -610,7 +612,7 @@ class Server:
             raise _engine_failed(e) from None
 
     async def _tokenize_rpc(self, request, ctx, info):
-        return pb.TokenizeResponse(token_ids=self._tokenize(request.text, "text"))
+        return pb.TokenizeResponse(token_ids=await self._tokenize_off_loop(request.text, "text"))
 
     async def _model_info(self, request, ctx, info):
         if self.llm is None or self.state in ("loading", "failed"):
@@ -695,7 +697,7 @@ class Server:
             raise _invalid("content: set one of text_content or token_content")
         text_mode = which == "text_content"
         if text_mode:
-            ids = self._tokenize(request.text_content.text, "text_content.text")
+            ids = await self._tokenize_off_loop(request.text_content.text, "text_content.text")
         else:
             ids = list(request.token_content.token_ids)
         if request.num_samples < 0:
@@ -747,7 +749,7 @@ def _ended(ctx) -> bool:
 
 def _reflection_handler(service_names) -> grpc.GenericRpcHandler:
     """Server reflection: the stock servicer, behind request parsing that answers a malformed request
-    with INVALID_ARGUMENT (the stock registration answered UNKNOWN and logged a traceback)."""
+    with INVALID_ARGUMENT (the stock registration answers UNKNOWN and logs a traceback)."""
     servicer = reflection.aio.ReflectionServicer(service_names)
 
     async def info(request_iterator, ctx):

@@ -159,7 +159,7 @@ def logprobs_proto(lps: list[Logprob]) -> list[pb.TokenLogprob]:
         pb.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
-            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])],
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],  # most likely first
         )
         for lp in lps
     ]

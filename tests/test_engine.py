@@ -394,9 +394,11 @@ def test_bad_capacity_and_requests(params):
     with pytest.raises(InvalidRequestError, match="max_num_seqs"):
         make_engine(params, max_num_seqs=0)
     e = make_engine(params, num_kv_pages=5)
-    with pytest.raises(InvalidRequestError, match="needs 7 KV pages; the cache has 4"):
+    full = r"^SamplingParams\.max_tokens = 10 with a 40-token prompt needs 7 KV pages; the cache has 4"
+    with pytest.raises(InvalidRequestError, match=full):
         e.add_request([3] * 40, SamplingParams(max_tokens=10))
-    with pytest.raises(InvalidRequestError, match=r"max_tokens None \(up to max_model_len = 256\) needs 32 KV pages"):
+    unbounded = r"max_tokens None \(up to max_model_len = 256\) with a 2-token prompt needs 32 KV pages"
+    with pytest.raises(InvalidRequestError, match=unbounded):
         e.add_request([3, 4], SamplingParams(max_tokens=None))
     with pytest.raises(InvalidRequestError, match="stop needs a tokenizer"):
         e.add_request([3, 4], SamplingParams(stop=["x"]))
@@ -461,7 +463,7 @@ def test_a_preempted_sample_waits_for_its_siblings_only_on_tokens_they_share():
     sched.add(b)  # b: preempted after drawing 20 tokens of its own
     sched.running.append(a)  # a: in decode, its prompt's pages computed and cached
     a.status, a.num_computed = SeqStatus.RUNNING, 19
-    a.groups = [GroupPages(pages=sched.pool.allocate(5))]
+    a.groups = [GroupPages(pages=sched.groups[0].pool.allocate(5))]
     sched.register_full_pages(a)
 
     plan = sched.schedule()

@@ -77,7 +77,7 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.server.llm.stats()
-            if stats["running"] == 0 and stats["waiting"] == 0 and self.server.engine.num_in_flight == 0:
+            if stats["running"] == 0 and stats["waiting"] == 0 and self.server.async_engine.num_in_flight == 0:
                 used = stats["kv_pages_total"] - stats["kv_pages_free"]
                 if used == 0:
                     return stats
@@ -236,6 +236,47 @@ def test_truncate_prompt_tokens_crosses_the_wire(server, llm):
     assert refused.value.code == "INVALID_ARGUMENT"
     assert got.prompt_token_ids == ref.prompt_token_ids
     assert got.token_ids == streamed == ref.token_ids
+
+
+def test_prompt_texts_are_tokenized_off_the_event_loop(server, monkeypatch):
+    """Every RPC that takes a text (Generate, GenerateStream, Tokenize, JetStream's Decode) has it
+    tokenized on the tokenize pool: a text may be megabytes, which on the event loop would hold up
+    every other stream for a second."""
+    tok = server.server.llm.tokenizer
+    threads = []
+
+    def encode(text, **kw):
+        threads.append(threading.current_thread())
+        return type(tok).encode(tok, text, **kw)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    p = SamplingParams(max_tokens=2, temperature=0.0)
+    with Client(server.address) as c:
+        c.generate("the lazy dog", p)
+        list(c.stream("the lazy dog", p))
+        c.tokenize("the lazy dog")
+    req = js.DecodeRequest(max_tokens=2, text_content=js.DecodeRequest.TextContent(text="the lazy dog"))
+    with grpc.insecure_channel(server.address) as ch:
+        list(js_grpc.OrchestratorStub(ch).Decode(req, timeout=60))
+    assert len(threads) == 4
+    assert server.thread not in threads
+    assert all(t.name.startswith("jaxinfer-tokenize") for t in threads), [t.name for t in threads]
+
+
+def test_a_served_request_is_validated_once(server, monkeypatch):
+    """The server validates a request on its event loop; the engine's thread, which runs every step,
+    does not scan the prompt a second time."""
+    engine = server.server.llm.engine
+    calls = []
+
+    def validate(*args):
+        calls.append(threading.current_thread())
+        return type(engine).validate(engine, *args)
+
+    monkeypatch.setattr(engine, "validate", validate)
+    with Client(server.address) as c:
+        c.generate(prompt_token_ids=list(range(5, 105)), sampling_params=SamplingParams(max_tokens=2, temperature=0.0))
+    assert calls == [server.thread]
 
 
 def test_min_tokens_crosses_the_wire(server, llm):
@@ -742,8 +783,9 @@ def test_queue_full_is_resource_exhausted(llm):
             req = pb.GenerateRequest(text="one", sampling_params=pb.SamplingParams(max_tokens=20, temperature=0))
             a, b = stub.GenerateStream(req), stub.GenerateStream(req)
             deadline = time.monotonic() + 60
-            while s.server.engine.num_in_flight < 2:
-                assert time.monotonic() < deadline, f"{s.server.engine.num_in_flight} of 2 streams reached the engine"
+            while s.server.async_engine.num_in_flight < 2:
+                in_flight = s.server.async_engine.num_in_flight
+                assert time.monotonic() < deadline, f"{in_flight} of 2 streams reached the engine"
                 time.sleep(0.01)
             with pytest.raises(ServerError) as e:
                 c.generate("three", SamplingParams(max_tokens=2))
@@ -1026,7 +1068,7 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
             stub = pb_grpc.InferenceServiceStub(ch)
             req = pb.GenerateRequest(text="old", sampling_params=pb.SamplingParams(max_tokens=12, ignore_eos=True))
             old = stub.GenerateStream(req)
-            while s.server.engine.num_in_flight < 1:
+            while s.server.async_engine.num_in_flight < 1:
                 time.sleep(0.01)
             stopping = asyncio.run_coroutine_threadsafe(s.server.stop(drain_timeout=30), s.loop)
             while s.server.state != "draining":
