@@ -118,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         help="write a random-weight HF checkpoint of this shape (needs transformers) and bench it",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
     p.add_argument("--prompt-lens", type=_ints, default=[32, 128, 512], help="TTFT prompt lengths")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes")
     p.add_argument("--context", type=_positive_int, default=128, help="prompt length for the decode runs")
@@ -138,11 +138,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(open it in ui.perfetto.dev or TensorBoard) and print where each jitted program's time went, by op",
     )
     t = p.add_argument_group("throughput mode")
-    t.add_argument("--num-requests", type=_positive_int, default=256)
+    t.add_argument("--num-requests", type=_positive_int, default=256, help="requests in the workload")
     t.add_argument("--prompt-len-range", type=_len_range, default=[16, 256], help="min,max prompt tokens")
     t.add_argument("--output-len-range", type=_len_range, default=[16, 256], help="min,max generated tokens")
-    t.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    t.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    t.add_argument("--max-num-seqs", type=_positive_int, default=64, help="the engine's running sequences at most")
+    t.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=512, help="the engine's tokens per step at most"
+    )
     t.add_argument(
         "--prefix-caching",
         action="store_true",

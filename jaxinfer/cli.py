@@ -105,22 +105,47 @@ def engine_kwargs(args) -> dict:
     )
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default after its help, unless the help already says it or there is none
+    to show (None, off, empty). Descriptions keep their own line breaks."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, False, [], argparse.SUPPRESS)
+            or "default" in text.lower()
+        ):
+            return text
+        d = action.default  # a list as the flag takes it: 32,128
+        shown = ",".join(map(str, d)).replace("%", "%%") if isinstance(d, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 def _parser() -> argparse.ArgumentParser:
     from jaxinfer.llm import GENERATION_CONFIG_CHOICES
 
-    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
+    parser = argparse.ArgumentParser(
+        prog="jaxinfer", description="LLM inference on JAX/XLA.", formatter_class=_HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser(
         "generate",
         help="generate text from a prompt",
+        formatter_class=_HelpFormatter,
         description="Generate from one or more prompts (text or token ids).",
     )
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run as one batch)")
     g.add_argument(
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
     )
-    g.add_argument("--dtype", default="float32", choices=[*DTYPES, "auto"])
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=[*DTYPES, "auto"],
+        help="parameter and activation dtype; auto: what the checkpoint stores",
+    )
     # Sampling flags left out take the checkpoint's generation_config.json values (with --server, the
     # served model's; unless --generation-config none), else the command's own defaults
     # (_SAMPLING_DEFAULTS: greedy, 32 tokens).
@@ -130,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None, help=unset % "0 (off)")
     g.add_argument("--top-p", type=float, default=None, help=unset % _SAMPLING_DEFAULTS["top_p"])
     g.add_argument("--min-p", type=float, default=None, help=unset % _SAMPLING_DEFAULTS["min_p"])
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (sample i of a prompt uses seed + i)")
     g.add_argument("--presence-penalty", type=float, default=None, help="default: 0")
     g.add_argument("--frequency-penalty", type=float, default=None, help="default: 0")
     g.add_argument("--repetition-penalty", type=float, default=None, help=unset % "1 (off)")
@@ -184,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write special tokens (EOS, chat markers) into the text (SamplingParams.skip_special_tokens=False)",
     )
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (up to --max-tokens)")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     add_engine_arguments(g)
     g.add_argument(
@@ -205,6 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve",
         help="serve the model over gRPC",
+        formatter_class=_HelpFormatter,
         description="Serve jaxinfer.v1, JetStream's Orchestrator, gRPC health and reflection on one "
         "continuous-batching engine. SIGTERM drains requests in flight, then exits 0.",
     )
@@ -216,13 +242,14 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="measure TTFT, decode throughput and bandwidth utilisation",
         description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     bench.add_arguments(b)
 
     c = sub.add_parser(
         "convert",
         help="convert a Hugging Face checkpoint to jaxinfer's orbax format",
+        formatter_class=_HelpFormatter,
         description="Read a Hugging Face safetensors checkpoint and write a jaxinfer checkpoint (orbax "
         "parameters, config.json, tokenizer files) that `LLM(OUT_DIR)` / `--model OUT_DIR` restore directly. "
         "`jaxinfer bench load HF_DIR` compares the load times of the two formats.",
@@ -443,13 +470,14 @@ def _bench_load(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench load",
+        formatter_class=_HelpFormatter,
         description="Time loading one model from its Hugging Face safetensors and from its jaxinfer (orbax) "
         "checkpoint (converted into a temp dir unless --orbax-dir is given). Prints one JSON object.",
     )
-    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint directory")
     p.add_argument("--orbax-dir", default=None, help="an existing `jaxinfer convert` output of HF_DIR")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    p.add_argument("--repeats", type=int, default=3, help="loads of each format (their median is reported)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -463,6 +491,7 @@ def _bench_window_pools(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench window-pools",
+        formatter_class=_HelpFormatter,
         description="A Gemma-3-shaped model (5 sliding-window layers + 1 global), the same KV-cache bytes: "
         "every layer's pool at one size, against the window layers in pools of their own and the global "
         "layer given the bytes that frees. Same requests, same tokens (checked); prints throughput and "
@@ -508,13 +537,18 @@ def _bench_mesh(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench mesh",
+        formatter_class=_HelpFormatter,
         description="Parameter and KV-cache bytes per device for each mesh (measured from the arrays' shards), "
         "and whether every mesh gives the first one's greedy tokens.",
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
-    p.add_argument("--meshes", default="data=1,model=1;data=1,model=2;data=1,model=4;data=1,model=8;data=2,model=4")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--num-kv-pages", type=int, default=256)
+    p.add_argument(
+        "--meshes",
+        default="data=1,model=1;data=1,model=2;data=1,model=4;data=1,model=8;data=2,model=4",
+        help="meshes to compare, separated by ';'",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    p.add_argument("--num-kv-pages", type=int, default=256, help="KV-cache pages of each engine")
     p.add_argument("--cpu-devices", type=int, default=None, help="run on N virtual CPU devices (XLA host platform)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -22,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -129,12 +130,12 @@ def summarize(outcomes, wall: float) -> dict:
 STARTUP_LIMIT = 1800.0
 
 
-def _wait_serving(client, proc: subprocess.Popen | None) -> None:
+def _wait_serving(client, proc: subprocess.Popen | None, errors=None) -> None:
     """Until the server reports SERVING; the server this bench started must not exit meanwhile."""
     deadline = time.monotonic() + STARTUP_LIMIT
     while client.health() != "SERVING":
         if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"error: the server exited with status {proc.returncode} while starting")
+            raise SystemExit(f"error: the server exited with status {proc.returncode} while starting{_why(errors)}")
         if time.monotonic() > deadline:
             raise SystemExit(f"error: {client.target} was not SERVING after {STARTUP_LIMIT:g} s")
         time.sleep(0.2)
@@ -149,13 +150,30 @@ def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen
         cmd += ["--model", model_dir]
     if not args.prefix_caching:
         cmd.append("--no-prefix-caching")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    errors = tempfile.TemporaryFile("w+")  # the server's stderr: why it failed to start, if it does
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
-        raise SystemExit(f"error: the server did not start: {line.strip() or 'no output'}")
+        proc.wait()
+        raise SystemExit(f"error: the server did not start: {line.strip() or 'no output'}{_why(errors)}")
     address = line.split("listening on ", 1)[1].split(",")[0].split(";")[0].strip()
-    return proc, address
+    return proc, address, errors
+
+
+def _why(errors) -> str:
+    """The server's own `error:` line from its stderr, as the reason it stopped (a bench-derived
+    max_model_len said in this bench's flags); '' if it printed none."""
+    if errors is None:
+        return ""
+    errors.seek(0)
+    lines = [ln.strip() for ln in errors.read().splitlines() if ln.startswith("error: ")]
+    if not lines:
+        return ""
+    why = lines[-1].removeprefix("error: ")
+    if why.startswith("max_model_len "):
+        why += " (max_model_len here is the largest of --prompt-len-range plus that of --output-len-range, plus 1)"
+    return f": {why}"
 
 
 def run(args, model_dir: str | None) -> dict:
@@ -166,11 +184,11 @@ def run(args, model_dir: str | None) -> dict:
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
     lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]
     max_model_len = hi_p + hi_o + 1
-    proc = None
+    proc = errors = None
     address = args.server
     if address is None:
         print("starting `jaxinfer serve` on loopback ...", file=sys.stderr)
-        proc, address = _start_server(args, model_dir, max_model_len)
+        proc, address, errors = _start_server(args, model_dir, max_model_len)
     try:
         with Client(address) as c:
             status = c.health()
@@ -178,7 +196,7 @@ def run(args, model_dir: str | None) -> dict:
                 raise SystemExit(f"error: --server {address}: nothing answers there (is `jaxinfer serve` running?)")
             if status != "SERVING":
                 print(f"waiting up to {STARTUP_LIMIT:g} s for {address} to report SERVING", file=sys.stderr)
-            _wait_serving(c, proc)
+            _wait_serving(c, proc, errors)
             info = c.model_info()
         rate = "all at once" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
         print(
@@ -215,6 +233,7 @@ def run(args, model_dir: str | None) -> dict:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            errors.close()
     print(
         f"\n{'':>22} {'ok':>5} {'out tok':>8} {'wall s':>7} {'out tok/s':>10} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"

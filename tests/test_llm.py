@@ -915,6 +915,21 @@ def test_bench_serve_vs_offline_refuses_a_paced_workload():
         bench.run(_bench_args(["serve", "--vs-offline", "--request-rate", "4"]))
 
 
+def test_bench_serve_says_why_its_server_did_not_start():
+    """The server the bench starts refuses the max_model_len the bench derived from its ranges (the
+    default model holds 1024 positions): the bench says so in its flags' terms, not just that the
+    server exited."""
+    from jaxinfer import bench
+
+    args = _bench_args(["serve", "--num-requests", "2", "--prompt-len-range", "600", "--output-len-range", "600"])
+    with pytest.raises(SystemExit) as e:
+        bench.run(args)
+    assert "exited with status 2 while starting: max_model_len must be in [2, 1024 for this model], got 1201" in str(
+        e.value
+    )
+    assert "--prompt-len-range plus that of --output-len-range, plus 1" in str(e.value)
+
+
 def test_bench_throughput_runs_and_reports(capsys):
     from jaxinfer import bench
 
@@ -1089,3 +1104,22 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens():
         with pytest.raises(InvalidRequestError, match="SamplingParams.truncate_prompt_tokens must be None, -1"):
             SamplingParams(truncate_prompt_tokens=bad)
     assert llm.generate([]) == []  # (it raised ValueError from an unpacking)
+
+
+@pytest.mark.parametrize(
+    "argv, shown",
+    [
+        (["serve"], ["--port PORT", "(default: 9000)", "(default: 256)", "(default: 30.0)", "(default: float32)"]),
+        (["bench"], ["(default: 32,128,512)", "(default: 16,256)", "(default: 3)"]),
+        (["generate"], ["(default: 16)", "(default: 512)", "(default: auto)"]),
+    ],
+)
+def test_help_shows_each_options_default(capsys, argv, shown):
+    """`--help` says what an option left out means: its default, as the flag takes it (a list as
+    32,128, not Python's [32, 128]); an option whose help already names its default is left as is."""
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(s in out for s in shown), [s for s in shown if s not in out]
+    assert "[16, 256]" not in out and "(default: the embedded default model) (default" not in out
