@@ -856,8 +856,9 @@ def window_pools(
     Returns one dict per run (wall time, output tok/s, preemptions, sequences running per step).
     """
     from jaxinfer import SamplingParams
+    from jaxinfer.capacity import default_window_kv_pages, kv_cache_bytes, layer_page_bytes
     from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
-    from jaxinfer.engine import Engine, default_window_kv_pages, kv_cache_bytes, layer_page_bytes
+    from jaxinfer.engine import Engine
     from jaxinfer.model import init_params
 
     cfg = ModelConfig(

@@ -76,7 +76,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def check_engine_flags(args) -> None:
     """The capacity flags' ranges, before anything loads (or `serve` binds its port): InvalidRequestError
     naming the flag (LLM's own check names its argument, `page_size`)."""
-    from jaxinfer.engine import check_capacity
+    from jaxinfer.capacity import check_capacity
     from jaxinfer.errors import InvalidRequestError
 
     try:

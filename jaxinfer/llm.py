@@ -13,11 +13,7 @@ import jax
 import numpy as np
 
 from jaxinfer import _interrupts, default_model
-from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine import (
-    Engine,
-    Logprob,
-    Request,
+from jaxinfer.capacity import (
     cache_bytes_to_fit,
     check_capacity,
     check_max_model_len,
@@ -27,6 +23,8 @@ from jaxinfer.engine import (
     layer_page_bytes,
     window_pool_pages,
 )
+from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
+from jaxinfer.engine import Engine, Logprob, Request
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import check_cache_salt, pages_needed
 from jaxinfer.sampling import SamplingParams, generation_defaults, is_int

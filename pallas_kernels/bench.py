@@ -144,7 +144,7 @@ def _pools(args, ctx: int, rng) -> dict:
 def _check_pools_fit(args) -> None:
     """The largest context's pools (every layer's, in --dtype on the device; one pool at a time as
     float64 on the host while it is drawn) must fit: refused by flag, not a MemoryError mid-run."""
-    from jaxinfer.engine import free_device_bytes, host_free_bytes
+    from jaxinfer.capacity import free_device_bytes, host_free_bytes
 
     n, nk = args.heads
     ctx = max(args.contexts)

@@ -63,6 +63,16 @@ class Delta:
     # With SamplingParams.prompt_logprobs, on sample 0's first delta: prompt tokens 1, 2, ...'s.
     prompt_logprobs: list[Logprob] | None = None
 
+    def then(self, later: Delta) -> Delta:
+        """This delta and a later one of the same sample, as one (the later one's end, if any)."""
+        return dataclasses.replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
+
 
 @dataclasses.dataclass
 class RequestStream:
@@ -91,13 +101,7 @@ class RequestStream:
         if self.interval > 1:
             h = self.held.pop(d.index, None)
             if h is not None:
-                d = dataclasses.replace(
-                    d,
-                    token_ids=h.token_ids + d.token_ids,
-                    text=h.text + d.text,
-                    logprobs=h.logprobs + d.logprobs,
-                    prompt_logprobs=h.prompt_logprobs or d.prompt_logprobs,
-                )
+                d = h.then(d)
             if d.finish_reason is None and len(d.token_ids) < self.interval and d.index in self.started:
                 self.held[d.index] = d
                 return

@@ -812,14 +812,7 @@ async def _coalesced(stream: RequestStream):
         merged: dict[int, Delta] = {}
         for d in batch:
             m = merged.get(d.index)
-            if m is None:
-                merged[d.index] = dataclasses.replace(d, token_ids=list(d.token_ids), logprobs=list(d.logprobs))
-            else:
-                m.token_ids += d.token_ids
-                m.text += d.text
-                m.logprobs += d.logprobs
-                m.prompt_logprobs = m.prompt_logprobs or d.prompt_logprobs
-                m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+            merged[d.index] = d if m is None else m.then(d)
         for d in merged.values():
             yield d
 

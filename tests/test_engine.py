@@ -598,7 +598,7 @@ def test_default_page_count_spends_the_memory_budget_with_or_without_window_pool
     of their own only where those come out smaller than the rest; when memory is short they do not,
     and the count was then still cut by the window pools' bytes, leaving memory unused."""
     from jaxinfer import llm as llm_lib
-    from jaxinfer.engine import kv_cache_bytes, layer_page_bytes, window_pool_pages
+    from jaxinfer.capacity import kv_cache_bytes, layer_page_bytes, window_pool_pages
 
     cfg, _ = hybrid
     page = layer_page_bytes(cfg, 8)

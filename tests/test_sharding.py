@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import LLM, InvalidRequestError, SamplingParams
-from jaxinfer import engine as engine_lib
+from jaxinfer import LLM, InvalidRequestError, SamplingParams, capacity
 from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
 from jaxinfer.engine import Engine, num_compiles
 from jaxinfer.model import init_params
@@ -143,7 +142,7 @@ def test_kv_cache_bytes_count_every_copy_the_mesh_holds(params, mesh, copies):
     heads whole over model=2 on 4); kv_bytes_per_token: the model's own. Before, 2x4 reported 2
     copies, 4x2 and 8x1 one."""
     e = _engine(CFG, params, make_mesh(mesh))
-    logical = engine_lib.kv_cache_bytes(CFG, num_kv_pages=40, page_size=8)
+    logical = capacity.kv_cache_bytes(CFG, num_kv_pages=40, page_size=8)
     stats = e.stats()
     held: dict = {}  # read off the arrays themselves, not computed from their shardings
     for leaf in jax.tree.leaves(e.cache):
@@ -161,7 +160,7 @@ def test_the_default_page_count_is_sized_by_what_must_fit_on_the_mesh(monkeypatc
     host's RAM, and model=8 on accelerators used an eighth of what it could."""
     from jaxinfer import llm as llm_lib
 
-    page = engine_lib.layer_page_bytes(CFG, 8) * CFG.num_layers
+    page = capacity.layer_page_bytes(CFG, 8) * CFG.num_layers
     monkeypatch.setattr(llm_lib, "free_device_bytes", lambda: 4 * 1000 * page)  # a quarter: 1000 pages
 
     def default(mesh):
@@ -170,7 +169,7 @@ def test_the_default_page_count_is_sized_by_what_must_fit_on_the_mesh(monkeypatc
 
     assert default(None) == 1000
     assert default("data=8,model=1") == 125 and default("data=1,model=2") == 1000
-    monkeypatch.setattr(engine_lib, "devices_share_host_memory", lambda: False)
+    monkeypatch.setattr(capacity, "devices_share_host_memory", lambda: False)
     assert default("data=8,model=1") == 1000 and default("data=1,model=2") == 2000
 
 
@@ -290,25 +289,24 @@ def test_a_kv_cache_too_big_for_a_device_is_refused_with_or_without_a_mesh(monke
     --num-kv-pages with --mesh was an out-of-memory kill instead of an error. CPU devices share the
     host's RAM, so there all their shares must fit together (before, 8 `data` copies of a cache
     were checked as one)."""
-    import jaxinfer.engine as engine_lib
 
     fits = dict(cfg=CFG, num_kv_pages=64, num_window_pages=None, page_size=8)
-    total = engine_lib.kv_cache_bytes(CFG, num_kv_pages=64, page_size=8)
-    monkeypatch.setattr(engine_lib, "free_device_bytes", lambda: int(total * 0.75))
+    total = capacity.kv_cache_bytes(CFG, num_kv_pages=64, page_size=8)
+    monkeypatch.setattr(capacity, "free_device_bytes", lambda: int(total * 0.75))
     with pytest.raises(InvalidRequestError, match=r"num_kv_pages x page_size = 64 x 8 tokens: the KV cache would take"):
-        engine_lib.check_cache_fits(**fits)
-    monkeypatch.setattr(engine_lib, "devices_share_host_memory", lambda: False)  # an accelerator's rule
-    engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=1,model=2"))  # half of it per device
-    engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=1,model=8"))  # 2 heads x 4 copies over 8: half
+        capacity.check_cache_fits(**fits)
+    monkeypatch.setattr(capacity, "devices_share_host_memory", lambda: False)  # an accelerator's rule
+    capacity.check_cache_fits(**fits, mesh=make_mesh("data=1,model=2"))  # half of it per device
+    capacity.check_cache_fits(**fits, mesh=make_mesh("data=1,model=8"))  # 2 heads x 4 copies over 8: half
     with pytest.raises(InvalidRequestError, match="per device"):
-        engine_lib.check_cache_fits(**fits, mesh=make_mesh("data=2,model=1"))  # rows split, the cache whole
-    monkeypatch.setattr(engine_lib, "devices_share_host_memory", lambda: True)  # this machine's rule
+        capacity.check_cache_fits(**fits, mesh=make_mesh("data=2,model=1"))  # rows split, the cache whole
+    monkeypatch.setattr(capacity, "devices_share_host_memory", lambda: True)  # this machine's rule
     for mesh, copies in (("data=1,model=2", 1), ("data=2,model=1", 2), ("data=1,model=8", 4), ("data=8,model=1", 8)):
         with pytest.raises(InvalidRequestError, match=r"GiB on this process's CPU devices \((2|8), sharing"):
-            engine_lib.check_cache_fits(**fits, mesh=make_mesh(mesh))
-        monkeypatch.setattr(engine_lib, "free_device_bytes", lambda c=copies: total * c)
-        engine_lib.check_cache_fits(**fits, mesh=make_mesh(mesh))
-        monkeypatch.setattr(engine_lib, "free_device_bytes", lambda: int(total * 0.75))
+            capacity.check_cache_fits(**fits, mesh=make_mesh(mesh))
+        monkeypatch.setattr(capacity, "free_device_bytes", lambda c=copies: total * c)
+        capacity.check_cache_fits(**fits, mesh=make_mesh(mesh))
+        monkeypatch.setattr(capacity, "free_device_bytes", lambda: int(total * 0.75))
     monkeypatch.undo()
     with pytest.raises(InvalidRequestError, match="GiB on this process's CPU devices"):
         LLM("embedded:tiny-random", mesh="data=1,model=1", max_model_len=64, num_kv_pages=2**30)
