@@ -46,15 +46,23 @@ def deferred():
     if not _on_main_thread() or (_depth == 0 and signal.getsignal(signal.SIGINT) is None):
         yield  # not the main thread, or a handler installed outside Python, which cannot be restored
         return
-    if _depth == 0:
-        _held = signal.signal(signal.SIGINT, _hold)
+    # The depth counts this region before the handler is swapped and until it is restored: code the
+    # garbage collector runs in between (a stream's cleanup, itself deferred) then nests, instead of
+    # taking `_hold` for the handler to restore and leaving every later Ctrl-C held for good.
     _depth += 1
+    outermost, installed = _depth == 1, False
     try:
+        if outermost:
+            _held = signal.signal(signal.SIGINT, _hold)
+            installed = True
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
-            signal.signal(signal.SIGINT, _held)
+        if not outermost:
+            _depth -= 1
+        else:
+            if installed:
+                signal.signal(signal.SIGINT, _held)
+            _depth = 0
             _deliver()
 
 

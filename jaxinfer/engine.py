@@ -319,6 +319,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
+        self._compiled_shapes: set[tuple] = set()  # step shapes this engine has compiled (see _donating_call)
         # Seeds of unseeded requests: the engine's own entropy, so a user's np.random.seed() neither
         # repeats them nor has its stream advanced by generate().
         self._seeds = np.random.default_rng()
@@ -456,13 +457,11 @@ class Engine:
         process's own compilation."""
         if self.mesh is None:
             if targets is not None:
-                logits, self.cache, plp = model_lib.prefill_with_prompt_logprobs(
-                    self.params, self.cache, batch, targets, cfg=self.cfg, top_n=self._top_n
+                return self._donating_call(
+                    model_lib.prefill_with_prompt_logprobs, batch, targets, cfg=self.cfg, top_n=self._top_n
                 )
-                return logits, plp
             fn = model_lib.decode_step if t == 1 else model_lib.prefill
-            logits, self.cache = fn(self.params, self.cache, batch, cfg=self.cfg)
-            return logits, None
+            return self._donating_call(fn, batch, cfg=self.cfg)
         from jaxinfer import sharding
         from jaxinfer.distributed import peer_wait
 
@@ -476,9 +475,27 @@ class Engine:
             if multi_process_warmup:
                 step.lower(self.params, self.cache, *inputs, **kw).compile()  # jit's own cache keeps it
             with peer_wait() if multi_process_warmup else contextlib.nullcontext():
-                logits, self.cache, *plp = step(self.params, self.cache, *inputs, **kw)
+                out = self._donating_call(step, *inputs, **kw)
                 if multi_process_warmup:
-                    jax.block_until_ready(logits)
+                    jax.block_until_ready(out)
+        return out
+
+    def _donating_call(self, step, *inputs, **kw):
+        """`step(params, cache, *inputs, **kw) -> (logits, cache[, prompt_logprobs])`, a jitted call
+        that donates the cache: keeps the new cache, returns (logits, prompt_logprobs or None).
+
+        On the main thread a Ctrl-C is held back from the donation until the new cache is kept: landing
+        in between, it would leave the engine with a deleted cache, and every sequence would start
+        over. The call only enqueues work; a shape this engine has not run yet is compiled first,
+        with Ctrl-C let through (nothing is donated yet).
+        """
+        shapes = (step, jax.tree.structure(inputs), *(np.shape(x) for x in jax.tree.leaves(inputs)))
+        if shapes not in self._compiled_shapes:
+            with _interrupts.allowed():
+                step.lower(self.params, self.cache, *inputs, **kw).compile()  # jit's own cache keeps it
+            self._compiled_shapes.add(shapes)
+        with _interrupts.deferred():
+            logits, self.cache, *plp = step(self.params, self.cache, *inputs, **kw)
         return logits, (plp[0] if plp else None)
 
     def _poison(self, pages: np.ndarray, group: int) -> None:
@@ -748,17 +765,17 @@ class Engine:
         calls = []
         started = time.perf_counter()
         # A Ctrl-C while the calls compile or run leaves every sequence as it was (the cache keeps
-        # what they wrote, rewritten alike when they run again); it is held back everywhere else.
-        with _interrupts.allowed():
-            if plan.prefill:
-                t = bucket(max(c.length for c in plan.prefill), minimum=16)
-                calls.append(("prefill", plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
-            if plan.decode:
-                # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
-                # group at its longest row, so rows of similar length should be neighbours.
-                decode = sorted(plan.decode, key=lambda c: -c.start)
-                mp = self._decode_mp(decode[0].start + 1)
-                calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
+        # what they wrote, rewritten alike when they run again); it is let through there (see
+        # `_donating_call`, `_dispatch` and the wait for the results below) and held back elsewhere.
+        if plan.prefill:
+            t = bucket(max(c.length for c in plan.prefill), minimum=16)
+            calls.append(("prefill", plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
+        if plan.decode:
+            # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
+            # group at its longest row, so rows of similar length should be neighbours.
+            decode = sorted(plan.decode, key=lambda c: -c.start)
+            mp = self._decode_mp(decode[0].start + 1)
+            calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
         updates = self._undelivered
         now = None
         m = self.metrics
@@ -836,7 +853,8 @@ class Engine:
             bias_width=self._bias_width if biased else 1,
             allowed_width=self._allowed_width if allowed else 1,
         )
-        return sample(logits, sb), plp
+        with _interrupts.allowed():  # the new cache is kept already: only this step's results are lost
+            return sample(logits, sb), plp
 
     @staticmethod
     def _add_prompt_logprobs(seq: Sequence, chunk: Chunk, plp, row: int) -> None:

@@ -538,7 +538,7 @@ class LLM:
         requests = []
         try:
             for p, sp, salt in zip(ids, params, salts):
-                requests.append(self._start(p, sp, salt))
+                self._start(p, sp, salt, requests)
             done = 0
             while not self._all_finished(requests):
                 self._step()
@@ -554,10 +554,9 @@ class LLM:
                 self._output(r, t, {k: "".join(v) for k, v in texts_so_far.items()}) for r, t in zip(requests, texts)
             ]
         finally:  # also on Ctrl-C or an error mid-way: leave nothing running for the next call
+            self._end(*requests)
             if bar is not None:
                 bar.close()
-            for r in requests:
-                self._end(r)
 
     def chat(
         self,
@@ -676,10 +675,11 @@ class LLM:
         return self._stream(ids[0], params[0], salts[0])
 
     def _stream(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> Iterator[StreamDelta]:
-        req = self._start(prompt_ids, params, salt)
-        mine = self._updates[req.request_id]
-        ended = set()  # samples whose finish_reason has been yielded
+        started = []
         try:
+            req = self._start(prompt_ids, params, salt, started)
+            mine = self._updates[req.request_id]
+            ended = set()  # samples whose finish_reason has been yielded
             while True:
                 while mine:
                     u = mine.pop(0)
@@ -711,12 +711,15 @@ class LLM:
             # A stream still open at interpreter exit: nothing to free, and modules its abort would
             # touch (prometheus_client) are half torn down (a TypeError traceback at exit).
             if not sys.is_finalizing():
-                self._end(req)
+                self._end(*started)
 
-    def _start(self, prompt_ids: list[int], params: SamplingParams, salt: str | None) -> Request:
+    def _start(self, prompt_ids: list[int], params: SamplingParams, salt: str | None, into: list) -> Request:
+        """Adds a request, appended to `into` before a Ctrl-C held back meanwhile is delivered: the
+        caller's cleanup then always knows every request the engine has."""
         with self._lock, _interrupts.deferred():
             req = self.engine.add_request(prompt_ids, params, cache_salt=salt)
             self._updates[req.request_id] = []
+            into.append(req)
             return req
 
     def _all_finished(self, requests: list[Request]) -> bool:
@@ -745,16 +748,19 @@ class LLM:
                 while self._deferred_ends:
                     self._end(self._deferred_ends.pop())
 
-    def _end(self, req: Request) -> None:
-        """Aborts the request if it is still running and forgets it and its updates."""
-        with self._lock, _interrupts.deferred():
+    def _end(self, *requests: Request) -> None:
+        """Aborts the requests still running and forgets them and their updates. All of them: a
+        Ctrl-C (a second one, say) is held back until the last is done, not let through after the
+        first; it is held while waiting for the lock too, as a cleanup must not be skipped."""
+        with _interrupts.deferred(), self._lock:
             if self._stepping:  # the garbage collector, finalizing a stream inside this thread's step
-                self._deferred_ends.append(req)
+                self._deferred_ends.extend(requests)
                 return
-            if not req.finished:
-                self.engine.abort(req.request_id)
-            self.engine.release(req.request_id)
-            self._updates.pop(req.request_id, None)
+            for req in requests:
+                if not req.finished:
+                    self.engine.abort(req.request_id)
+                self.engine.release(req.request_id)
+                self._updates.pop(req.request_id, None)
 
     def stats(self) -> dict:
         """Engine gauges, counters and latency histograms (see `Engine.stats`)."""

@@ -484,6 +484,154 @@ def test_a_held_back_ctrl_c_is_delivered_once_when_the_outermost_region_ends():
     assert errors == []
 
 
+def _leaves_nothing(llm) -> None:
+    stats = llm.stats()
+    assert not llm.engine.requests and not llm._updates and stats["running"] == stats["waiting"] == 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+@pytest.mark.parametrize("api", ["generate", "stream"])
+def test_a_ctrl_c_while_a_request_is_added_leaves_nothing_behind(llm, monkeypatch, api):
+    """A real SIGINT landing while the engine adds a request: the request is the caller's before the
+    interrupt is delivered, so its cleanup ends it. Before, the interrupt left `_start` with the
+    request queued in the engine and owned by nobody (it ran inside the next call's batches, and its
+    bookkeeping stayed for good)."""
+    import signal
+
+    prompts = [[1, 40 + i] * 5 for i in range(3)]
+    real, calls = llm.engine.bad_word_ids, []
+
+    def interrupted(words):  # add_request calls it, after validating, before queueing
+        calls.append(1)
+        if len(calls) == 2 or api == "stream":
+            signal.raise_signal(signal.SIGINT)  # held back to the end of the add
+        return real(words)
+
+    monkeypatch.setattr(llm.engine, "bad_word_ids", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if api == "generate":
+            llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        else:
+            next(llm.stream(prompt_token_ids=prompts[0], sampling_params=GREEDY))
+    _leaves_nothing(llm)
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_a_ctrl_c_while_generate_cleans_up_ends_every_request(llm, monkeypatch, second):
+    """A SIGINT landing while generate ends its requests (the first of two, or the second while it
+    cleans up after the first): every request is still ended. Before, the interrupt was delivered
+    after the first, and the others stayed: finished ones in memory, unfinished ones holding pages."""
+    import signal
+
+    prompts = [[1, 40 + i] * 5 for i in range(4)]
+    real_release, real_step, steps = llm.engine.release, llm.engine.step, []
+    armed = [not second]
+
+    def release(request_id):
+        if armed[0]:
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)
+        return real_release(request_id)
+
+    def step():  # the first Ctrl-C, as when it lands while the device runs
+        steps.append(1)
+        if len(steps) == 3:
+            armed[0] = True
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "release", release)
+    if second:
+        monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    monkeypatch.undo()
+    _leaves_nothing(llm)
+
+
+def test_a_ctrl_c_between_a_steps_donation_and_its_new_cache_keeps_the_cache(llm, monkeypatch, caplog):
+    """A SIGINT landing just after the jitted decode call returns, before the engine keeps the cache
+    it returned (the donated one is gone by then): it is held back to the end of the step, so the
+    cache survives and an open stream goes on with the same tokens. Before, the interrupt dropped the
+    new cache: every sequence started over from an empty one ("a failed step took the KV cache")."""
+    import signal
+
+    from jaxinfer import model as model_lib
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    b_prompt = [1, 9, 20, 33] * 5
+    expected = [d.token_ids for d in llm.stream(prompt_token_ids=b_prompt, sampling_params=params)]
+    real = model_lib.decode_step
+
+    def decode_step(*args, **kw):
+        out = real(*args, **kw)
+        monkeypatch.setattr(model_lib, "decode_step", real)
+        signal.raise_signal(signal.SIGINT)  # the handler raises KeyboardInterrupt at the next bytecode
+        return out
+
+    decode_step.lower = real.lower
+    b = llm.stream(prompt_token_ids=b_prompt, sampling_params=params)
+    got = [next(b).token_ids]  # its prompt's step
+    a = llm.stream(prompt_token_ids=[1, 5, 6] * 5, sampling_params=params)
+    next(a)  # A's prompt step, B's first decode
+    got.append(next(b).token_ids)
+    monkeypatch.setattr(model_lib, "decode_step", decode_step)
+    with caplog.at_level("ERROR", logger="jaxinfer"), pytest.raises(KeyboardInterrupt):
+        next(a)  # a decode step for both
+    a.close()
+    got += [d.token_ids for d in b]
+    assert "took the KV cache" not in caplog.text
+    assert got == expected and llm.stats()["num_preemptions"] == 0
+    _leaves_nothing(llm)
+
+
+def test_a_region_the_garbage_collector_nests_anywhere_restores_the_handler():
+    """Python may run a finalizer (a stream's cleanup, itself a deferred region) between any two lines
+    of `deferred()`: whichever line, the SIGINT handler ends as it was. Before, one landing between
+    the depth's decrement and the handler's restore made `_hold` the handler to restore, and every
+    later Ctrl-C was held for good."""
+    import signal
+    import sys
+
+    from jaxinfer import _interrupts
+
+    handler = signal.getsignal(signal.SIGINT)
+    code = _interrupts.deferred.__wrapped__.__code__
+    lines = set()
+
+    def record(frame, event, arg):
+        if frame.f_code is code:
+            lines.add(frame.f_lineno)
+            return record
+        return None
+
+    sys.settrace(record)
+    with _interrupts.deferred():
+        pass
+    sys.settrace(None)
+    assert len(lines) > 5
+    for line in sorted(lines):
+        done = []
+
+        def nest(frame, event, arg, line=line, done=done):
+            if frame.f_code is not code:
+                return None
+            if event == "line" and frame.f_lineno == line and not done:
+                done.append(1)
+                with _interrupts.deferred():  # the finalizer
+                    pass
+            return nest
+
+        sys.settrace(nest)
+        try:
+            with _interrupts.deferred():
+                pass
+        finally:
+            sys.settrace(None)
+        assert signal.getsignal(signal.SIGINT) is handler, f"a region nested at line {line} left the handler"
+        assert _interrupts._depth == 0
+
+
 def _check_off_main_thread(_interrupts):
     try:
         with _interrupts.deferred(), _interrupts.allowed():
