@@ -65,14 +65,7 @@ from jaxinfer.sampling import (
     is_int,
     sample,
 )
-from jaxinfer.scheduler import (
-    Chunk,
-    PageGroup,
-    Scheduler,
-    Sequence,
-    bucket,
-    decode_bucket,
-)
+from jaxinfer.scheduler import Chunk, PageGroup, Scheduler, Sequence, bucket, decode_bucket
 from jaxinfer.sharding import shard_bytes
 from jaxinfer.tokenizer import Tokenizer
 
