@@ -339,6 +339,10 @@ def _phases(before: dict, after: dict, wall: float) -> dict:
     }
 
 
+# How the throughput and serve modes derive max_model_len from their flags (said when it is refused).
+RANGES_MAX_MODEL_LEN = "the largest of --prompt-len-range plus that of --output-len-range, plus 1"
+
+
 @contextlib.contextmanager
 def _sized_by(**how: str):
     """The engine's refusal of a size this bench derived from its flags, said with the flags' names
@@ -361,7 +365,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     prompt_lens = rng.integers(lo_p, hi_p + 1, args.num_requests)
     output_lens = rng.integers(lo_o, hi_o + 1, args.num_requests)
     with _sized_by(
-        max_model_len="the largest of --prompt-len-range plus that of --output-len-range, plus 1",
+        max_model_len=RANGES_MAX_MODEL_LEN,
         max_num_seqs="--max-num-seqs",
         max_num_batched_tokens="--max-num-batched-tokens",
     ):

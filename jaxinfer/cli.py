@@ -105,6 +105,9 @@ def engine_kwargs(args) -> dict:
     )
 
 
+DTYPE_HELP = "parameter and activation dtype; auto: what the checkpoint stores"  # generate's and serve's
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows each option's default after its help, unless the help already says it or there is none
     to show (None, off, empty). Descriptions keep their own line breaks."""
@@ -140,12 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
     )
-    g.add_argument(
-        "--dtype",
-        default="float32",
-        choices=[*DTYPES, "auto"],
-        help="parameter and activation dtype; auto: what the checkpoint stores",
-    )
+    g.add_argument("--dtype", default="float32", choices=[*DTYPES, "auto"], help=DTYPE_HELP)
     # Sampling flags left out take the checkpoint's generation_config.json values (with --server, the
     # served model's; unless --generation-config none), else the command's own defaults
     # (_SAMPLING_DEFAULTS: greedy, 32 tokens).

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from jaxinfer.bench import drive_engine, latencies, percentile
+from jaxinfer.bench import RANGES_MAX_MODEL_LEN, drive_engine, latencies, percentile
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingParams
 
@@ -172,7 +172,7 @@ def _why(errors) -> str:
         return ""
     why = lines[-1].removeprefix("error: ")
     if why.startswith("max_model_len "):
-        why += " (max_model_len here is the largest of --prompt-len-range plus that of --output-len-range, plus 1)"
+        why += f" (max_model_len here is {RANGES_MAX_MODEL_LEN})"
     return f": {why}"
 
 

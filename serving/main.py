@@ -13,19 +13,14 @@ import traceback
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxinfer.cli import add_engine_arguments
+    from jaxinfer.cli import DTYPE_HELP, add_engine_arguments
     from jaxinfer.config import DTYPES
     from jaxinfer.llm import GENERATION_CONFIG_CHOICES
 
     p.add_argument(
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=[*DTYPES, "auto"],
-        help="parameter and activation dtype; auto: what the checkpoint stores",
-    )
+    p.add_argument("--dtype", default="float32", choices=[*DTYPES, "auto"], help=DTYPE_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=9000, help="gRPC port (0: any free port, printed at start)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
