@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -74,21 +75,42 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_engine_flags(args) -> None:
-    """The capacity flags' ranges, before anything loads (or `serve` binds its port): InvalidRequestError
-    naming the flag (LLM's own check names its argument, `page_size`)."""
+    """The capacity flags' ranges, before anything loads (or `serve` binds its port)."""
     from jaxinfer.capacity import check_capacity
-    from jaxinfer.errors import InvalidRequestError
 
-    try:
+    with in_flag_names(args):
         check_capacity(
             page_size=args.page_size,
             max_num_seqs=args.max_num_seqs,
             num_kv_pages=args.num_kv_pages,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
+
+
+def flag_names(message: str, options) -> str:
+    """An API refusal in the words of the command line: each argument or `SamplingParams.field` it
+    names that the command takes as a flag in `options` (its option strings) becomes that flag:
+    `max_model_len must be ...` -> `--max-model-len must be ...`. A plain word is a name only where it
+    leads the message ("mesh data=1,model=3 has 3 devices"), else "the model's limit" would read
+    "the --model's limit"."""
+
+    def flag(m: re.Match) -> str:
+        name = "--" + m.group(2).replace("_", "-")
+        is_name = m.group(1) or "_" in m.group(2) or m.start() == 0
+        return name if is_name and name in options else m.group(0)
+
+    return re.sub(r"(?<![\w.-])(SamplingParams\.)?([a-z][a-z0-9_]*)", flag, message)
+
+
+@contextlib.contextmanager
+def in_flag_names(args):
+    """Re-raises the InvalidRequestError of the block in the flags' names of `args`' command."""
+    from jaxinfer.errors import InvalidRequestError
+
+    try:
+        yield
     except InvalidRequestError as e:
-        name, rest = str(e).split(" ", 1)
-        raise InvalidRequestError(f"--{name.replace('_', '-')} {rest}") from None
+        raise InvalidRequestError(flag_names(str(e), args.options)) from None
 
 
 def engine_kwargs(args) -> dict:
@@ -221,7 +243,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--server", metavar="HOST:PORT", help="generate on a running `jaxinfer serve` instead of locally")
     g.add_argument("--timeout", type=float, default=None, help="with --server: each call's deadline in seconds")
     # What --server makes meaningless (the server's model and engine serve the request): refused if set.
-    g.set_defaults(local_defaults={a.dest: a.default for a in g._actions if a.dest in _LOCAL_ONLY})
+    g.set_defaults(
+        local_defaults={a.dest: a.default for a in g._actions if a.dest in _LOCAL_ONLY},
+        options=frozenset(g._option_string_actions),  # for errors in flag names
+    )
 
     from serving import main as serve_main
 
@@ -233,6 +258,7 @@ def _parser() -> argparse.ArgumentParser:
         "continuous-batching engine. SIGTERM drains requests in flight, then exits 0.",
     )
     serve_main.add_arguments(s)
+    s.set_defaults(options=frozenset(s._option_string_actions))
 
     from jaxinfer import bench
 
@@ -337,13 +363,15 @@ def _generate(args) -> int:
         recommended = {k: v for k, v in recommended.items() if k in _SAMPLING_DEFAULTS}
         return SamplingParams(**{**_SAMPLING_DEFAULTS, **recommended, **given}, **fixed)
 
-    params_over({})  # the flags are checked before anything loads
+    with in_flag_names(args):
+        params_over({})  # the flags are checked before anything loads
     check_cache_salt(args.cache_salt, "--cache-salt")
     if args.server:
         return _generate_remote(args, params_over)
     check_engine_flags(args)
-    llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
-    params = params_over(llm.generation_overrides)
+    with in_flag_names(args):
+        llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
+        params = params_over(llm.generation_overrides)
     # vLLM's prompt dicts: text or ids, with the salt when one is given.
     salt = {} if args.cache_salt is None else {"cache_salt": args.cache_salt}
     prompts = [{"prompt": p, **salt} for p in args.prompt] or [
@@ -355,7 +383,7 @@ def _generate(args) -> int:
             return 0
         outs = llm.generate(prompts, params)
     except InvalidRequestError as e:
-        raise InvalidRequestError(_prompt_named_as_given(str(e), args)) from None
+        raise InvalidRequestError(_prompt_named_as_given(flag_names(str(e), args.options), args)) from None
     _print_outputs(args, llm.cfg.name, outs, has_text=llm.tokenizer is not None)
     return 0
 

@@ -577,7 +577,8 @@ class Engine:
                 )
                 raise InvalidRequestError(
                     f"SamplingParams.max_tokens {asked} with a {len(prompt_ids)}-token prompt needs {need} KV pages; "
-                    f"the cache has {group.pool.capacity}: lower max_tokens or raise {name}"
+                    f"the cache has {group.pool.capacity} ({name} less the scratch page): "
+                    f"lower max_tokens or raise {name}"
                 )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("SamplingParams.stop needs a tokenizer; this model has none")

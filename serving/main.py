@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from jaxinfer.cli import check_engine_flags, engine_kwargs
+    from jaxinfer.cli import check_engine_flags, engine_kwargs, flag_names
     from jaxinfer.errors import InvalidRequestError
     from serving.server import Server, ServerConfig
 
@@ -169,7 +169,7 @@ def run(args) -> int:
         if server.state == "failed":
             from jaxinfer.distributed import PeerFailureError
 
-            print(f"error: {server.load_error}", file=sys.stderr)
+            print(f"error: {flag_names(str(server.load_error), args.options)}", file=sys.stderr)
             await server.stop(0)
             code = 1 if isinstance(server.load_error, PeerFailureError) else 2
             if server.still_loading or jax.process_count() > 1:  # a thread blocked on a peer; JAX's exit barrier

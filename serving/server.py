@@ -263,7 +263,7 @@ class Server:
             return  # stop() during loading
         except BaseException as e:
             self.load_error = e
-            log.error("loading the model failed: %s", e)
+            log.error(json.dumps({"event": "load_failed", "error": f"{type(e).__name__}: {e}"}))
             self.state = "failed"
             self.ready.set()
             return

@@ -394,7 +394,10 @@ def test_bad_capacity_and_requests(params):
     with pytest.raises(InvalidRequestError, match="max_num_seqs"):
         make_engine(params, max_num_seqs=0)
     e = make_engine(params, num_kv_pages=5)
-    full = r"^SamplingParams\.max_tokens = 10 with a 40-token prompt needs 7 KV pages; the cache has 4"
+    full = (
+        r"^SamplingParams\.max_tokens = 10 with a 40-token prompt needs 7 KV pages; "
+        r"the cache has 4 \(num_kv_pages less the scratch page\)"
+    )
     with pytest.raises(InvalidRequestError, match=full):
         e.add_request([3] * 40, SamplingParams(max_tokens=10))
     unbounded = r"max_tokens None \(up to max_model_len = 256\) with a 2-token prompt needs 32 KV pages"

@@ -860,14 +860,20 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "--max-tokens", "0", "x"], "max_tokens"),
+        (["generate", "--max-tokens", "0", "x"], "error: --max-tokens must be an integer >= 1"),
         (["generate", "--logit-bias", "5", "x"], "--logit-bias takes comma-separated ID=BIAS pairs"),
-        (["generate", "--logit-bias", "5=101", "x"], "SamplingParams.logit_bias[5] must be a number in [-100, 100]"),
+        (["generate", "--logit-bias", "5=101", "x"], "error: --logit-bias[5] must be a number in [-100, 100]"),
         (["generate", "--allowed-token-ids", "3,x", "x"], "--allowed-token-ids must be comma-separated integers"),
-        (["generate", "--temperature", "-1", "x"], "temperature"),
+        (["generate", "--temperature", "-1", "x"], "error: --temperature must be a finite number >= 0"),
         (["generate", "--cache-salt", "", "x"], "--cache-salt must be a non-empty string of at most 1024"),
-        (["generate", "--prompt-logprobs", "21", "x"], "SamplingParams.prompt_logprobs must be None or an integer"),
-        (["generate", "--top-p", "0", "x"], "top_p"),
+        (["generate", "--prompt-logprobs", "21", "x"], "error: --prompt-logprobs must be None or an integer"),
+        (["generate", "--top-p", "0", "x"], "error: --top-p must be in (0, 1]"),
+        # The API's refusals in the flags' names (they said max_model_len, SamplingParams.max_tokens):
+        (["generate", "--max-model-len", "5000", "x"], "error: --max-model-len must be in [2, 1024 for this model]"),
+        (
+            ["generate", "--num-kv-pages", "2", "--max-model-len", "512", "--max-tokens", "40", "x"],
+            "--max-tokens = 40 with a 3-token prompt needs 3 KV pages; the cache has 1 (--num-kv-pages less",
+        ),
         (["generate", "--model", "/no/such/dir", "x"], "does not exist"),
         (["generate", "--model", __file__, "x"], "is a file, not a directory"),
         (["generate", "x\udcff"], "is not valid Unicode"),  # argv bytes that are not UTF-8

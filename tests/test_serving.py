@@ -1174,6 +1174,18 @@ def test_metrics_port_in_use_is_a_clear_error(server):
     assert "Exception ignored" not in err and "never awaited" not in err
 
 
+def test_serve_load_failure_is_one_error_line_in_flag_names():
+    """A size the model refuses (known only once it loads): one structured log line for log readers,
+    one `error:` line naming the flag (it printed the API's `max_model_len` twice), status 2."""
+    proc = _serve("--max-model-len", "5000")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, (out, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --max-model-len must be in [2, 1024 for this model], got 5000"], err
+    (logged,) = [json.loads(x) for x in err.splitlines() if x.startswith('{"event": "load_failed"')]
+    assert logged["error"] == "InvalidRequestError: max_model_len must be in [2, 1024 for this model], got 5000"
+
+
 JETSTREAM_CLIENT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
