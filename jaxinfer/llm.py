@@ -24,7 +24,7 @@ from jaxinfer.capacity import (
     window_pool_pages,
 )
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine import Engine, Logprob, Request
+from jaxinfer.engine import Engine, Logprob, Request, SeqUpdate
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import check_cache_salt, pages_needed
 from jaxinfer.sampling import SamplingParams, generation_defaults, is_int
@@ -112,6 +112,30 @@ class StreamDelta:
     logprobs: list[Logprob] | None = None  # the new tokens', when SamplingParams.logprobs asks
     # With SamplingParams.prompt_logprobs: RequestOutput.prompt_logprobs, on sample 0's first delta.
     prompt_logprobs: list[Logprob | None] | None = None
+
+    @classmethod
+    def of(cls, u: SeqUpdate) -> StreamDelta:
+        """What the engine update `u` added to its sample."""
+        return cls(
+            token_ids=u.token_ids,
+            text=u.text,
+            finish_reason=u.finish_reason,
+            index=u.seq.index,
+            stop_reason=u.seq.stop_reason if u.finish_reason else None,
+            logprobs=u.logprobs,
+            prompt_logprobs=None if u.prompt_logprobs is None else [None, *u.prompt_logprobs],
+        )
+
+    def then(self, later: StreamDelta) -> StreamDelta:
+        """This delta and a later one of the same sample, as one (the later one's end, if any)."""
+        asked = self.logprobs is not None or later.logprobs is not None
+        return dataclasses.replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=(self.logprobs or []) + (later.logprobs or []) if asked else None,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 def _token_ids(p, field: str) -> list[int]:
@@ -684,18 +708,9 @@ class LLM:
                 while mine:
                     u = mine.pop(0)
                     if u.token_ids or u.text or u.finish_reason:
-                        s = u.seq
                         if u.finish_reason:
-                            ended.add(s.index)
-                        yield StreamDelta(
-                            token_ids=u.token_ids,
-                            text=u.text,
-                            finish_reason=u.finish_reason,
-                            index=s.index,
-                            stop_reason=s.stop_reason if u.finish_reason else None,
-                            logprobs=u.logprobs,
-                            prompt_logprobs=None if u.prompt_logprobs is None else [None, *u.prompt_logprobs],
-                        )
+                            ended.add(u.seq.index)
+                        yield StreamDelta.of(u)
                 with self._lock:  # a request another thread's step ended has its updates filed by now
                     if mine:
                         continue

@@ -19,7 +19,8 @@ import queue
 import threading
 import time
 
-from jaxinfer.engine import Engine, Logprob
+from jaxinfer.engine import Engine
+from jaxinfer.llm import StreamDelta
 from jaxinfer.sampling import SamplingParams
 
 log = logging.getLogger("jaxinfer.serving")
@@ -51,30 +52,6 @@ class EngineThreadDiedError(Exception):
 
 
 @dataclasses.dataclass
-class Delta:
-    """What one step added to one sample of a request."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[Logprob]
-    stop_reason: int | str | None = None  # with finish_reason "stop": the stop token id or string
-    # With SamplingParams.prompt_logprobs, on sample 0's first delta: prompt tokens 1, 2, ...'s.
-    prompt_logprobs: list[Logprob] | None = None
-
-    def then(self, later: Delta) -> Delta:
-        """This delta and a later one of the same sample, as one (the later one's end, if any)."""
-        return dataclasses.replace(
-            later,
-            token_ids=self.token_ids + later.token_ids,
-            text=self.text + later.text,
-            logprobs=self.logprobs + later.logprobs,
-            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
-        )
-
-
-@dataclasses.dataclass
 class RequestStream:
     """The consumer side of one request: deltas arrive on `queue`, then None when it is done."""
 
@@ -89,10 +66,10 @@ class RequestStream:
     error: Exception | None = None
     finish_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
     interval: int = 1  # deltas are held back until a sample has this many new tokens
-    held: dict[int, Delta] = dataclasses.field(default_factory=dict)
+    held: dict[int, StreamDelta] = dataclasses.field(default_factory=dict)
     started: set[int] = dataclasses.field(default_factory=set)
 
-    def _offer(self, d: Delta) -> None:
+    def _offer(self, d: StreamDelta) -> None:
         """Queues `d` for the consumer, or holds it (merged) until the sample has `interval` tokens.
 
         A sample's first tokens and its end are never held. Holding happens here, on the event loop,
@@ -275,7 +252,7 @@ class AsyncEngine:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            if isinstance(item, Delta):
+            if isinstance(item, StreamDelta):
                 if item.token_ids and stream.first_token_time is None:
                     stream.first_token_time = now
                 stream.completion_tokens += len(item.token_ids)
@@ -391,12 +368,9 @@ class AsyncEngine:
     def _collect(self, updates, batch: list) -> None:
         done = set()
         for u in updates:
-            seq = u.seq
-            stop = seq.stop_reason if u.finish_reason else None
-            delta = Delta(seq.index, u.token_ids, u.text, u.finish_reason, u.logprobs or [], stop, u.prompt_logprobs)
-            batch.append((seq.request_id, delta))
+            batch.append((u.seq.request_id, StreamDelta.of(u)))
             if u.finish_reason is not None:
-                done.add(seq.request_id)
+                done.add(u.seq.request_id)
         for rid in done:
             req = self.engine.requests.get(rid)
             if req is not None and req.finished:

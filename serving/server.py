@@ -34,12 +34,13 @@ from jaxinfer.client import MIN_KEEPALIVE, check_request_id
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
 from jaxinfer.kv_cache import check_cache_salt
+from jaxinfer.llm import StreamDelta
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import format_mesh
 from jaxinfer.tokenizer import encode_prompt
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from serving import wire
-from serving.async_engine import AsyncEngine, Delta, DrainingError, EngineFailedError, QueueFullError, RequestStream
+from serving.async_engine import AsyncEngine, DrainingError, EngineFailedError, QueueFullError, RequestStream
 
 log = logging.getLogger("jaxinfer.serving")
 _DEADLINE_SLACK_S = 0.1
@@ -567,11 +568,11 @@ class Server:
         prompt_logprobs = []
         try:
             async for d in stream:
-                prompt_logprobs += d.prompt_logprobs or ()
+                prompt_logprobs += (d.prompt_logprobs or [None])[1:]  # the first prompt token has none
                 c = comps[d.index]
                 c.token_ids.extend(d.token_ids)
                 texts[d.index].append(d.text)
-                c.logprobs.extend(wire.logprobs_proto(d.logprobs))
+                c.logprobs.extend(wire.logprobs_proto(d.logprobs or []))
                 if d.finish_reason is not None:
                     c.finish_reason = wire.FINISH_REASONS[d.finish_reason]
                     wire.set_stop_reason(c, d.stop_reason)
@@ -601,8 +602,8 @@ class Server:
                     token_ids=d.token_ids,
                     text=d.text,
                     finish_reason=wire.FINISH_REASONS[d.finish_reason],
-                    logprobs=wire.logprobs_proto(d.logprobs),
-                    prompt_logprobs=wire.logprobs_proto(d.prompt_logprobs or []),
+                    logprobs=wire.logprobs_proto(d.logprobs or []),
+                    prompt_logprobs=wire.logprobs_proto((d.prompt_logprobs or [None])[1:]),
                 )
                 wire.set_stop_reason(msg, d.stop_reason)
                 if finished == stream.params.n and d.finish_reason is not None:
@@ -809,7 +810,7 @@ async def _coalesced(stream: RequestStream):
     larger messages instead of a backlog, so the transport never holds the engine back.
     """
     async for batch in _steps(stream):
-        merged: dict[int, Delta] = {}
+        merged: dict[int, StreamDelta] = {}
         for d in batch:
             m = merged.get(d.index)
             merged[d.index] = d if m is None else m.then(d)
