@@ -992,11 +992,17 @@ def test_metrics_endpoint_and_stream_interval(llm):
             # The first token at once, then messages of 4, and the rest with the end: [1, 4, 4, 2]. A
             # handler that falls behind (a loaded machine) merges what is queued, so messages may end
             # only at those release points.
-            p = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+            p = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
             deltas = list(c.stream("count me", p))
             ends = np.cumsum([len(d.token_ids) for d in deltas]).tolist()
             assert set(ends) <= {1, 5, 9, 11} and ends[-1] == 11, ends
-            assert [t for d in deltas for t in d.token_ids] == llm.generate("count me", p)[0].token_ids
+            # Merged deltas keep every token's logprobs, and the prompt's once.
+            offline = llm.generate("count me", p)[0]
+            assert [t for d in deltas for t in d.token_ids] == offline.outputs[0].token_ids
+            streamed = [(lp.token_id, sorted(lp.top)) for d in deltas for lp in d.logprobs]
+            assert streamed == [(lp.token_id, sorted(lp.top)) for lp in offline.outputs[0].logprobs]
+            assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
+            assert len(deltas[0].prompt_logprobs) == len(offline.prompt_logprobs)
             with pytest.raises(ServerError):
                 c.generate("", SamplingParams(max_tokens=4))
         body = urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
