@@ -81,6 +81,9 @@ def test_batch_invariance_with_chunked_prefill_and_prefix_sharing(params, alone)
     stats = e.stats()
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    # The same count where the server's /metrics reads it.
+    exported = e.metrics.registry.get_sample_value("jaxinfer_prefix_cache_hit_tokens_total")
+    assert exported == stats["prefix_cache_hit_tokens"]
 
 
 def test_decode_calls_between_powers_of_two_are_batch_invariant(params):
@@ -117,6 +120,7 @@ def test_preemption_under_a_tiny_kv_budget(params, alone):
     stats = e.stats()
     assert stats["num_preemptions"] > 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert e.metrics.registry.get_sample_value("jaxinfer_preemptions_total") == stats["num_preemptions"]
 
 
 def _prompt_logprobs_alone(params, prompt, n):
@@ -224,6 +228,20 @@ def test_prefix_cache_hit_gives_same_output(params):
     got = run(e, [b], [sp])[0][0]
     assert e.stats()["prefix_cache_hit_tokens"] - hits == 64  # 8 full pages of the 70-token prefix
     assert got == expected
+
+
+def test_a_prefix_page_is_shared_only_after_the_same_earlier_pages(params):
+    """A page's key chains the pages before it: the same tokens at another place in another prompt
+    (their K/V computed at other positions, after other context) are not a hit."""
+    rng = np.random.default_rng(7)
+    x, y = rng.integers(3, 128, 16).tolist(), rng.integers(3, 128, 16).tolist()  # two pages each
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    second = y + x + [5, 6, 7]  # x's and y's pages, each after other pages than in the first prompt
+    expected = run(make_engine(params, enable_prefix_caching=False), [second], [sp])[0][0]
+    e = make_engine(params)
+    run(e, [x + y + [9]], [sp])
+    assert run(e, [second], [sp])[0][0] == expected
+    assert e.stats()["prefix_cache_hit_tokens"] == 0
 
 
 def test_a_cache_salt_shares_prefix_pages_only_with_the_same_salt(params):

@@ -280,3 +280,17 @@ def test_page_pool_refcounts_and_lru_eviction():
     got = a.allocate(3)
     assert pages[0] in got and pages[1] not in got
     assert a.lookup(b"k0") is None and a.num_cached == 1
+
+
+def test_page_pool_evicts_the_least_recently_used_cached_page_first():
+    """Three cached pages, the oldest touched again (looked up and released): eviction takes them
+    in the order they were last used, the touched one last."""
+    a = PagePool(4)
+    pages = a.allocate(3)
+    for page, key in zip(pages, (b"A", b"B", b"C")):
+        a.register(page, key)
+    a.release(pages)  # cached in order A, B, C
+    a.release([a.lookup(b"A")])  # A used again: now the most recent
+    assert a.allocate(1) == [pages[1]] and not a.contains(b"B")
+    assert a.allocate(1) == [pages[2]] and not a.contains(b"C")
+    assert a.contains(b"A") and a.num_evictions == 2

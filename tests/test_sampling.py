@@ -2,6 +2,7 @@
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,6 +137,21 @@ def test_keep_mask_keeps_every_token_tied_at_the_cut():
     x = jnp.asarray([[3.0, 2.0, 2.0, 1.0, -1.0], [1.0, 1.0, 1.0, 1.0, 0.0]])
     got = keep_mask(x, jnp.asarray([2, 1]), jnp.asarray([1.0, 1.0]), jnp.asarray([0.0, 0.0]))
     assert np.asarray(got).tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+
+
+def test_keep_mask_cuts_exactly_at_top_p_and_min_p():
+    """At the boundaries: top-p keeps a token while the mass before it is below p (a first token of
+    exactly p is kept alone, as in vLLM), and min-p keeps a token of exactly min_p times the largest
+    probability."""
+    x = jnp.asarray([[2.0, 1.0, 0.5, -1.0]])
+    p0 = jax.nn.softmax(x, axis=-1)[0, 0]  # the most likely token's probability, as keep_mask computes it
+    no = (jnp.asarray([0]), jnp.asarray([1.0]), jnp.asarray([0.0]))
+    got = keep_mask(x, no[0], jnp.asarray([p0]), no[2])
+    assert np.asarray(got).tolist() == [[True, False, False, False]]
+    got = keep_mask(x, no[0], jnp.asarray([np.nextafter(p0, np.float32(1))]), no[2])
+    assert np.asarray(got).tolist() == [[True, True, False, False]]
+    ties = jnp.asarray([[1.0, 1.0, 0.0]])
+    assert np.asarray(keep_mask(ties, no[0], no[1], jnp.asarray([1.0]))).tolist() == [[True, True, False]]
 
 
 def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
@@ -279,6 +295,28 @@ def test_logprobs_are_raw_log_softmax():
     out = sample(jnp.asarray(LOGITS[None]), sb)
     ref = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
     order = np.argsort(-ref)
+    np.testing.assert_array_equal(np.asarray(out.top_ids[0, :5]), order[:5])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs[0, :5]), ref[order[:5]], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(out.logprob[0]), ref[int(out.tokens[0])], rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_are_raw_whatever_the_penalties_bias_and_temperature():
+    """Log-probabilities are of the model's own distribution (vLLM's default, raw_logprobs), not of
+    the one the penalties, the bias and the temperature shaped for the draw."""
+    p = SamplingParams(
+        temperature=0.7,
+        seed=3,
+        logprobs=5,
+        presence_penalty=1.0,
+        repetition_penalty=1.8,
+        logit_bias={int(np.argmax(LOGITS)): -8.0},
+    )
+    history = np.argsort(-LOGITS)[:6].tolist()  # the likeliest tokens, all penalised
+    sb = SamplingBatch.from_rows([(p, 3, 4, history, 2)], 1, history_len=8)
+    out = sample(jnp.asarray(LOGITS[None]), sb)
+    ref = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    order = np.argsort(-ref)
+    assert int(out.tokens[0]) != order[0]  # the draw did see the shaped distribution
     np.testing.assert_array_equal(np.asarray(out.top_ids[0, :5]), order[:5])
     np.testing.assert_allclose(np.asarray(out.top_logprobs[0, :5]), ref[order[:5]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(out.logprob[0]), ref[int(out.tokens[0])], rtol=1e-5, atol=1e-5)

@@ -778,7 +778,9 @@ def test_queue_full_is_resource_exhausted(llm):
     step = small.engine.step
     small.engine.step = lambda: (gate.wait(300), step())[1]
     try:
-        with Client(s.address) as c, grpc.insecure_channel(s.address) as ch:
+        # A deadline on every call: admitted where it should be refused, a call would wait on the
+        # gate (and the test hang) instead of failing.
+        with Client(s.address, timeout=60) as c, grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.InferenceServiceStub(ch)
             req = pb.GenerateRequest(text="one", sampling_params=pb.SamplingParams(max_tokens=20, temperature=0))
             a, b = stub.GenerateStream(req), stub.GenerateStream(req)
@@ -1070,7 +1072,9 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
     step = llm.engine.step
     llm.engine.step = lambda: (gate.wait(300), step())[1]
     try:
-        with Client(s.address) as c, grpc.insecure_channel(s.address) as ch:
+        # A deadline on every call: admitted where it should be refused, a call would wait on the
+        # gate (and the test hang) instead of failing.
+        with Client(s.address, timeout=60) as c, grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.InferenceServiceStub(ch)
             req = pb.GenerateRequest(text="old", sampling_params=pb.SamplingParams(max_tokens=12, ignore_eos=True))
             old = stub.GenerateStream(req)
