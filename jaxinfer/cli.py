@@ -99,7 +99,7 @@ def flag_names(message: str, options) -> str:
         is_name = m.group(1) or "_" in m.group(2) or m.start() == 0
         return name if is_name and name in options else m.group(0)
 
-    return re.sub(r"(?<![\w.-])(SamplingParams\.)?([a-z][a-z0-9_]*)", flag, message)
+    return re.sub(r"(?<![\w./-])(SamplingParams\.)?([a-z][a-z0-9_]*)(?![\w/]|\.\w)", flag, message)
 
 
 @contextlib.contextmanager

@@ -1140,6 +1140,26 @@ def test_bench_flags_out_of_range_are_usage_errors(capsys, argv, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_cli_names_the_api_arguments_it_takes_as_flags():
+    from jaxinfer.cli import flag_names
+
+    options = {"--max-tokens", "--num-kv-pages", "--model", "--max-model-len"}
+    cases = {
+        "SamplingParams.max_tokens = 3; lower max_tokens or raise num_kv_pages.": (
+            "--max-tokens = 3; lower --max-tokens or raise --num-kv-pages."
+        ),
+        "model must be a directory; the model's limit is max_model_len": (
+            "--model must be a directory; the model's limit is --max-model-len"
+        ),
+        "SamplingParams.top_p must be in (0, 1]": "SamplingParams.top_p must be in (0, 1]",  # not a flag here
+        # Names inside paths and file names stay as they are.
+        "cannot read /ckpt/max_tokens/model_dir.json": "cannot read /ckpt/max_tokens/model_dir.json",
+        "model_dir.json is missing": "model_dir.json is missing",
+    }
+    for message, expected in cases.items():
+        assert flag_names(message, options) == expected
+
+
 def test_cli_usage_errors_exit_2_before_loading(capsys):
     assert main(["generate", "--stream", "a", "b"]) == 2
     assert "--stream takes exactly one prompt" in capsys.readouterr().err
