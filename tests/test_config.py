@@ -76,6 +76,37 @@ def test_rope_frequencies_match_transformers(family):
     assert rope_attention_factor(cfg) == pytest.approx(rotary.attention_scaling, rel=1e-12)
 
 
+def test_yarn_mscale_without_mscale_all_dim_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaling = {k: v for k, v in FAMILIES["llama-yarn-mscale"][2]["rope_scaling"].items() if k != "mscale_all_dim"}
+    hf = _hf_config("llama-yarn-mscale", head_dim=64, rope_scaling=scaling)
+    cfg = from_hf_config(hf.to_dict())
+    rotary = LlamaRotaryEmbedding(hf)
+    np.testing.assert_allclose(rope_inv_freq(cfg), rotary.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
+    assert rope_attention_factor(cfg) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+
+
+def _layer_types(c, n):
+    """transformers' `layer_types` of a converted config's first n layers."""
+    slides = [isinstance(c.attention_kind(i), SlidingWindow) for i in range(n)]
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def test_keys_left_out_take_the_transformers_defaults():
+    """A config.json may leave out what its transformers class defaults; the conversion defaults it
+    alike (the defaults read from the classes themselves)."""
+    import transformers
+
+    hf = _hf_config("mistral-swa").to_dict()
+    del hf["sliding_window"]
+    assert from_hf_config(hf).attention_kind(0) == SlidingWindow(transformers.MistralConfig().sliding_window)
+    # Qwen2 without layer_types: the layers from max_window_layers on slide.
+    hf = _hf_config("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3)
+    c = from_hf_config({**hf.to_dict(), "layer_types": None})
+    assert _layer_types(c, 3) == hf.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+
+
 def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
     """As transformers does: a YaRN config without `factor` scales max / original context."""
     hf = _hf_config("qwen2-yarn").to_dict()
@@ -155,6 +186,7 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(eos_token_id="abc"), "eos token ids must be non-negative integers"),
         (dict(rope_parameters="default"), "'rope_parameters' must be a JSON object, got 'default'"),
         (dict(rope_scaling="linear", rope_parameters=None), "'rope_scaling' must be a JSON object, got 'linear'"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor != 1 is not supported"),
     ],
 )
 def test_unsupported_is_refused_by_name(change, message):

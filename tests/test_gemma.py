@@ -169,6 +169,29 @@ def test_configs_convert():
     assert convert("gemma2", hidden_activation="gelu").mlp_activation == "gelu"
 
 
+def test_keys_left_out_take_the_transformers_defaults():
+    """Keys a Gemma config.json may leave out convert as the transformers classes default them."""
+
+    def without(family, *keys, **kw):
+        cfg_cls, _, extra = GEMMA_FAMILIES[family]
+        hf = getattr(transformers, cfg_cls)(**{**GEMMA_TINY, **extra, **kw}).to_dict()
+        for key in keys:
+            hf.pop(key, None)
+        return from_hf_config(hf), getattr(transformers, cfg_cls)()
+
+    for family in GEMMA_FAMILIES:
+        c, default = without(family, "tie_word_embeddings")
+        assert c.tie_word_embeddings is default.tie_word_embeddings is True
+    c, default = without("gemma2", "query_pre_attn_scalar")
+    assert c.attention_scale == default.query_pre_attn_scalar**-0.5
+    # Gemma 3 without layer_types or a pattern: every sixth layer global.
+    c, _ = without("gemma3_text", "layer_types", "_sliding_window_pattern", num_hidden_layers=7, layer_types=None)
+    theirs = transformers.Gemma3TextConfig(num_hidden_layers=7).layer_types
+    slides = [isinstance(c.attention_kind(i), SlidingWindow) for i in range(7)]
+    assert ["sliding_attention" if s else "full_attention" for s in slides] == theirs
+    assert theirs.count("full_attention") == 1
+
+
 def test_gemma3_old_style_config_keys():
     """Hub configs written before transformers v5: rope_theta / rope_local_base_freq / rope_scaling at
     top level and sliding_window_pattern instead of layer_types."""
