@@ -130,6 +130,27 @@ def test_convert_writes_marker_config_params_and_tokenizer(converted, hf_dir):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_convert_keeps_special_tokens_named_only_in_special_tokens_map(tmp_path):
+    """Older checkpoints name BOS and EOS only in special_tokens_map.json: the converted copy must
+    keep them (the tokenizer's BOS and EOS ids, hence where generation stops)."""
+    from test_tokenizer import _bpe_dir, _edit_config
+
+    from jaxinfer.model import init_params
+
+    src = tmp_path / "src"
+    src.mkdir()
+    _bpe_dir(src, add_bos_token=True, add_eos_token=True)
+    _edit_config(src, bos_token=None, eos_token=None)
+    (src / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    cfg = ModelConfig(
+        vocab_size=128, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    checkpoint.save(tmp_path / "out", cfg, init_params(cfg), tokenizer_dir=str(src))
+    a, b = load_tokenizer(str(src)), load_tokenizer(str(tmp_path / "out"))
+    assert a.bos_id is not None and a.eos_ids
+    assert (b.special_tokens, b.bos_id, b.eos_ids) == (a.special_tokens, a.bos_id, a.eos_ids)
+
+
 def test_llm_on_converted_dir_matches_llm_on_hf_dir(converted, hf_dir):
     kw = dict(max_model_len=64, num_kv_pages=32, max_num_seqs=4)
     from_hf, from_orbax = LLM(hf_dir, **kw), LLM(converted, **kw)

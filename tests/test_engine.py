@@ -493,6 +493,53 @@ def test_a_preempted_sample_waits_for_its_siblings_only_on_tokens_they_share():
     assert scheduled.get(1) == (16, 20), f"the queue waited on a sibling: {scheduled}"
 
 
+def test_free_device_memory_is_the_limit_less_what_is_in_use(monkeypatch):
+    """On an accelerator the default page count sizes from the device's own stats (never on CPU)."""
+    from jaxinfer import capacity
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 80 << 30, "bytes_in_use": 30 << 30}
+
+    monkeypatch.setattr(capacity.jax, "local_devices", lambda: [Device()])
+    assert capacity.free_device_bytes() == 50 << 30
+
+
+def test_admission_is_first_come_and_preemption_takes_the_last_admitted():
+    """vLLM's policy: waiting sequences start in arrival order; when a running one needs a page and
+    none is left, the most recently admitted one gives its pages back and goes to the queue's head."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import PageGroup, Scheduler, SeqStatus, Sequence
+
+    sched = Scheduler(
+        groups=[PageGroup(PagePool(7))], page_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_prefill_tokens=64
+    )
+    sp = SamplingParams(max_tokens=40)
+    a, b, c = (
+        Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=[3 + i] * 8, prompt_len=8)
+        for i in range(3)
+    )
+    for seq in (a, b, c):
+        sched.add(seq)
+    started = []
+    for _ in range(16):
+        plan = sched.schedule()
+        started += [ch.seq for ch in plan.prefill if ch.start == 0]
+        for ch in plan.prefill + plan.decode:  # as the engine does after the step
+            ch.seq.num_computed += ch.length
+            if ch.samples:
+                ch.seq.tokens.append(5)
+        if len(started) == 2:
+            pool = sched.groups[0].pool
+            pool.allocate(pool.num_free)  # from now on a page can only come from a running sequence
+        if sched.num_preemptions:
+            break
+    assert started == [a, b]  # c waits: max_num_seqs is 2
+    # a, admitted first, reaches a page boundary first: b gives its pages back and queues before c.
+    assert a.status is SeqStatus.RUNNING and b.status is SeqStatus.WAITING
+    assert list(sched.waiting) == [b, c] and sched.num_preemptions == 1
+
+
 def windowed_workload():
     """Four requests up to 15 pages long (at page size 8), two sharing a 40-token prefix: longer than
     a 12-key window by far, so pages leave it while the requests run."""

@@ -192,6 +192,40 @@ def test_keys_left_out_take_the_transformers_defaults():
     assert theirs.count("full_attention") == 1
 
 
+@pytest.mark.parametrize("hf_norm", ["GemmaRMSNorm", "LlamaRMSNorm"])
+def test_rms_norm_in_bfloat16_is_transformers_bit_for_bit(hf_norm):
+    """Both norms in bfloat16, as transformers rounds them: Gemma's (1 + w) scale applied in float32
+    before the one rounding, Llama's w applied after the normalised value is rounded."""
+    import importlib
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.model import RMSNorm
+
+    gemma = hf_norm == "GemmaRMSNorm"
+    family = "gemma" if gemma else "llama"
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=64,
+        norm_unit_offset=gemma,
+        dtype="bfloat16",
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 64)).astype(np.float32)
+    w = rng.normal(0 if gemma else 1, 0.3, size=(64,)).astype(np.float32)
+    ref = getattr(module, hf_norm)(64, eps=cfg.rms_norm_eps)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(w))
+        want = ref.to(torch.bfloat16)(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    got = RMSNorm(cfg, 64).apply({"params": {"scale": jnp.asarray(w, jnp.bfloat16)}}, jnp.asarray(x, jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
 def test_gemma3_old_style_config_keys():
     """Hub configs written before transformers v5: rope_theta / rope_local_base_freq / rope_scaling at
     top level and sliding_window_pattern instead of layer_types."""

@@ -303,6 +303,19 @@ def test_index_pointing_at_missing_file(tmp_path):
         load_hf_checkpoint(str(tmp_path))
 
 
+def test_index_naming_the_wrong_file_for_a_tensor_is_named(tmp_path):
+    """The index sends a tensor to a shard that exists but does not hold it: a CheckpointError that
+    names the tensor, not a KeyError from inside the loader."""
+    save_hf_model(make_hf_model("llama2"), tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    name = next(k for k, v in index["weight_map"].items() if v == files[0])
+    index["weight_map"][name] = files[1]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=re.escape(name) + ".*as the index says"):
+        load_hf_checkpoint(str(tmp_path))
+
+
 def test_config_weight_mismatch_extra_tensor(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
     cfg = json.loads((d / "config.json").read_text())

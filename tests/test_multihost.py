@@ -367,3 +367,16 @@ def test_bad_process_counts_and_a_taken_coordinator_port_are_refused():
         s.listen()
         with pytest.raises(ValueError, match=r"--coordinator-address 127\.0\.0\.1:\d+: process 0 cannot listen"):
             distributed.initialize(f"127.0.0.1:{s.getsockname()[1]}", 2, 0)
+
+
+def test_the_model_fingerprint_reads_the_files_contents(tmp_path):
+    """The processes of a job check they load the same model: files of the same names and sizes but
+    other bytes (a different fine-tune) must not pass."""
+    from jaxinfer.distributed import model_fingerprint
+
+    (tmp_path / "weights.bin").write_bytes(b"a" * 200_000)
+    before = model_fingerprint(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"a" * 199_999 + b"b")  # its last byte only
+    after_tail = model_fingerprint(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"b" + b"a" * 199_999)  # its first byte only
+    assert len({before, after_tail, model_fingerprint(str(tmp_path))}) == 3
