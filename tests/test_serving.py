@@ -142,6 +142,15 @@ def test_health_reflection_and_model_info(server):
         assert info["vocab_size"] == server.server.llm.cfg.vocab_size
         assert info["kv_pages_total"] == ENGINE["num_kv_pages"] - 1 and info["kv_window_pages_total"] == 0
         assert info["kv_cache_bytes"] == server.server.llm.engine.cache.nbytes
+        cfg = server.server.llm.cfg
+        assert (info["family"], info["dtype"]) == (cfg.family, cfg.dtype)
+        assert info["eos_token_ids"] == list(cfg.eos_token_ids)
+        assert (info["max_num_seqs"], info["max_num_batched_tokens"], info["page_size"]) == (
+            ENGINE["max_num_seqs"],
+            ENGINE["max_num_batched_tokens"],
+            ENGINE["page_size"],
+        )
+        assert info["kv_bytes_per_token"] == cfg.kv_bytes_per_token and info["has_tokenizer"] is True
         assert c.tokenize("fox") == server.server.llm.tokenizer.encode("fox")
     channel.close()
 
@@ -450,6 +459,24 @@ def _wait_for_log(caplog, predicate, timeout: float = 10.0) -> dict:
                 return line
         time.sleep(0.02)
     raise AssertionError(f"no such request log line: {_request_logs(caplog)}")
+
+
+def test_request_log_line_and_cumulative_logprob(server, llm, caplog):
+    """The one log line of a finished request says what it did; the client's cumulative_logprob
+    (summed client-side from the streamed logprobs) is the offline engine's."""
+    caplog.set_level("INFO", logger="jaxinfer.serving")
+    p = SamplingParams(max_tokens=5, temperature=1.0, seed=4, ignore_eos=True, n=2, logprobs=1)
+    with Client(server.address) as c:
+        out = c.generate("the quick fox", p, request_id="log-me")
+    line = _wait_for_log(caplog, lambda x: x["client_request_id"] == "log-me")
+    assert (line["method"], line["code"], line["n"], line["max_tokens"]) == ("Generate", "OK", 2, 5)
+    assert line["prompt_tokens"] == len(out.prompt_token_ids) and line["completion_tokens"] == 10
+    assert line["finish_reasons"] == ["length", "length"]
+    assert 0 < line["ttft_s"] <= line["latency_s"]
+    offline = llm.generate("the quick fox", p)[0]
+    for got, want in zip(out.outputs, offline.outputs, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-5)
 
 
 def test_cancel_and_deadline_free_pages(server, caplog):
@@ -1287,6 +1314,7 @@ def test_jetstream_never_sends_the_stop_token(llm):
         req = js.DecodeRequest(max_tokens=6, token_content=js.DecodeRequest.TokenContent(token_ids=prompt))
         msgs = list(stub.Decode(req, timeout=60))
         assert all(eos not in m.stream_content.samples[0].token_ids for m in msgs)
+        assert all(m.stream_content.samples[0].token_ids for m in msgs)  # none left empty by the drop
         assert [t for m in msgs for t in m.stream_content.samples[0].token_ids] == expected
         assert s.server.llm.stats()["finished_sequences"]["stop"] == 1  # it did stop on EOS
     finally:
