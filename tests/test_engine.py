@@ -493,6 +493,28 @@ def test_a_preempted_sample_waits_for_its_siblings_only_on_tokens_they_share():
     assert scheduled.get(1) == (16, 20), f"the queue waited on a sibling: {scheduled}"
 
 
+def test_latency_metrics_measure_what_they_name(params):
+    """ITL is each token's gap from the one before (their sum: first to last token), TTFT from arrival
+    to the first token, and a value on a bucket's edge counts in that bucket (Prometheus' le)."""
+    from jaxinfer.metrics import LatencyHistogram
+
+    e = make_engine(params)
+    (out,), (req,) = run(e, [[5, 6, 7]], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    seq = req.seqs[0]
+    itl, ttft = e.metrics.itl, e.metrics.ttft
+    assert itl.count == len(out) - 1
+    assert itl.sum == pytest.approx(seq.last_token_time - seq.first_token_time, rel=1e-9)
+    assert ttft.count == 1 and ttft.sum == pytest.approx(seq.first_token_time - seq.arrival_time, rel=1e-9)
+
+    class Prom:
+        def observe(self, value):
+            pass
+
+    h = LatencyHistogram(Prom())
+    h.observe(0.01)
+    assert h.as_dict()["buckets"]["0.01"] == 1 and h.as_dict()["buckets"]["0.02"] == 0
+
+
 def test_free_device_memory_is_the_limit_less_what_is_in_use(monkeypatch):
     """On an accelerator the default page count sizes from the device's own stats (never on CPU)."""
     from jaxinfer import capacity

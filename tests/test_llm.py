@@ -1084,6 +1084,31 @@ def test_bench_serve_says_why_its_server_did_not_start():
     assert "--prompt-len-range plus that of --output-len-range, plus 1" in str(e.value)
 
 
+def test_bench_latency_figures_on_fixed_times():
+    """Each latency figure and the phase breakdown against a hand count on made-up times (the runs
+    above can only check signs and orders of figures that vary with the machine)."""
+    from types import SimpleNamespace
+
+    from jaxinfer import bench
+
+    # Request i arrives at 0, has its first token at i and four more, one a second.
+    seqs = [
+        SimpleNamespace(arrival_time=0.0, first_token_time=float(i), last_token_time=i + 4.0, output_ids=[7] * 5)
+        for i in range(1, 11)
+    ]
+    gaps = [0.1 * i for i in range(1, 11)]
+    got = bench.latencies(seqs, gaps)
+    ttft = np.arange(1, 11)
+    assert (got["ttft_p50_s"], got["ttft_p99_s"]) == (np.percentile(ttft, 50), np.percentile(ttft, 99))
+    assert got["tpot_p50_s"] == got["tpot_p99_s"] == 1.0  # 4 s over the 4 tokens after the first
+    assert (got["itl_p50_s"], got["itl_p99_s"]) == (np.percentile(gaps, 50), np.percentile(gaps, 99))
+    before = {"prefill": (1.0, 2, 10), "decode": (2.0, 3, 4)}
+    after = {"prefill": (3.0, 5, 30), "decode": (7.0, 13, 44)}
+    assert bench._phases(before, after, wall=10.0) == dict(
+        prefill_s=2.0, prefill_calls=3, prefill_tokens=20, decode_s=5.0, decode_calls=10, decode_rows=40, other_s=3.0
+    )
+
+
 def test_bench_throughput_runs_and_reports(capsys):
     from jaxinfer import bench
 
@@ -1108,7 +1133,10 @@ def test_bench_throughput_runs_and_reports(capsys):
     out = capsys.readouterr().out
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
     assert report["continuous"]["requests"] == report["one_at_a_time"]["requests"] == 8
-    assert report["ratio"] > 0 and report["continuous"]["ttft_p99_s"] >= report["continuous"]["ttft_p50_s"]
+    assert report["ratio"] == pytest.approx(
+        report["continuous"]["output_tokens_per_s"] / report["one_at_a_time"]["output_tokens_per_s"]
+    )
+    assert report["continuous"]["ttft_p99_s"] >= report["continuous"]["ttft_p50_s"]
     for r in (report["continuous"], report["one_at_a_time"]):  # ITL per token, TPOT per request
         assert 0 < r["itl_p50_s"] <= r["itl_p99_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p99_s"]
         assert r["itl_p99_s"] >= r["tpot_p50_s"]  # a request's mean gap is never above the largest gaps
