@@ -1109,6 +1109,27 @@ def test_bench_latency_figures_on_fixed_times():
     )
 
 
+def test_bench_mbu_is_the_bytes_a_step_reads_over_the_read_ceiling(monkeypatch, capsys):
+    """MBU on a made-up ceiling and step time, against the bytes counted by hand for llama-tiny
+    (float32, untied): every weight but the embedding table, plus each row's K and V at the decode
+    window's mean context, read once per step."""
+    from jaxinfer import bench
+
+    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda *a, **k: {"reduce": 1e9, "matvec": 2e9})
+    monkeypatch.setattr(bench, "_decode_once", lambda *a: (0.01, 1.0, 1.5))  # step s, total s, rows per step
+    args = ["--preset", "llama-tiny", "--prompt-lens", "8", "--batch-sizes", "2", "--new-tokens", "4"]
+    report = bench.run(_bench_args(args + ["--context", "8", "--repeats", "1"]))
+    d, f, v, layers = 128, 384, 512, 2
+    per_layer = d * d * 2 + d * 64 * 2 + 3 * d * f + 2 * d  # q, o; k, v (2 KV heads of 32); MLP; 2 norms
+    weights = 4 * (2 * v * d + layers * per_layer + d)  # embedding, LM head, layers, final norm
+    kv_per_token = 2 * layers * 64 * 4  # K and V, all layers
+    step_bytes = (weights - 4 * v * d) + 1.5 * kv_per_token * (8 + 4 / 2)
+    (row,) = report["decode"]
+    assert row["GBps"] == pytest.approx(step_bytes / 0.01 / 1e9, rel=1e-12)
+    assert row["mbu"] == pytest.approx(step_bytes / 0.01 / 2e9, rel=1e-12)  # against the better of the two
+    assert row["tokens_per_s"] == pytest.approx(1.5 / 0.01)
+
+
 def test_bench_throughput_runs_and_reports(capsys):
     from jaxinfer import bench
 
