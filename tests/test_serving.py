@@ -1058,6 +1058,62 @@ def test_metrics_endpoint_and_stream_interval(llm):
         s.stop()
 
 
+def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
+    """The serve bench's figures against hand counts on made-up outcomes (its smoke run can only
+    check signs): TTFT from arrival, TPOT over the gaps after the first token, errors by code,
+    Poisson arrivals at the asked rate, and the round comparison (served / offline, the warm-up
+    round left out of the median, identical outputs counted over every round)."""
+    import argparse
+
+    from serving import loadgen
+    from serving.loadgen import Outcome
+
+    outcomes = [
+        Outcome(sent=1.0, arrival=0.0, first=2.0, done=6.0, tokens=[5] * 5),
+        Outcome(sent=0.0, arrival=0.0, first=1.0, done=3.0, tokens=[5] * 3),
+        Outcome(sent=0.5, code="RESOURCE_EXHAUSTED"),
+        Outcome(sent=float("nan"), code="NOT SENT"),
+    ]
+    got = loadgen.summarize(outcomes, wall=10.0)
+    assert (got["requests_ok"], got["output_tokens"], got["output_tokens_per_s"]) == (2, 8, 0.8)
+    assert (got["ttft_p50_s"], got["tpot_p50_s"], got["tpot_p99_s"]) == (1.5, 1.0, 1.0)
+    assert got["errors"] == {"RESOURCE_EXHAUSTED": 1, "NOT SENT": 1}
+
+    args = argparse.Namespace(
+        prompt_len_range=[4, 8], output_len_range=[2, 4], num_requests=4000, request_rate=50.0, vs_offline=False
+    )
+    gaps = np.diff([0.0, *loadgen.workload(args, vocab_size=100)[2]])
+    assert (gaps >= 0).all() and gaps.mean() == pytest.approx(1 / 50, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: as wide as its mean
+
+    served_rates = iter([10.0, 30.0, 20.0])  # warm-up, round 1, round 2; offline 10 each time
+    wrong_round = 1  # one output differs from offline in round 1 only
+
+    def serve_round(prompts, params, arrivals):
+        served = {"output_tokens_per_s": next(served_rates), "errors": {}}
+        return [Outcome(sent=0.0, tokens=[1]) for _ in prompts], served
+
+    rounds = iter(range(3))
+
+    def offline_run(llm, prompts, params):
+        r = next(rounds)
+        ids = [[2] if r == wrong_round and i == 0 else [1] for i in range(len(prompts))]
+        return {"output_tokens_per_s": 10.0, "token_ids": ids}
+
+    monkeypatch.setattr(loadgen, "_offline_run", offline_run)
+    args = argparse.Namespace(
+        prompt_len_range=[4, 8],
+        output_len_range=[2, 4],
+        num_requests=3,
+        request_rate=float("inf"),
+        vs_offline=True,
+        repeats=2,
+    )
+    report, _ = loadgen._compare(args, 100, serve_round, llm=None)
+    assert report["ratio"] == 2.5 and report["warmup_ratio"] == 1.0  # median of 3.0 and 2.0
+    assert report["identical_outputs"] == 2
+
+
 def test_bench_serve_smoke(capsys):
     from jaxinfer import cli
 
