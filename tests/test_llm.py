@@ -953,11 +953,13 @@ def test_bench_runs_and_reports(capsys, tmp_path):
     # Prefill FLOPs, counted by hand for llama-tiny (D 128, F 384, 2 layers, 4 heads / 2 KV heads of
     # 32, V 512): the projections per prompt token, the untied LM head once (only the last token's
     # logits are computed). It charged the head to every token (1.16x too many here, 1.36x at 150M).
-    per_token = 2 * (128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384)
+    # The norm weights count as a multiply each (2 per layer and the final one; the bench takes every
+    # weight but the head's from num_params).
+    per_token = 2 * (128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384 + 2 * 128) + 128
     for row in report["ttft"]:
         n = row["prompt_len"]
-        attention = 2 * 2 * 2 * 4 * 32 * n * (n + 1) / 2  # QK^T and PV, causal, 2 layers x 4 heads of 32
-        assert row["flops"] == pytest.approx(2 * per_token * n + 2 * 512 * 128 + attention, rel=3e-3)
+        attention = 2 * 2 * 2 * 4 * 32 * n * (n + 1) // 2  # QK^T and PV, causal, 2 layers x 4 heads of 32
+        assert row["flops"] == 2 * per_token * n + 2 * 512 * 128 + attention
         assert row["gflops"] == pytest.approx(row["flops"] / row["ttft_s"] / 1e9)
         assert row["prompt_logprobs_ttft_s"] > 0
     assert "+prompt_lp ms" in out
@@ -1109,6 +1111,41 @@ def test_bench_latency_figures_on_fixed_times():
     )
 
 
+def test_bench_timers_on_a_made_up_clock(monkeypatch, llm):
+    """The timers under the bench's figures, on a clock that returns made-up times."""
+    from types import SimpleNamespace
+
+    from jaxinfer import bench
+
+    def clock(times):
+        monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=iter(times).__next__))
+
+    # The read ceiling: the best of the repeats (the least disturbed one), per kind of read.
+    clock([0, 3, 10, 11, 20, 22] + [100, 104, 110, 112, 120, 121.5])  # reduce 3, 1, 2 s; matvec 4, 2, 1.5 s
+    nbytes = 16 * 4096 * 4
+    assert bench.measure_read_bandwidth(nbytes, repeats=3) == {"reduce": nbytes / 1.0, "matvec": nbytes / 1.5}
+
+    # The latency bench's decode window: from the step that gave the last row its first token (the
+    # third, at t=3) to the last; seven steps at t = 1..7 made 1, 2, 3, 3, 3, 2, 1 tokens.
+    made = [1, 2, 3, 3, 3, 2, 1]
+    firsts = [SimpleNamespace(first_token_time=t) for t in (1.0, 2.0, 3.0)]
+    engine = SimpleNamespace(
+        add_request=lambda prompt, params: SimpleNamespace(seqs=[firsts.pop(0)]),
+        has_unfinished=lambda: bool(made),
+        step=lambda: [SimpleNamespace(token_ids=[0]) for _ in range(made.pop(0))],
+    )
+    clock([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    step_s, total_s, rows = bench._decode_once(SimpleNamespace(engine=engine), [[1]] * 3, None)
+    assert (step_s, total_s, rows) == (4.0 / 4, 7.0, (3 + 3 + 2 + 1) / 4)
+
+    # The throughput bench's ITL: one gap per token after a sequence's first, from its own previous.
+    monkeypatch.setattr(bench, "time", __import__("time"))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5)]
+    wall, seqs, gaps = bench.drive_engine(llm.engine, [[5, 6, 7], [8, 9]], params)
+    assert [len(s.output_ids) for s in seqs] == [3, 5]
+    assert len(gaps) == 2 + 4 and all(0 < g < wall for g in gaps)
+
+
 def test_bench_mbu_is_the_bytes_a_step_reads_over_the_read_ceiling(monkeypatch, capsys):
     """MBU on a made-up ceiling and step time, against the bytes counted by hand for llama-tiny
     (float32, untied): every weight but the embedding table, plus each row's K and V at the decode
@@ -1148,12 +1185,15 @@ def test_bench_throughput_runs_and_reports(capsys):
             "4",
             "--max-num-batched-tokens",
             "64",
+            "--baseline-requests",
+            "5",
         ]
     )
     report = bench.run(args)
     out = capsys.readouterr().out
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
-    assert report["continuous"]["requests"] == report["one_at_a_time"]["requests"] == 8
+    assert (report["continuous"]["requests"], report["one_at_a_time"]["requests"]) == (8, 5)
+    assert "(baseline measured on the first 5 requests)" in out
     assert report["ratio"] == pytest.approx(
         report["continuous"]["output_tokens_per_s"] / report["one_at_a_time"]["output_tokens_per_s"]
     )
@@ -1161,12 +1201,17 @@ def test_bench_throughput_runs_and_reports(capsys):
     for r in (report["continuous"], report["one_at_a_time"]):  # ITL per token, TPOT per request
         assert 0 < r["itl_p50_s"] <= r["itl_p99_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p99_s"]
         assert r["itl_p99_s"] >= r["tpot_p50_s"]  # a request's mean gap is never above the largest gaps
-    # Where the time went: both modes computed the same prompt tokens and decode rows (no prefix cache).
+    # Where the time went: the prompt tokens and decode rows each mode computed (no prefix cache), the
+    # baseline's for the first 5 requests only. The workload's lengths, drawn as the bench draws them:
+    rng = np.random.default_rng(0)
+    prompt_lens, output_lens = rng.integers(8, 32 + 1, 8), rng.integers(4, 8 + 1, 8)
     assert "where the time went" in out
     base, cb = report["one_at_a_time"], report["continuous"]
-    assert base["prefill_tokens"] == cb["prefill_tokens"] > 8 * 8
-    out_tokens = round(cb["output_tokens_per_s"] * cb["wall_s"])
-    assert base["decode_rows"] == cb["decode_rows"] == out_tokens - 8  # each first token comes from a prompt call
+    assert (base["prefill_tokens"], cb["prefill_tokens"]) == (sum(prompt_lens[:5]), sum(prompt_lens))
+    assert round(cb["output_tokens_per_s"] * cb["wall_s"]) == sum(output_lens)
+    assert round(base["output_tokens_per_s"] * base["wall_s"]) == sum(output_lens[:5])
+    # Each first token comes from a prompt call.
+    assert (base["decode_rows"], cb["decode_rows"]) == (sum(output_lens[:5]) - 5, sum(output_lens) - 8)
     assert cb["decode_calls"] < base["decode_calls"]  # batched
     for r in (base, cb):
         assert 0 < r["prefill_s"] + r["decode_s"] < r["wall_s"] and r["other_s"] > 0

@@ -333,6 +333,26 @@ def test_kernel_bench_smoke(capsys):
     assert [r["variant"] for r in rows] == ["copy", "reference", "xla"] and "--variants ours" in capsys.readouterr().out
 
 
+def test_kernel_bench_figures_on_made_up_times(monkeypatch):
+    """Bandwidth and MBU against hand counts, on made-up times (the smoke test above can only check
+    the figures' form: a CPU's speeds vary from run to run)."""
+    from pallas_kernels import bench
+
+    monkeypatch.setattr(bench, "_time", lambda fn, repeats: 0.5)
+    assert bench.copy_bandwidth(nbytes=4096) == 2 * 4096 / 0.5  # each byte read once and written once
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e6)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    argv = ["--batch", "2", "--contexts", "32", "--heads", "4,2", "--head-dim", "64", "--layers", "4"]
+    rows = bench.run(p.parse_args([*argv, "--variants", "reference,xla", "--repeats", "1"]))
+    # One layer: K and V of 2 rows x 32 tokens x 2 KV heads of 64 (bfloat16), queries read and
+    # outputs written (2 rows x 4 heads of 64); four layers per 0.5 s call.
+    moved = 2 * 2 * 32 * 2 * 64 * 2 + 2 * 2 * 4 * 64 * 2
+    for r in rows:
+        assert (r["bytes"], r["seconds"], r["bandwidth"]) == (moved, 0.5 / 4, moved / (0.5 / 4))
+        assert r["mbu"] == moved / (0.5 / 4) / 4e6
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -1114,6 +1114,38 @@ def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
     assert report["identical_outputs"] == 2
 
 
+def test_load_generator_stops_at_its_duration_limit(server):
+    """drive() on the server: what is open at --duration-limit is cancelled (and aborted in the
+    engine), what has not arrived by then is never sent, and the wall time runs from the first send
+    to the last finish."""
+    from serving import loadgen
+
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine = server.server.llm.engine
+    real_step = engine.step
+    engine.step = lambda: (time.sleep(0.02), real_step())[1]  # 120 tokens: 2.4 s, past the 1 s limit
+    t = time.perf_counter()
+    try:
+        outcomes, wall = asyncio.run(
+            loadgen.drive(
+                server.address,
+                [[5, 6, 7]] * 3,
+                [short, _long(120), short],
+                [0.0, 0.0, 30.0],
+                concurrency=4,
+                duration_limit=1.0,
+            )
+        )
+    finally:
+        del engine.step  # the class's own again
+    assert 1.0 <= time.perf_counter() - t < 10.0
+    assert [o.code for o in outcomes] == ["OK", "CANCELLED (duration limit)", "NOT SENT"]
+    assert len(outcomes[0].tokens) == 2 and 0 < len(outcomes[1].tokens) < 120
+    assert wall == outcomes[0].done - min(outcomes[0].sent, outcomes[1].sent)
+    stats = server.wait_idle()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 def test_bench_serve_smoke(capsys):
     from jaxinfer import cli
 
