@@ -388,7 +388,8 @@ def test_unset_fields_take_the_models_generation_config_and_stop_reasons_cross_t
     s = ServerThread(LLM(str(tmp_path), **engine))
     try:
         with Client(s.address) as c:
-            assert c.model_info()["default_sampling_params"] == expected_defaults
+            info = c.model_info()
+            assert info["default_sampling_params"] == expected_defaults and info["has_tokenizer"] is False
             got = c.generate(prompt_token_ids=prompt)  # no SamplingParams: nothing set, all defaults
             ref = offline.generate(prompt_token_ids=[prompt])[0]
             assert got.token_ids == ref.token_ids and (len(got.token_ids) == 4 or got.finish_reason == "stop")
@@ -483,7 +484,7 @@ def test_cancel_and_deadline_free_pages(server, caplog):
     caplog.set_level("INFO", logger="jaxinfer.serving")
     aborted = _aborted(server)
     with Client(server.address) as c:
-        stream = c.stream("a long story", _long())
+        stream = c.stream("a long story", _long(), timeout=60)  # a cancel long before the deadline
         first = [next(stream) for _ in range(3)]
         assert all(d.token_ids for d in first)
         assert server.server.llm.stats()["running"] == 1
@@ -876,6 +877,13 @@ def test_jetstream_decode(server, llm):
     for i in range(2):
         assert "".join(m.stream_content.samples[i].text for m in msgs) == ref.text
         assert [t for m in msgs for t in m.stream_content.samples[i].token_ids] == ref.token_ids
+    # Text held back: this model answers "café" with nine 0xA9 bytes, no character until the end
+    # decides them. Their ids wait with the text: no message goes out without text.
+    req = js.DecodeRequest(max_tokens=9, text_content=js.DecodeRequest.TextContent(text="café"))
+    msgs = list(stub.Decode(req, timeout=60))
+    ref = llm.generate("café", SamplingParams(max_tokens=9, temperature=0))[0]
+    assert [t - 3 for t in ref.token_ids] == [0xA9] * 9 and ref.text == "\ufffd" * 9
+    assert [(s.text, list(s.token_ids)) for m in msgs for s in m.stream_content.samples] == [(ref.text, ref.token_ids)]
 
     for bad, why in (
         (js.DecodeRequest(max_tokens=0, text_content=js.DecodeRequest.TextContent(text="x")), "max_tokens"),
