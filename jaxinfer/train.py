@@ -325,6 +325,21 @@ def _loss(params, rows, mask, cfg):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def make_optimizer(args):
+    """(learning-rate schedule, optimizer): AdamW with gradients clipped to norm 1; the rate rises
+    linearly from 0 to --lr over --warmup steps, then falls on a cosine to a tenth of it at --steps."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=args.warmup, decay_steps=args.steps, end_value=args.lr * 0.1
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay),
+    )
+    return schedule, optimizer
+
+
 def make_train_step(cfg: ModelConfig, optimizer):
     def step(params, opt_state, rows):
         def mean_loss(p):
@@ -373,8 +388,6 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=20)
     args = ap.parse_args(argv)
 
-    import optax
-
     t_start = time.time()
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxinfer-train-")
     os.makedirs(workdir, exist_ok=True)
@@ -399,13 +412,7 @@ def main(argv=None) -> int:
     params = model.init_params(cfg, args.seed)
     print(f"model: {cfg.num_params / 1e6:.2f}M parameters ({cfg})", flush=True)
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=args.warmup, decay_steps=args.steps, end_value=args.lr * 0.1
-    )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay),
-    )
+    schedule, optimizer = make_optimizer(args)
     opt_state = optimizer.init(params)
     step_fn = make_train_step(cfg, optimizer)
 

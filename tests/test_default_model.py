@@ -87,6 +87,84 @@ def test_training_forward_matches_prefill_on_the_shipped_weights():
     assert diff < 1e-4
 
 
+@pytest.mark.parametrize("untied", [False, True])
+def test_training_forward_matches_prefill_on_random_weights(untied):
+    """The options the training forward handles beyond the shipped model's (a sliding window, q/k
+    norms, q/k/v biases, an untied head), on random weights: norm scales and biases too, so that no
+    weight is a one or a zero that a mix-up could hide behind."""
+    import dataclasses
+
+    import jax
+
+    from jaxinfer.config import GlobalAttention, SlidingWindow
+    from jaxinfer.model import init_params
+
+    base = train.default_config(vocab_size=48)
+    cfg = dataclasses.replace(
+        base,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        layer_attention=(SlidingWindow(4), GlobalAttention()),
+        qk_norm=True,
+        qkv_bias=True,
+        tie_word_embeddings=not untied,
+    )
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), init_params(cfg, 1))
+    tokens = rng.integers(3, 48, (2, 12))  # the last token's window (4) ends well inside the 12
+    assert train.check_against_prefill(cfg, params, tokens) < 1e-4
+
+
+def test_training_loss_and_held_out_rows_by_hand():
+    """The loss scores each next token under the logits before it (against NumPy's log-softmax);
+    held-out rows pack whole verses behind a BOS and score only their tokens; EOS ends each book."""
+    import jax.numpy as jnp
+
+    from jaxinfer.model import init_params
+
+    cfg = train.default_config(vocab_size=40)
+    params = init_params(cfg, 0)
+    tokens = np.array([10, 11, 12, 20, 21, 30, 31, 32, 33], np.int32)
+    rows, mask = train.heldout_chunks(tokens, np.array([0, 3, 5]), seq_len=5)
+    assert rows.tolist() == [[1, 10, 11, 12, 20, 21], [1, 30, 31, 32, 33, 0]]
+    assert mask.tolist() == [[True] * 5, [True] * 4 + [False]]
+    total, count = train._loss(params, jnp.asarray(rows), jnp.asarray(mask, jnp.float32), cfg)
+    logits = np.asarray(train.train_logits(params, jnp.asarray(rows[:, :-1]), cfg=cfg), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, rows[:, 1:, None], axis=-1)[..., 0]
+    assert int(count) == 9 and float(total) == pytest.approx(nll[mask].sum(), rel=1e-5)
+
+    class Pieces:  # a tokenizer whose pieces are characters
+        def encode(self, texts, out_type):
+            return [[ord(c) for c in t] for t in texts]
+
+    verses = [("Ge", "ab"), ("Ge", "c"), ("Ex", "de")]
+    stream, starts = train.encode_stream(Pieces(), verses)
+    assert stream.tolist() == [97, 98, 99, train.EOS, 100, 101, train.EOS] and starts.tolist() == [0, 2, 4]
+
+
+def test_learning_rate_warms_up_then_decays_on_a_cosine_to_a_tenth():
+    import argparse
+    import math
+
+    args = argparse.Namespace(lr=3e-3, warmup=10, steps=110, weight_decay=0.1)
+    schedule, _ = train.make_optimizer(args)
+    floor = 3e-4
+    for step, want in [
+        (0, 0.0),
+        (5, 1.5e-3),
+        (10, 3e-3),
+        (60, floor + (3e-3 - floor) * 0.5 * (1 + math.cos(math.pi * 0.5))),
+        (110, floor),
+    ]:
+        assert float(schedule(step)) == pytest.approx(want, rel=1e-5, abs=1e-9), step
+
+
 def test_shipped_files_config_and_report():
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(default_model.ASSETS) for f in fs)
     assert total <= 25 * 2**20
