@@ -10,6 +10,7 @@ import json
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -94,8 +95,6 @@ def test_training_forward_matches_prefill_on_random_weights(untied):
     weight is a one or a zero that a mix-up could hide behind."""
     import dataclasses
 
-    import jax
-
     from jaxinfer.config import GlobalAttention, SlidingWindow
     from jaxinfer.model import init_params
 
@@ -170,7 +169,13 @@ def test_shipped_files_config_and_report():
     assert total <= 25 * 2**20
     cfg, params, tok = default_model.load(dtype="bfloat16")
     assert 3e6 <= cfg.num_params <= 8e6 and cfg.dtype == "bfloat16"
-    assert sum(x.size for x in __import__("jax").tree.leaves(params)) == cfg.num_params
+    assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
+    # Stored in bfloat16, restored in float32 unless asked: computed as LLM() computes it.
+    cfg32, params32, _ = default_model.load()
+    assert cfg32.dtype == "float32" and {x.dtype.name for x in jax.tree.leaves(params32)} == {"float32"}
+    cfg16, params16, _ = default_model.tiny_random(dtype="bfloat16")
+    assert cfg16.dtype == "bfloat16" and {x.dtype.name for x in jax.tree.leaves(params16)} == {"bfloat16"}
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
     assert tok.vocab_size == cfg.vocab_size and tok.bos_id == cfg.bos_token_id and tok.eos_ids == cfg.eos_token_ids
     with open(os.path.join(default_model.ASSETS, "training_report.json")) as f:
         report = json.load(f)
