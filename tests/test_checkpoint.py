@@ -185,6 +185,46 @@ def test_bfloat16_conversion_stores_bfloat16_and_restores_any_dtype(hf_dir, tmp_
     assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(p16))
 
 
+def test_save_stores_the_dtype_it_is_given(tmp_path):
+    """save(..., dtype=) of float32 weights: the arrays orbax wrote (read back by orbax itself), the
+    marker and config.json all say bfloat16; the weights restore rounded to bfloat16."""
+    import orbax.checkpoint as ocp
+
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    params = init_params(cfg)
+    out = tmp_path / "bf16"
+    checkpoint.save(out, cfg, params, dtype="bfloat16")
+    with ocp.StandardCheckpointer() as ckpt:
+        stored = ckpt.metadata(str(out / "params")).item_metadata.tree
+    assert {leaf.dtype for leaf in jax.tree.leaves(stored)} == {np.dtype(jax.numpy.bfloat16)}
+    with open(out / checkpoint.MARKER) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    with open(out / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    assert checkpoint.load_config(out) == dataclasses.replace(cfg, dtype="bfloat16")
+    _, p16 = checkpoint.restore(out, dtype="bfloat16")
+    for a, b in zip(jax.tree.leaves(p16), jax.tree.leaves(params), strict=True):
+        assert a.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jax.numpy.bfloat16)))
+
+
+def test_convert_takes_the_tokenizers_eos_into_the_config(hf_dir, tmp_path):
+    """config.json and generation_config.json name EOS 7, the tokenizer's is 2: the converted config
+    stops at both, as LLM on the Hugging Face directory does (the copy stands alone)."""
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    conf = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**conf, "eos_token_id": 7}))
+    gen = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": 7}))
+    out = str(tmp_path / "out")
+    assert main(["convert", str(src), out]) == 0
+    assert set(checkpoint.load_config(out).eos_token_ids) == {7, 2}
+    assert set(checkpoint.load_config(out).eos_token_ids) == set(LLM(str(src), num_kv_pages=16).cfg.eos_token_ids)
+
+
 def test_convert_keeps_the_dtype_the_checkpoint_runs_in(tmp_path, capsys):
     """Default --dtype auto: a bfloat16 checkpoint is stored in bfloat16 (not widened to float32), so
     LLM(converted) runs as LLM(hf) does; a float32 one stays float32."""
@@ -394,6 +434,7 @@ def test_cli_convert_error_and_bench_load(tmp_path, hf_dir, small_ckpt, capsys, 
     report = json.loads(capsys.readouterr().out)
     assert report["hf_s"][0] > 0 and report["orbax_s"][0] > 0
     assert report["params"] == load_hf_checkpoint(hf_dir)[0].num_params
+    assert report["bytes"] == report["params"] * {"float32": 4, "bfloat16": 2}[report["dtype"]]
     # --orbax-dir of another model: two unrelated load times were compared.
     assert main(["bench", "load", hf_dir, "--repeats", "1", "--orbax-dir", small_ckpt]) == 2
     assert "holds another model than" in capsys.readouterr().err
