@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -349,7 +350,9 @@ def test_a_kv_cache_no_device_holds_is_refused_by_every_process(tmp_path, model_
         job.close()
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:abc", "nonsense", "127.0.0.1:70000", ":8476", "127.0.0.1:"])
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:abc", "nonsense", "127.0.0.1:70000", "127.0.0.1:65536", "127.0.0.1:0", ":8476", "127.0.0.1:"]
+)
 def test_bad_coordinator_addresses_are_refused_by_name(address):
     from jaxinfer import distributed
 
@@ -362,6 +365,9 @@ def test_bad_process_counts_and_a_taken_coordinator_port_are_refused():
 
     with pytest.raises(ValueError, match="--num-processes must be at least 1, got 0"):
         distributed.initialize("127.0.0.1:8476", 0, 0)
+    for process_id in (-1, 2):
+        with pytest.raises(ValueError, match=rf"--process-id must be in \[0, 2\), got {process_id}"):
+            distributed.initialize("127.0.0.1:8476", 2, process_id)
     with socket.socket() as s:  # another job's coordinator, or a second process 0
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -380,3 +386,26 @@ def test_the_model_fingerprint_reads_the_files_contents(tmp_path):
     after_tail = model_fingerprint(str(tmp_path))
     (tmp_path / "weights.bin").write_bytes(b"b" + b"a" * 199_999)  # its first byte only
     assert len({before, after_tail, model_fingerprint(str(tmp_path))}) == 3
+    # A file of between one and two 64 KiB reads: its tail past the first read counts too.
+    (tmp_path / "weights.bin").write_bytes(b"a" * 100_000)
+    before = model_fingerprint(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"a" * 99_999 + b"b")
+    assert model_fingerprint(str(tmp_path)) != before
+
+
+def test_a_loopback_coordinator_listens_on_loopback_only(monkeypatch):
+    """Process 0's coordinator (unauthenticated) binds the loopback address it was given, not every
+    interface; another address keeps JAX's default (a cluster name may not be this host's own)."""
+    from jaxinfer import distributed
+
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the test process's runtime stays as it is
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+    distributed.initialize(f"127.0.0.1:{port}", 2, 1)
+    distributed.initialize(f"{socket.gethostname()}:{port}", 2, 0)
+    assert [kw["coordinator_bind_address"] for kw in joined] == [f"127.0.0.1:{port}", None, None]
+    assert [(kw["num_processes"], kw["process_id"]) for kw in joined] == [(2, 0), (2, 1), (2, 0)]

@@ -181,7 +181,7 @@ def test_no_compilation_after_warmup_on_a_mesh(params):
     assert num_compiles() == before
 
 
-def test_bad_meshes_are_refused_by_name():
+def test_bad_meshes_are_refused_by_name(monkeypatch):
     with pytest.raises(InvalidRequestError, match="has 16 devices; only 8 are available"):
         parse_mesh("data=4,model=4")
     assert make_mesh("model=4").devices.tolist() == [jax.devices()[:4]]  # a prefix of the devices is fine
@@ -200,6 +200,12 @@ def test_bad_meshes_are_refused_by_name():
     assert parse_mesh("model=8") == {"data": 1, "model": 8}
     with pytest.raises(InvalidRequestError, match="has 9 devices"):
         LLM(mesh="data=3,model=3")
+    # Across processes every device takes part: a mesh on some of them is refused (seen from one of
+    # two processes; the two-process tests run full meshes).
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(InvalidRequestError, match="must span all 8 devices of the 2 processes"):
+        parse_mesh("model=4")
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
 
 
 def test_kv_head_copies_only_when_the_model_axis_is_a_multiple():
