@@ -791,6 +791,8 @@ def test_bad_constructor_arguments():
         LLM(max_num_seqs=10**9)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         LLM(max_model_len=10**6)
+    with pytest.raises(InvalidRequestError, match=r"max_model_len must be in \[2, 1024 for this model\], got 1"):
+        LLM(max_model_len=1)  # room for a prompt token but none for an output
     with pytest.raises(InvalidRequestError, match="model must be a directory path"):
         LLM(5)
     with pytest.raises(InvalidRequestError, match=r"generation_config must be one of \('auto', 'none'\), got 'vllm'"):
