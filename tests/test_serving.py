@@ -1417,6 +1417,17 @@ def test_jetstream_never_sends_the_stop_token(llm):
         s.stop()
 
 
+@pytest.mark.parametrize("stop_reason", [0, 7, "END", None])
+def test_stop_reason_crosses_the_wire_as_set(stop_reason):
+    """Token id 0 is a stop reason too (a pad or <unk> named in stop_token_ids), not "none"."""
+    from jaxinfer.client import _stop_reason
+    from serving import wire
+
+    for msg in (pb.Completion(), pb.GenerateStreamResponse()):
+        wire.set_stop_reason(msg, stop_reason)
+        assert _stop_reason(type(msg).FromString(msg.SerializeToString())) == stop_reason
+
+
 def test_every_sampling_param_crosses_the_wire_as_sent():
     """The client's message read back by the server is the SamplingParams the caller made, for every
     field set away from its default (a field the proto lacks, or the server's reader skips, fails)."""
