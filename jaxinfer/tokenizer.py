@@ -221,9 +221,13 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         tokens_map = _read_json(path)
     if not isinstance(config, dict) or not isinstance(tokens_map, dict):
         raise CheckpointError(f"{model_dir}: tokenizer_config.json / special_tokens_map.json must hold JSON objects")
+    # transformers' rule: a config with added_tokens_decoder (what transformers 4.34+ writes) says
+    # everything and special_tokens_map.json is not read; an older one is overridden by the map.
+    if "added_tokens_decoder" in config:
+        tokens_map = {}
     special = {}
     for name in _SPECIAL_NAMES:
-        text = _token_text(config.get(name)) or _token_text(tokens_map.get(name))
+        text = _token_text(tokens_map[name] if name in tokens_map else config.get(name))
         if text is not None:
             special[name] = text
     extra = []

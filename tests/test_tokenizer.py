@@ -220,6 +220,23 @@ def test_special_tokens_map_supplies_token_strings(tmp_path):
     assert ours.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
 
+@pytest.mark.parametrize("decoder", [False, True])
+def test_special_token_strings_come_from_the_file_transformers_reads(tmp_path, decoder):
+    """tokenizer_config.json and special_tokens_map.json disagree on BOS and EOS. transformers reads
+    the map over an older config, and ignores it beside a config with added_tokens_decoder."""
+    _bpe_dir(tmp_path, ["<|a|>", "<|b|>"], eos_token="<|a|>")
+    if decoder:
+        entry = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": True}
+        names = {0: "<pad>", 1: "<s>", 2: "</s>", 3: "<|a|>", 4: "<|b|>"}
+        _edit_config(tmp_path, added_tokens_decoder={str(i): {"content": t, **entry} for i, t in names.items()})
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|b|>", "eos_token": "<|b|>"}))
+    ours = load_tokenizer(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (ours.special_tokens["bos_token"], ours.special_tokens["eos_token"]) == (theirs.bos_token, theirs.eos_token)
+    assert ours.eos_ids == (theirs.eos_token_id,) and ours.bos_id == theirs.bos_token_id
+    assert theirs.eos_token == ("<|a|>" if decoder else "<|b|>")  # both rules were exercised
+
+
 def test_malformed_tokenizer_settings_are_named(tmp_path):
     _bpe_dir(tmp_path)
     _edit_config(tmp_path, additional_special_tokens=5)
