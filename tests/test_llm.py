@@ -646,6 +646,14 @@ def test_a_huge_text_prompt_is_refused_before_tokenizing(llm):
     with pytest.raises(InvalidRequestError, match=r"prompts\[1\]: 4000000 bytes of text cannot fit in 63 tokens"):
         llm.generate(["fine", "x" * 4_000_000], GREEDY)
     assert llm.tokenizer.max_token_bytes == 1  # the byte tokenizer: one token per byte
+    # The bound is not a token shy: as many bytes as tokens fit (NUL is a byte too).
+    from jaxinfer.tokenizer import encode_prompt
+
+    text = "\x00" + "x" * 62
+    ids = encode_prompt(llm.tokenizer, text, max_tokens=63, field="p", add_special_tokens=False)
+    assert len(ids) == 63 and llm.tokenizer.decode(ids) == text
+    with pytest.raises(InvalidRequestError, match="p: 64 bytes of text cannot fit in 63 tokens"):
+        encode_prompt(llm.tokenizer, text + "x", max_tokens=63, field="p")
 
 
 def test_a_flat_list_of_ids_is_one_prompt(llm):

@@ -524,6 +524,62 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
         assert text.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
 
 
+# Special tokens, tools through tojson, and content parts the template takes apart itself.
+PARTS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<{{ m.role }}>"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}|{% endfor %}{% endif %}"
+    "</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_chat_template_tools_kwargs_and_parts_match_transformers(tmp_path):
+    """Non-ASCII tool text stays as written through tojson; chat_template_kwargs override the
+    special tokens; continue_final_message continues a list content's last text part."""
+    from jaxinfer.tokenizer import check_tools, render_chat_template, validate_messages
+
+    d = _chat_dir(tmp_path, "llama3")
+    _edit_config(d, chat_template=PARTS_TEMPLATE)
+    ours = load_tokenizer(str(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    tools = [{"type": "function", "function": {"name": "météo", "description": "température °C, 東京"}}]
+    conv = [{"role": "user", "content": "Quel temps à Tōkyō ?"}]
+    text = render_chat_template(
+        ours.chat_template, validate_messages(conv), special_tokens=ours.special_tokens, tools=check_tools(tools)
+    )
+    assert text == theirs.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "température °C, 東京" in text
+    text = render_chat_template(
+        ours.chat_template,
+        validate_messages(conv),
+        special_tokens=ours.special_tokens,
+        template_kwargs={"bos_token": "<BOS>"},
+    )
+    assert text == theirs.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, bos_token="<BOS>")
+    assert text.startswith("<BOS><user>")
+    parts = [{"type": "text", "text": "First"}, {"type": "text", "text": "Second"}]
+    conv = [*conv, {"role": "assistant", "content": parts}]
+    text = render_chat_template(
+        ours.chat_template,
+        validate_messages(conv),
+        add_generation_prompt=False,
+        special_tokens=ours.special_tokens,
+        continue_final_message=True,
+    )
+    assert text == theirs.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert text.endswith("<assistant>First|Second")
+
+
+def test_message_keys_set_to_none_are_left_out():
+    """{"tool_calls": None} (as OpenAI-style clients send unset fields) is no tool call: a template
+    testing `'tool_calls' in m` must not see the key."""
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    template = "{% for m in messages %}{% if 'tool_calls' in m %}CALLS{% endif %}{{ m.content }}{% endfor %}"
+    conv = validate_messages([{"role": "user", "content": "hi", "tool_calls": None, "name": None}])
+    assert conv == [{"role": "user", "content": "hi"}]
+    assert render_chat_template(template, conv) == "hi"
+
+
 def test_chat_template_jinja_file_is_read(tmp_path):
     d = _chat_dir(tmp_path, "llama3")
     _edit_config(d, chat_template=None)
@@ -592,6 +648,7 @@ def test_llm_chat_continues_the_final_message(chat_llm):
         (dict(continue_final_message=1, add_generation_prompt=False), r"continue_final_message must be True or False"),
         (dict(chat_template_kwargs=["x"]), r"chat_template_kwargs must be a dict"),
         (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
+        (dict(chat_template_kwargs={"documents": [], "x": 1}), r"may not set \['documents'\]: pass them as chat"),
         (dict(chat_template_kwargs={"date_string": b"x"}), r"chat_template_kwargs\.date_string is a bytes"),
     ],
 )
@@ -818,8 +875,10 @@ def test_function_tools_are_described_as_transformers_describes_them():
 
     from jaxinfer.tool_schema import function_schema
 
-    for fn in (get_weather, search, Calculator().add):
+    for fn in (get_weather, search, Calculator().add, pick):
         assert function_schema(fn) == get_json_schema(fn), fn.__name__
+    assert function_schema(pick)["function"]["parameters"]["properties"]["mode"]["enum"] == ["fast", "slow"]
+    assert function_schema(pick)["function"]["return"]["description"] == "the pick, on a line\n    and the next"
     weather = function_schema(get_weather)["function"]
     assert weather["parameters"]["required"] == ["city"]
     assert weather["parameters"]["properties"]["unit"] == {
@@ -829,6 +888,18 @@ def test_function_tools_are_described_as_transformers_describes_them():
     }
     assert weather["parameters"]["properties"]["city"]["description"] == "the city's name, spelled in English"
     assert weather["return"] == {"type": "number", "description": "The temperature in the given unit."}
+
+
+def pick(mode: str, size: int = 1) -> str:
+    """Picks one.
+
+    Args:
+        mode: how (choices: [" fast", "slow "])
+        size: how many
+    Returns:
+        the pick, on a line
+        and the next
+    """
 
 
 def double(x: int, y: int = 0) -> int:
@@ -891,6 +962,14 @@ def _custom_type(x: Calculator):
     """
 
 
+def _one_tuple(x: tuple[int]):
+    """Takes a one-element tuple (transformers refuses it too).
+
+    Args:
+        x: a value
+    """
+
+
 @pytest.mark.parametrize(
     "tools, message",
     [
@@ -901,6 +980,7 @@ def _custom_type(x: Calculator):
         ([_no_hint], r"tools\[0\]: tool '_no_hint': argument 'x' has no type hint"),
         ([_undocumented], r"tools\[0\]: tool '_undocumented': argument 'y' has no description under Args:"),
         ([_custom_type], r"tools\[0\]: tool '_custom_type': argument 'x': type hint .*Calculator.* no JSON schema"),
+        ([_one_tuple], r"tools\[0\]: tool '_one_tuple': argument 'x': tuple\[int\] has no fixed-length JSON form"),
         ([{"name": "x\udcff"}], r"tools\[0\]\.name"),
         ([{"function": {"tags": {"a"}}}], r"tools\[0\]\.function\.tags is a set, which has no JSON form"),
         ([{1: "x"}], r"tools\[0\] has a key that is not a string: 1"),
