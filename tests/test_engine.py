@@ -271,6 +271,7 @@ def test_a_cache_salt_shares_prefix_pages_only_with_the_same_salt(params):
         with pytest.raises(InvalidRequestError, match=f"cache_salt .*{message}"):
             e.add_request([1, 2, 3], sp, cache_salt=bad)
     assert not e.requests or all(r.finished for r in e.requests.values())
+    e.abort(e.add_request([1, 2, 3], sp, cache_salt="x" * 1024).request_id)  # the longest salt taken
 
 
 @pytest.mark.parametrize("placed", [False, True], ids=["host-params", "device-params"])

@@ -135,6 +135,11 @@ def test_int8_cache_is_close_to_the_float_cache_and_half_the_bytes(params):
     h = CFG.head_dim
     assert int8_cache.nbytes * 4 * h == f32_cache.nbytes * (h + 4)  # int8 + a float32 scale per token-head
     assert CFG.kv_bytes_per_token * 8 * 4 == int8_cache.nbytes
+    # A bfloat16 model's scales stay float32 (bfloat16 scales would cost the int8 values' precision).
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16")
+    bf16_cache = KVCache.create(bf16, num_pages=8, page_size=4)
+    assert {p.scales.dtype for p in bf16_cache.k + bf16_cache.v} == {jnp.dtype(jnp.float32)}
+    assert bf16.kv_bytes_per_token * 8 * 4 == bf16_cache.nbytes
 
 
 def _run(engine, prompts, sps):

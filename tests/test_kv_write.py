@@ -92,3 +92,16 @@ def test_kv_write_refuses_mismatched_inputs():
             kv_write(k_pages, v_pages, k, k, slots, interpret=True)
     with pytest.raises(ValueError, match="slots must hold integers"):
         kv_write(k_pages, v_pages, k, k, jnp.zeros((1, 2), jnp.float32), interpret=True)
+
+
+def test_kv_write_inside_a_jit_clamps_a_slot_past_the_pools_onto_the_last_slot():
+    """Traced slots cannot be refused: one past the end lands on the pools' last slot, never beyond."""
+    rng = np.random.default_rng(1)
+    k_pages, v_pages = _pools(rng, "float32")
+    before = np.asarray(k_pages)
+    k = jnp.asarray(rng.standard_normal((1, 1, NK, H)), jnp.float32)
+    write = jax.jit(lambda kp, vp, slots: kv_write(kp, vp, k, k, slots, interpret=True))
+    got = np.asarray(write(k_pages, v_pages, jnp.asarray([[POOL * PAGE]], jnp.int32))[0])
+    want = before.copy()
+    want[:, POOL - 1, PAGE - 1] = np.asarray(k)[0, 0]
+    np.testing.assert_array_equal(got, want)

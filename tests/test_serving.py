@@ -509,6 +509,17 @@ def test_cancel_and_deadline_free_pages(server, caplog):
         server.wait_idle()
         assert _aborted(server) == aborted + 2
         assert _wait_for_log(caplog, lambda x: x["code"] == "DEADLINE_EXCEEDED")["completion_tokens"] < 120
+
+        # A deadline before the first token (the prompt's step takes 0.3 s): no time to first token.
+        engine.step = lambda: (time.sleep(0.3), real_step())[1]
+        try:
+            with pytest.raises(ServerError) as e:
+                c.generate("a long story", _long(120), timeout=0.1, request_id="before-first-token")
+        finally:
+            del engine.step
+        server.wait_idle()
+        line = _wait_for_log(caplog, lambda x: x["client_request_id"] == "before-first-token")
+        assert (line["code"], line["completion_tokens"], line["ttft_s"]) == ("DEADLINE_EXCEEDED", 0, None)
         assert c.generate("still serving", SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
 
 
@@ -1207,6 +1218,8 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
             while s.server.state != "draining":
                 time.sleep(0.01)
             assert c.health() == "NOT_SERVING"
+            jetstream = js_grpc.OrchestratorStub(ch)
+            assert jetstream.HealthCheck(js.HealthCheckRequest(), timeout=5).is_live is False  # JetStream's own check
             with pytest.raises(ServerError) as e:
                 c.generate("new", SamplingParams(max_tokens=2))
             assert e.value.code == "UNAVAILABLE" and "draining" in e.value.details
@@ -1226,14 +1239,19 @@ def test_drain_timeout_ends_what_is_left_with_abort():
     step = llm.engine.step
     llm.engine.step = lambda: (time.sleep(0.05), step())[1]  # 100 tokens take ~5 s
     try:
-        with Client(s.address) as c:
-            stream = c.stream("left over", _long(100))
+        with grpc.insecure_channel(s.address) as ch:
+            params = pb.SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)
+            stream = pb_grpc.InferenceServiceStub(ch).GenerateStream(
+                pb.GenerateRequest(text="left over", sampling_params=params), timeout=60
+            )
             got = [next(stream)]
             t0 = time.monotonic()
             assert s.run(s.server.stop(drain_timeout=0.3)) is False  # not drained in time
             got += list(stream)
             assert time.monotonic() - t0 < 3
-            assert got[-1].finish_reason == "abort" and 0 < sum(len(d.token_ids) for d in got) < 100
+            made = sum(len(m.token_ids) for m in got)
+            assert got[-1].finish_reason == pb.FINISH_REASON_ABORT and 0 < made < 100
+            assert got[-1].usage.completion_tokens == made  # the abort itself is no token
         assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
     finally:
         s.loop.call_soon_threadsafe(s.loop.stop)
