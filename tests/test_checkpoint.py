@@ -322,6 +322,11 @@ def test_corrupt_marker(small_ckpt):
         f.write("{not json")
     with pytest.raises(CheckpointError, match="jaxinfer_checkpoint.json is corrupt"):
         checkpoint.restore(small_ckpt)
+    # A format version this code does not know is refused, not read as its own.
+    with open(os.path.join(small_ckpt, checkpoint.MARKER), "w") as f:
+        json.dump({"format": checkpoint.FORMAT, "version": checkpoint.VERSION + 1, "params": "params"}, f)
+    with pytest.raises(CheckpointError, match=f"expected format .* version {checkpoint.VERSION}, got"):
+        checkpoint.restore(small_ckpt)
 
 
 def test_missing_tensor_is_named(tmp_path):

@@ -785,6 +785,10 @@ def test_generation_defaults_read_like_transformers_and_vllm(tmp_path, capsys, g
 def test_bad_constructor_arguments():
     with pytest.raises(InvalidRequestError, match="dtype"):
         LLM(dtype="float16")
+    with pytest.raises(InvalidRequestError, match="page_size must be a power of two, got 12"):
+        LLM(default_model.TINY_RANDOM, page_size=12)
+    with pytest.raises(InvalidRequestError, match=r"num_kv_pages must be an integer in \[2, "):
+        LLM(default_model.TINY_RANDOM, num_kv_pages=1)  # the scratch page alone
     with pytest.raises(InvalidRequestError, match=r"page_size must be an integer in \[1, 65536\], got 0"):
         LLM(page_size=0)  # was a ZeroDivisionError while sizing the default page count
     with pytest.raises(InvalidRequestError, match="max_num_seqs must be an integer in .*, got True"):

@@ -393,6 +393,17 @@ def test_the_model_fingerprint_reads_the_files_contents(tmp_path):
     assert model_fingerprint(str(tmp_path)) != before
 
 
+def test_least_is_the_smallest_of_every_process(monkeypatch):
+    """What fits in the tightest process fits everywhere (the two-process tests share one host, whose
+    processes see about the same free memory: they cannot tell the least from the most)."""
+    from jax.experimental import multihost_utils
+
+    from jaxinfer import distributed
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([[9], [3], [x[0]]]))
+    assert distributed.least(5) == 3 and distributed.least(1) == 1
+
+
 def test_a_loopback_coordinator_listens_on_loopback_only(monkeypatch):
     """Process 0's coordinator (unauthenticated) binds the loopback address it was given, not every
     interface; another address keeps JAX's default (a cluster name may not be this host's own)."""

@@ -185,6 +185,9 @@ def test_bad_meshes_are_refused_by_name(monkeypatch):
     with pytest.raises(InvalidRequestError, match="has 16 devices; only 8 are available"):
         parse_mesh("data=4,model=4")
     assert make_mesh("model=4").devices.tolist() == [jax.devices()[:4]]  # a prefix of the devices is fine
+    # `model` varies fastest: a tensor-parallel group is neighbouring devices (one host's, one slice's).
+    assert make_mesh("data=2,model=4").devices.tolist() == [jax.devices()[:4], jax.devices()[4:8]]
+    assert spec_for("tokens", ("batch", None), (4, 8), make_mesh("data=2,model=4")) == P("data", None)
     with pytest.raises(InvalidRequestError, match="mesh axis 'tensor' is not one of"):
         parse_mesh("tensor=8")
     with pytest.raises(InvalidRequestError, match="mesh must look like"):
