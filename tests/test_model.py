@@ -191,7 +191,7 @@ def test_kv_cache_bits_do_not_depend_on_how_the_prompt_is_chunked(params):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("width", [64, 100, 2304])
+@pytest.mark.parametrize("width", [64, 100, 130, 2304])  # 130: odd part 65, zero-padded to 192
 def test_sum_last_axis_is_row_invariant_and_accurate(width):
     from jaxinfer.numerics import sum_last_axis
 
