@@ -147,6 +147,19 @@ def test_training_loss_and_held_out_rows_by_hand():
     assert stream.tolist() == [97, 98, 99, train.EOS, 100, 101, train.EOS] and starts.tolist() == [0, 2, 4]
 
 
+def test_compressed_corpus_blocks_decode_as_compress_wrote_them():
+    """The corpus's .Z blocks: tests/data/lzw_words.Z was written by ncompress (the code of Unix
+    `compress`, 16-bit block mode) from the words below; its 6 KB of codes grow from 9 to 13 bits."""
+    words = "and the LORD said unto Moses in that day of Israel children people land house king God".split()
+    x, text = 1, []
+    for _ in range(5000):
+        x = (x * 1103515245 + 12345) % 2**31
+        text.append(words[x % len(words)] + ("\n" if x % 11 == 0 else " "))
+    with open(os.path.join(os.path.dirname(__file__), "data", "lzw_words.Z"), "rb") as f:
+        data = f.read()
+    assert train._unlzw(data) == "".join(text).encode()
+
+
 def test_learning_rate_warms_up_then_decays_on_a_cosine_to_a_tenth():
     import argparse
     import math
