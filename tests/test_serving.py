@@ -1435,6 +1435,40 @@ def test_jetstream_never_sends_the_stop_token(llm):
         s.stop()
 
 
+def test_jetstream_text_mode_sends_ids_that_make_no_text(llm):
+    """Text in, but the tokens made have no text (special tokens skipped in the text, as a chat
+    model's markers are): their ids still reach the client, in one message at the end."""
+    from jaxinfer.engine import Engine
+    from jaxinfer.tokenizer import ByteTokenizer
+
+    echoed = llm.generate("the lazy dog", SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+
+    class Skipping(ByteTokenizer):  # the echoed byte as a special token
+        def __init__(self):
+            super().__init__()
+            self.skipped_ids = self.skipped_ids | {echoed}
+
+    small = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
+    small.tokenizer = Skipping()
+    small.engine = Engine(
+        small.cfg,
+        small.params,
+        small.tokenizer,
+        max_model_len=64,
+        num_kv_pages=8,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+    )
+    s = ServerThread(small)
+    try:
+        stub = js_grpc.OrchestratorStub(grpc.insecure_channel(s.address))
+        req = js.DecodeRequest(max_tokens=5, text_content=js.DecodeRequest.TextContent(text="the lazy dog"))
+        msgs = list(stub.Decode(req, timeout=60))
+        assert [(m.text, list(m.token_ids)) for x in msgs for m in x.stream_content.samples] == [("", [echoed] * 5)]
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("stop_reason", [0, 7, "END", None])
 def test_stop_reason_crosses_the_wire_as_set(stop_reason):
     """Token id 0 is a stop reason too (a pad or <unk> named in stop_token_ids), not "none"."""
