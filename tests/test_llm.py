@@ -813,6 +813,8 @@ def test_bad_constructor_arguments():
         LLM(mesh=2)
     with pytest.raises(InvalidRequestError, match="enable_prefix_caching and warmup must be True or False"):
         LLM(enable_prefix_caching="no")  # a non-empty string was truthy
+    with pytest.raises(InvalidRequestError, match="enable_prefix_caching and warmup must be True or False"):
+        LLM(warmup="no")
 
 
 def test_cli_json(capsys):

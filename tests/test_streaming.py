@@ -221,6 +221,39 @@ def llm():
     return LLM(max_model_len=128, num_kv_pages=64, max_num_seqs=4)
 
 
+def test_deltas_join_in_order_and_outputs_mirror_sample_0():
+    """StreamDelta.then (deltas a lagging server handler sends as one): ids, text and logprobs in
+    order, the prompt's logprobs from the first, the end from the later. A RequestOutput's
+    properties are its first sample's, whatever the order of the rest."""
+    from jaxinfer.llm import CompletionOutput, Logprob, RequestOutput, StreamDelta
+
+    lp = [Logprob(token_id=i, logprob=-0.5 * i, top={i: -0.5 * i}) for i in range(4)]
+    first = StreamDelta(token_ids=[1], text="ab", logprobs=lp[1:2], prompt_logprobs=[None, lp[0]])
+    later = StreamDelta(token_ids=[2, 3], text="c", finish_reason="stop", stop_reason=3, logprobs=lp[2:])
+    assert first.then(later) == StreamDelta(
+        token_ids=[1, 2, 3],
+        text="abc",
+        finish_reason="stop",
+        stop_reason=3,
+        logprobs=lp[1:],
+        prompt_logprobs=[None, lp[0]],
+    )
+    samples = [
+        CompletionOutput(i, [i], f"s{i}", reason, lp[i : i + 1], stop, cumulative_logprob=-0.5 * i)
+        for i, reason, stop in ((0, "stop", "END"), (1, "length", None))
+    ]
+    out = RequestOutput("r", "p", [5], samples)
+    s0 = samples[0]
+    assert (out.token_ids, out.text, out.finish_reason, out.logprobs, out.stop_reason, out.cumulative_logprob) == (
+        s0.token_ids,
+        s0.text,
+        s0.finish_reason,
+        s0.logprobs,
+        s0.stop_reason,
+        s0.cumulative_logprob,
+    )
+
+
 def test_stream_matches_generate(llm):
     sp = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
     deltas = list(llm.stream("Hello", sp))
