@@ -827,6 +827,38 @@ def test_cli_json(capsys):
     assert [json.loads(x)["prompt_token_ids"] for x in lines] == [[1, 5, 6], [1, 7]]
 
 
+def test_cli_defaults_are_the_apis(capsys):
+    """Flags left out mean what the Python API's defaults mean: the engine's capacity, min_tokens 0
+    (an EOS may come first: the tiny model echoes the prompt's last token, here EOS), special tokens
+    skipped in the text unless --keep-special-tokens (the default model's "</s>", forced here)."""
+    import inspect
+
+    from jaxinfer import cli
+
+    args = cli._parser().parse_args(["generate", "x"])
+    api = inspect.signature(LLM).parameters
+    for name, value in cli.engine_kwargs(args).items():
+        assert value == api[name].default, name
+    assert main(["generate", "--model", default_model.TINY_RANDOM, "--prompt-ids", "1,5,2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == []
+    flags = ["--prompt-ids", "1,5,6", "--max-tokens", "2", "--ignore-eos", "--allowed-token-ids", "2", "--json"]
+    assert main(["generate", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == ""
+    assert main(["generate", *flags, "--keep-special-tokens"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "</s></s>"
+
+
+def test_an_empty_list_of_prompts_gives_an_empty_list(llm):
+    assert llm.generate(prompt_token_ids=[]) == [] and llm.generate([]) == []
+
+
+def test_default_kv_pages_hold_every_sequence_at_full_length():
+    """With memory to spare, num_kv_pages defaults to max_num_seqs full-length sequences, plus the
+    scratch page the cache keeps for padding (not counted in kv_pages_total)."""
+    small = LLM(default_model.TINY_RANDOM, max_model_len=64, max_num_seqs=4, page_size=16, warmup=False)
+    assert small.stats()["kv_pages_total"] == 4 * 64 // 16
+
+
 def test_bad_words_look_back_into_the_prompt_and_never_appear(llm):
     """With the byte tokenizer and the output held to eight letters: a word made of the prompt's last
     letter and the first output letter changes the first token; a word from inside the output
