@@ -248,11 +248,15 @@ def test_model_with_the_pallas_backend_matches_reference():
     from jaxinfer.engine import Engine
     from jaxinfer.model import init_params
 
-    base = dataclasses.replace(default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()))
-    weights = init_params(base, 0)
+    # A soft cap too; weights 6x the usual init, so that attention logits are O(1) and both the cap
+    # and the window move the logprobs (greedy tokens alone did not see either left out of the call).
+    base = dataclasses.replace(
+        default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()), attn_logit_softcap=2.0
+    )
+    weights = jax.tree.map(lambda x: 6 * x, init_params(base, 0))
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = {}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    outs, lps = {}, {}
     for backend in ("reference", "pallas"):
         cfg = dataclasses.replace(base, attention_backend=backend)
         engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
@@ -260,9 +264,12 @@ def test_model_with_the_pallas_backend_matches_reference():
         while engine.has_unfinished():
             engine.step()
         outs[backend] = [r.seqs[0].output_ids for r in reqs]
+        lps[backend] = [[lp.logprob for lp in r.seqs[0].prompt_logprobs + r.seqs[0].logprobs] for r in reqs]
     assert outs["pallas"] == outs["reference"]
     assert all(len(t) == 6 for t in outs["pallas"])
     assert len({tuple(t) for t in outs["reference"]}) == 3  # distinct, so agreement means something
+    for a, b in zip(lps["pallas"], lps["reference"], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
 
 
 def test_llm_takes_the_backend_by_name():
