@@ -87,6 +87,19 @@ def test_yarn_mscale_without_mscale_all_dim_matches_transformers():
     assert rope_attention_factor(cfg) == pytest.approx(rotary.attention_scaling, rel=1e-12)
 
 
+def test_yarn_ramp_clamped_at_the_last_pair_matches_transformers():
+    """A small base and a long original context put YaRN's slow end past the last frequency pair:
+    the ramp is clamped at head_dim - 1, as transformers clamps it."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096, rope_theta=100.0)
+    hf = _hf_config("qwen2-yarn", head_dim=16, rope_scaling=scaling)
+    cfg = from_hf_config(hf.to_dict())
+    assert cfg.rope_theta == 100.0
+    rotary = LlamaRotaryEmbedding(hf)
+    np.testing.assert_allclose(rope_inv_freq(cfg), rotary.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
+
+
 def _layer_types(c, n):
     """transformers' `layer_types` of a converted config's first n layers."""
     slides = [isinstance(c.attention_kind(i), SlidingWindow) for i in range(n)]

@@ -13,7 +13,14 @@ from hf_models import GEMMA_FAMILIES, GEMMA_TINY, make_hf_gemma, save_hf_model
 from test_hf_parity import _hf_greedy, _jax_logits
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import GlobalAttention, LinearRopeScaling, SlidingWindow, from_hf_config, rope_inv_freq
+from jaxinfer.config import (
+    GlobalAttention,
+    LinearRopeScaling,
+    SlidingWindow,
+    from_hf_config,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from jaxinfer.errors import UnsupportedModelError
 from jaxinfer.kv_cache import Batch, KVCache
 from jaxinfer.loading import load_hf_checkpoint
@@ -280,6 +287,9 @@ def test_gemma3_rope_tables_match_transformers(change):
     for layer_type, local in (("full_attention", False), ("sliding_attention", True)):
         theirs = getattr(rope, f"{layer_type}_inv_freq").to(torch.float64).numpy()
         np.testing.assert_allclose(rope_inv_freq(c, local=local), theirs, rtol=1e-6)
+        # YaRN's attention factor scales the global tables only.
+        scaling = getattr(rope, f"{layer_type}_attention_scaling")
+        assert rope_attention_factor(c, local=local) == pytest.approx(scaling, rel=1e-12)
 
 
 @pytest.mark.parametrize("family", list(GEMMA_FAMILIES))
