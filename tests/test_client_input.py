@@ -255,6 +255,9 @@ def test_bad_constructor_and_health_arguments(address):
             Client(address, timeout=timeout)
     with pytest.raises(InvalidRequestError, match=r"server address is not valid Unicode"):
         Client("127.0.0.1:\udcff")
+    for port in (0, 65536):  # gRPC would wrap 65536 to 0
+        with pytest.raises(InvalidRequestError, match=r"the port must be in \[1, 65535\]"):
+            Client(f"127.0.0.1:{port}")
     with Client(address, timeout=TIMEOUT) as c:
         with pytest.raises(InvalidRequestError, match=r"service must be a string, got int 5"):
             c.health(5)
@@ -274,10 +277,12 @@ def test_bad_constructor_and_health_arguments(address):
 def test_valid_input_reaches_the_wire(address):
     """The premise of the tests above: good input, numpy ints included, passes validation and fails
     only at the connection (nothing listens), as ServerError."""
+    from jaxinfer.client import MIN_KEEPALIVE
+
     p = SamplingParams(max_tokens=np.int64(2**31 - 1), top_k=2**31 - 1, seed=2**32 - 1, stop_token_ids=[2**31 - 1])
-    with Client(address, timeout=TIMEOUT) as c:
+    with Client(address, timeout=TIMEOUT, keepalive=MIN_KEEPALIVE) as c:  # the limits themselves pass
         for kwargs in [
-            {"prompt": "In the beginning", "sampling_params": p, "request_id": "r1"},
+            {"prompt": "In the beginning", "sampling_params": p, "request_id": "r" * 256},
             {"prompt_token_ids": [0, 1, 2**31 - 1], "sampling_params": p},
             {"prompt_token_ids": np.array([3, 4], dtype=np.int32), "timeout": 1},
             {"prompt_token_ids": (5, np.int64(6))},

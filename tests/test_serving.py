@@ -198,6 +198,35 @@ def test_unary_generate_with_logprobs_and_samples(server, llm):
     assert got.prompt_token_ids == ref.prompt_token_ids
 
 
+def test_outputs_over_the_wire_are_offline_outputs(server, llm):
+    """Field for field what LLM.generate returns, without logprobs asked (None, not empty) and with
+    them: the prompt text, the samples, their logprobs and cumulative log-probabilities. The
+    asyncio client's stream carries the prompt's logprobs on sample 0's first delta as well."""
+    prompt = "over the lazy dog"
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=4, temperature=1.0, seed=5, n=2, logprobs=2, prompt_logprobs=1)
+    with Client(server.address) as c:
+        got = c.generate(prompt, plain)
+        ref = llm.generate(prompt, plain)[0]
+        assert (got.prompt, got.outputs) == (ref.prompt, ref.outputs) == (prompt, ref.outputs)
+        assert ref.outputs[0].logprobs is None and ref.outputs[0].cumulative_logprob is None
+        assert all(d.logprobs is None for d in c.stream(prompt, plain))
+        got = c.generate(prompt, scored)
+    ref = llm.generate(prompt, scored)[0]
+    for a, b in zip(got.outputs, ref.outputs, strict=True):
+        assert a.token_ids == b.token_ids
+        _same_logprobs(a.logprobs, b.logprobs)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, rel=1e-5)
+
+    async def streamed():
+        async with AsyncClient(server.address, timeout=60) as client:
+            return [d async for d in client.stream(prompt, scored)]
+
+    carrying = [d for d in asyncio.run(streamed()) if d.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0].index == 0
+    _same_logprobs(carrying[0].prompt_logprobs, ref.prompt_logprobs)
+
+
 def _same_logprobs(got, ref):
     assert len(got) == len(ref)
     for a, b in zip(got, ref):
@@ -503,11 +532,13 @@ def test_cancel_and_deadline_free_pages(server, caplog):
         try:
             with pytest.raises(ServerError) as e:
                 c.generate("a long story", _long(120), timeout=0.05)
+            with Client(server.address, timeout=0.05) as hasty, pytest.raises(ServerError) as e2:
+                hasty.generate("a long story", _long(120))  # the client's own deadline, for every call
         finally:
             del engine.step  # the class's own again
-        assert e.value.code == "DEADLINE_EXCEEDED"
+        assert e.value.code == e2.value.code == "DEADLINE_EXCEEDED"
         server.wait_idle()
-        assert _aborted(server) == aborted + 2
+        assert _aborted(server) == aborted + 3
         assert _wait_for_log(caplog, lambda x: x["code"] == "DEADLINE_EXCEEDED")["completion_tokens"] < 120
 
         # A deadline before the first token (the prompt's step takes 0.3 s): no time to first token.
