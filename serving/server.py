@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import itertools
 import json
@@ -178,7 +179,7 @@ class Server:
                     _reflection_handler(names),
                 )
             )
-            _check_host(self.config.host)
+            _check_host(self.config.host, self.config.port)
             address = f"{_host_for_bind(self.config.host)}:{self.config.port}"
             try:
                 self.port = server.add_insecure_port(address)
@@ -830,9 +831,10 @@ class _EngineCollector:
             yield from llm.engine.metrics.registry.collect()
 
 
-def _check_host(host: str) -> None:
-    """OSError naming --host when it does not resolve, or is not an address of this machine: gRPC
-    would log its own error line before ours ("Failed to add port")."""
+def _check_host(host: str, port: int = 0) -> None:
+    """OSError naming --host when it does not resolve or is not an address of this machine, and the
+    port when another process listens there: gRPC would log its own error line before ours ("Failed
+    to add port"). (A port taken between this check and gRPC's bind is still refused, after it.)"""
     name = host.strip("[]")
     if not name:
         raise OSError("--host is empty: give an address of this machine (127.0.0.1 by default)")
@@ -840,13 +842,17 @@ def _check_host(host: str) -> None:
         infos = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise OSError(f"--host {host!r} does not resolve ({e})") from None
+    in_use = False
     for family, kind, proto, _, addr in infos:
         try:
             with socket.socket(family, kind, proto) as s:
-                s.bind(addr)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no user
+                s.bind((addr[0], port, *addr[2:]))
             return
-        except OSError:
-            continue
+        except OSError as e:
+            in_use = in_use or e.errno == errno.EADDRINUSE
+    if in_use:
+        raise OSError(f"cannot bind {_host_for_bind(host)}:{port}: the port is in use")
     raise OSError(f"--host {host!r} is not an address of this machine (cannot bind to it)")
 
 

@@ -848,6 +848,24 @@ def test_cli_defaults_are_the_apis(capsys):
     assert json.loads(capsys.readouterr().out)["text"] == "</s></s>"
 
 
+def test_cli_prints_each_sample_of_each_prompt(capsys):
+    """--n 2: a JSON line per sample with its own tokens and logprobs, as LLM.generate gives them;
+    plain output is the prompt and its continuation."""
+    flags = ["--max-tokens", "4", "--temperature", "1", "--seed", "4", "--n", "2", "--logprobs", "1", "--ignore-eos"]
+    assert main(["generate", *flags, "--json", "And God said"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    p = SamplingParams(max_tokens=4, temperature=1.0, seed=4, n=2, logprobs=1, ignore_eos=True)
+    ref = LLM(max_model_len=64, num_kv_pages=16).generate("And God said", p)[0]
+    assert [x["index"] for x in lines] == [0, 1]
+    assert [x["token_ids"] for x in lines] == [o.token_ids for o in ref.outputs]
+    assert ref.outputs[0].token_ids != ref.outputs[1].token_ids  # two samples, so the lines tell them apart
+    for x, o in zip(lines, ref.outputs):
+        assert [lp["token_id"] for lp in x["logprobs"]] == o.token_ids
+        assert [lp["logprob"] for lp in x["logprobs"]] == pytest.approx([lp.logprob for lp in o.logprobs], rel=1e-5)
+    assert main(["generate", *flags, "And God said"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["And God said" + o.text for o in ref.outputs]
+
+
 def test_an_empty_list_of_prompts_gives_an_empty_list(llm):
     assert llm.generate(prompt_token_ids=[]) == [] and llm.generate([]) == []
 
@@ -940,6 +958,8 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         # Named as typed, not as the API's prompt dicts ("prompts[1]: ..."):
         (["generate", "--prompt-ids", "1,2", "--prompt-ids", "1,99999"], "error: --prompt-ids 2: prompt token id"),
         (["generate", "ok", "x\udcff"], "error: prompt 2 is not valid Unicode"),
+        (["generate", "x\udcff"], "error: prompt is not valid Unicode"),  # the only one: not "prompt 1"
+        (["generate", "--stream", "--n", "2", "x"], "--stream takes exactly one prompt and --n 1"),
         (["serve", "--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
         (["serve", "--port", "47124", "--metrics-port", "47124"], "--port and --metrics-port must differ"),

@@ -1328,8 +1328,29 @@ def test_port_in_use_is_a_clear_error(server):
     async def start():
         return await Server(ServerConfig(port=server.port)).start()
 
-    with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: is the port in use"):
+    with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: the port is in use"):
         asyncio.run(start())
+
+
+def test_serve_on_a_port_in_use_is_one_error_line():
+    """Checked before gRPC binds: gRPC's own log line ("Failed to add port") came first, then ours."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = [
+            sys.executable,
+            "-m",
+            "jaxinfer.cli",
+            "serve",
+            "--model",
+            default_model.TINY_RANDOM,
+            "--port",
+            str(port),
+        ]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"error: cannot bind 127.0.0.1:{port}: the port is in use"
 
 
 def test_metrics_port_in_use_is_a_clear_error(server):
