@@ -1451,10 +1451,21 @@ def test_jetstream_published_client(server, llm, jetstream_wheel):
     assert all(len(m) == 1 for m in got["by_text"]) and "".join(m[0] for m in got["by_text"]) == ref.text
 
 
-def test_jetstream_never_sends_the_stop_token(llm):
-    import dataclasses
-
+def _one_row_llm(*, eos: int | None = None, tokenizer=None) -> LLM:
+    """The tiny random model, one row at a time, its engine rebuilt with another EOS or tokenizer."""
     from jaxinfer.engine import Engine
+
+    sizes = dict(max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
+    small = LLM(default_model.TINY_RANDOM, **sizes)
+    if eos is not None:
+        small.cfg = dataclasses.replace(small.cfg, eos_token_ids=(eos,))
+    if tokenizer is not None:
+        small.tokenizer = tokenizer
+    small.engine = Engine(small.cfg, small.params, small.tokenizer, **sizes)
+    return small
+
+
+def test_jetstream_never_sends_the_stop_token(llm):
 
     # The tiny random model greedily echoes one token; make that token its EOS. A server that
     # forwarded the stop token would then send it; a correct one ends the stream with nothing.
@@ -1463,18 +1474,7 @@ def test_jetstream_never_sends_the_stop_token(llm):
     ref = llm.generate(prompt_token_ids=[prompt], sampling_params=free)[0].token_ids
     eos = ref[0]
     expected = ref[: ref.index(eos)]
-    small = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
-    small.cfg = dataclasses.replace(small.cfg, eos_token_ids=(eos,))
-    small.engine = Engine(
-        small.cfg,
-        small.params,
-        small.tokenizer,
-        max_model_len=64,
-        num_kv_pages=8,
-        max_num_seqs=1,
-        max_num_batched_tokens=16,
-    )
-    s = ServerThread(small)
+    s = ServerThread(_one_row_llm(eos=eos))
     try:
         stub = js_grpc.OrchestratorStub(grpc.insecure_channel(s.address))
         req = js.DecodeRequest(max_tokens=6, token_content=js.DecodeRequest.TokenContent(token_ids=prompt))
@@ -1490,7 +1490,6 @@ def test_jetstream_never_sends_the_stop_token(llm):
 def test_jetstream_text_mode_sends_ids_that_make_no_text(llm):
     """Text in, but the tokens made have no text (special tokens skipped in the text, as a chat
     model's markers are): their ids still reach the client, in one message at the end."""
-    from jaxinfer.engine import Engine
     from jaxinfer.tokenizer import ByteTokenizer
 
     echoed = llm.generate("the lazy dog", SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
@@ -1500,18 +1499,7 @@ def test_jetstream_text_mode_sends_ids_that_make_no_text(llm):
             super().__init__()
             self.skipped_ids = self.skipped_ids | {echoed}
 
-    small = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=8, max_num_seqs=1, max_num_batched_tokens=16)
-    small.tokenizer = Skipping()
-    small.engine = Engine(
-        small.cfg,
-        small.params,
-        small.tokenizer,
-        max_model_len=64,
-        num_kv_pages=8,
-        max_num_seqs=1,
-        max_num_batched_tokens=16,
-    )
-    s = ServerThread(small)
+    s = ServerThread(_one_row_llm(tokenizer=Skipping()))
     try:
         stub = js_grpc.OrchestratorStub(grpc.insecure_channel(s.address))
         req = js.DecodeRequest(max_tokens=5, text_content=js.DecodeRequest.TextContent(text="the lazy dog"))
