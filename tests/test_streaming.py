@@ -33,6 +33,16 @@ def test_multibyte_utf8_never_broken_mid_stream():
     assert len([x for x in deltas if x]) > 5  # it really streamed
 
 
+def test_a_prompt_ending_mid_character_puts_no_stray_replacement_in_the_output():
+    """The output's first byte completes a character the prompt began: the output text is what
+    decoding prompt + output adds to decoding the prompt alone (the decoding window reaches back)."""
+    tok = ByteTokenizer()
+    smile = tok.encode("🙂", add_special_tokens=False)
+    prompt, out = tok.encode("x") + smile[:3], smile[3:] + tok.encode("ab", add_special_tokens=False)
+    deltas, d = feed(tok, prompt, out)
+    assert "".join(deltas) == d.text == tok.decode(prompt + out)[len(tok.decode(prompt)) :] == "ab"
+
+
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
     return SentencePieceTokenizer(train_sentencepiece(tmp_path_factory.mktemp("spm")))
@@ -395,6 +405,22 @@ def test_phase_metrics_split_ttft_and_count_every_computed_token():
     assert 'jaxinfer_step_seconds_count{phase="decode"}' in text
     assert f'jaxinfer_step_tokens_total{{phase="decode"}} {5 * 4}.0' in text
     assert "jaxinfer_request_queue_time_seconds_sum" in text
+    # Prometheus has what stats() has: every histogram's count and sum, each phase under its own
+    # label, every finished sequence by reason.
+    registry = llm.engine.metrics.registry
+    for name, got in [
+        ("jaxinfer_time_to_first_token_seconds", ttft),
+        ("jaxinfer_inter_token_latency_seconds", s["itl_seconds"]),
+        ("jaxinfer_request_latency_seconds", s["request_latency_seconds"]),
+        ("jaxinfer_request_queue_time_seconds", queue),
+        ("jaxinfer_request_prefill_time_seconds", prefill),
+        *((f"jaxinfer_step_seconds/{phase}", steps[phase]) for phase in ("prefill", "decode")),
+    ]:
+        name, _, phase = name.partition("/")
+        labels = {"phase": phase} if phase else {}
+        assert registry.get_sample_value(f"{name}_count", labels) == got["count"] > 0, name
+        assert registry.get_sample_value(f"{name}_sum", labels) == pytest.approx(got["sum"], rel=1e-9), name
+    assert registry.get_sample_value("jaxinfer_finished_sequences_total", {"reason": "length"}) == 5
 
 
 def test_request_metrics_count_requests_once_and_include_aborts():
