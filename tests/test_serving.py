@@ -507,6 +507,18 @@ def test_request_log_line_and_cumulative_logprob(server, llm, caplog):
     for got, want in zip(out.outputs, offline.outputs, strict=True):
         assert got.token_ids == want.token_ids
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-5)
+    # A streamed request echoes the caller's id on every message; a refused one logs why; JetStream's
+    # Decode is logged (and counted) as itself.
+    with grpc.insecure_channel(server.address) as ch:
+        req = pb.GenerateRequest(text="fox", request_id="stream-7", sampling_params=pb.SamplingParams(max_tokens=3))
+        assert {m.request_id for m in pb_grpc.InferenceServiceStub(ch).GenerateStream(req, timeout=60)} == {"stream-7"}
+        with pytest.raises(grpc.RpcError):
+            pb_grpc.InferenceServiceStub(ch).Generate(pb.GenerateRequest(text="", request_id="empty-1"), timeout=60)
+        decode = js.DecodeRequest(max_tokens=2, text_content=js.DecodeRequest.TextContent(text="fox"))
+        list(js_grpc.OrchestratorStub(ch).Decode(decode, timeout=60))
+    refused = _wait_for_log(caplog, lambda x: x["client_request_id"] == "empty-1")
+    assert refused["code"] == "INVALID_ARGUMENT" and "text: the prompt is empty" in refused["error"]
+    assert _wait_for_log(caplog, lambda x: x["method"] == "Decode")["code"] == "OK"
 
 
 def test_cancel_and_deadline_free_pages(server, caplog):
@@ -609,7 +621,8 @@ def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
     """Something other than an Exception out of a step (SystemExit here) ends the engine's thread:
     the requests in flight fail with UNAVAILABLE at once and health says NOT_SERVING (before, they
     waited for their deadlines while health said SERVING)."""
-    s = ServerThread(LLM(**ENGINE))
+    # (The config's dtype is what a load of its own would ask for; ModelInfo says the model's.)
+    s = ServerThread(LLM(**ENGINE), dtype="bfloat16")
     engine = s.server.llm.engine
 
     def dies():
@@ -618,12 +631,17 @@ def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
     engine.step = dies
     try:
         with Client(s.address) as c:
+            assert c.model_info()["dtype"] == "float32" and c.tokenize("ab") == [1, 100, 101]
             with pytest.raises(ServerError) as e:
                 c.generate("in flight", SamplingParams(max_tokens=4), timeout=20)
             assert e.value.code == "UNAVAILABLE" and "engine thread stopped on SystemExit" in e.value.details
             assert c.health() == "NOT_SERVING"
+            for call in (lambda: c.generate("later", SamplingParams(max_tokens=4), timeout=20), c.model_info):
+                with pytest.raises(ServerError) as e:
+                    call()
+                assert e.value.code == "UNAVAILABLE"
             with pytest.raises(ServerError) as e:
-                c.generate("later", SamplingParams(max_tokens=4), timeout=20)
+                c.tokenize("ab")
             assert e.value.code == "UNAVAILABLE"
     finally:
         s.stop()
@@ -689,7 +707,7 @@ BAD = [
     (dict(text=""), "text: the prompt is empty"),
     (dict(), "prompt: set one of text or token_ids"),
     (dict(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
-    (dict(token_ids=pb.TokenIds(ids=[5, 100000])), "token id 100000 is outside the vocabulary"),
+    (dict(token_ids=pb.TokenIds(ids=[5, 100000])), "token_ids: prompt token id 100000 is outside the vocabulary"),
     (dict(token_ids=pb.TokenIds(ids=[-1])), "token id -1 is outside the vocabulary"),
     (dict(token_ids=pb.TokenIds(ids=[5] * 400)), "limit is max_model_len - 1 = 127"),
     (dict(text="x" * 400), "400 bytes of text cannot fit in 127 tokens"),
@@ -712,7 +730,10 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(min_p=float("nan"))), "SamplingParams.min_p"),
     (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "SamplingParams.stop"),
     (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=1000)), None),  # fine: stops at the length
-    (dict(text="hi", sampling_params=pb.SamplingParams(min_tokens=5, max_tokens=2)), "min_tokens must be at most"),
+    (
+        dict(text="hi", sampling_params=pb.SamplingParams(min_tokens=5, max_tokens=2)),
+        "sampling_params: SamplingParams.min_tokens must be at most",
+    ),
     (dict(text="hi", sampling_params=pb.SamplingParams(logit_bias={-4: 1.0})), "SamplingParams.logit_bias keys"),
     (
         dict(text="hi", sampling_params=pb.SamplingParams(logit_bias={4: 101})),
@@ -862,6 +883,11 @@ def test_queue_full_is_resource_exhausted(llm):
             with pytest.raises(ServerError) as e:
                 c.generate("three", SamplingParams(max_tokens=2))
             assert e.value.code == "RESOURCE_EXHAUSTED", (e.value.code, e.value.details)
+            gauges = {
+                n: s.server.registry.get_sample_value(n)
+                for n in ("jaxinfer_queue_depth", "jaxinfer_requests_in_flight")
+            }
+            assert gauges == {"jaxinfer_queue_depth": 1, "jaxinfer_requests_in_flight": 2}, gauges  # one waits
             assert "admission queue is full" in e.value.details and "max_queued_requests (1)" in e.value.details
             gate.set()
             lengths = [sum(len(m.token_ids) for m in stream) for stream in (a, b)]
@@ -1253,6 +1279,9 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
             assert jetstream.HealthCheck(js.HealthCheckRequest(), timeout=5).is_live is False  # JetStream's own check
             with pytest.raises(ServerError) as e:
                 c.generate("new", SamplingParams(max_tokens=2))
+            assert e.value.code == "UNAVAILABLE" and "draining" in e.value.details
+            with pytest.raises(ServerError) as e:
+                c.tokenize("new")
             assert e.value.code == "UNAVAILABLE" and "draining" in e.value.details
             gate.set()
             assert sum(len(m.token_ids) for m in old) == 12  # the old request ran to its end
