@@ -866,6 +866,50 @@ def test_cli_prints_each_sample_of_each_prompt(capsys):
     assert capsys.readouterr().out.splitlines() == ["And God said" + o.text for o in ref.outputs]
 
 
+def test_min_tokens_holds_back_eos_for_exactly_that_many_tokens(llm):
+    """EOS made all but certain (logit_bias): min_tokens=k gives k tokens, then EOS ends it. With
+    ignore_eos, EOS is an ordinary token and min_tokens bans only stop_token_ids (vLLM's rule)."""
+    eos = llm.cfg.eos_token_ids[0]
+    forced = dict(logit_bias={eos: 100.0}, max_tokens=5, temperature=0.0)
+    for k in (0, 1, 3):
+        out = llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=SamplingParams(min_tokens=k, **forced))[0]
+        assert (len(out.token_ids), out.finish_reason) == (k, "stop"), k
+        assert eos not in out.token_ids
+    kept = SamplingParams(min_tokens=2, ignore_eos=True, **forced)
+    assert llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=kept)[0].token_ids == [eos] * 5
+
+
+def test_logprobs_are_each_rows_own_and_sent_once(llm):
+    """In one batch each row's top-n are its own (as run alone); a stream's deltas carry each token's
+    logprob once, also when a stop token or EOS ends it with no token of its own, and the prompt's
+    logprobs once, on sample 0's first delta (not again on an update ending the sample)."""
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 5, 6, 7], [1, 90, 40]]
+    together = llm.generate(prompt_token_ids=prompts, sampling_params=p)
+    for prompt, out in zip(prompts, together):
+        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0]
+        for a, b in zip(out.logprobs, alone.logprobs, strict=True):
+            assert list(a.top) == list(b.top) and list(a.top.values()) == pytest.approx(list(b.top.values()), abs=1e-5)
+    assert together[0].logprobs[0].top != together[1].logprobs[0].top
+    # Stop token 9 made certain but held back one token by min_tokens: one token, then the stop.
+    first = together[0].token_ids[0]
+    stop = SamplingParams(
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=2,
+        prompt_logprobs=1,
+        stop_token_ids=[9],
+        min_tokens=1,
+        logit_bias={9: 100},
+    )
+    deltas = list(llm.stream({"prompt_token_ids": prompts[0]}, stop))
+    assert [t for d in deltas for t in d.token_ids] == [first] and deltas[-1].stop_reason == 9
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == [first]
+    assert sum(d.prompt_logprobs is not None for d in deltas) == 1 and deltas[0].prompt_logprobs is not None
+    two = SamplingParams(max_tokens=2, temperature=1.0, seed=1, n=2, prompt_logprobs=1)
+    assert [d.index for d in llm.stream({"prompt_token_ids": prompts[0]}, two) if d.prompt_logprobs] == [0]
+
+
 def test_an_empty_list_of_prompts_gives_an_empty_list(llm):
     assert llm.generate(prompt_token_ids=[]) == [] and llm.generate([]) == []
 
