@@ -910,6 +910,25 @@ def test_logprobs_are_each_rows_own_and_sent_once(llm):
     assert [d.index for d in llm.stream({"prompt_token_ids": prompts[0]}, two) if d.prompt_logprobs] == [0]
 
 
+def test_presence_penalty_counts_the_output_not_the_prompt(llm):
+    """vLLM's rule: presence and frequency penalties count generated tokens only. The echo model
+    repeats the prompt's last token; a large presence penalty keeps that first token (it is in
+    the prompt only) and then never repeats a token it generated."""
+    plain = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    free = llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=plain)[0].token_ids
+    assert len(set(free)) == 1
+    for penalty in (dict(presence_penalty=2.0), dict(frequency_penalty=2.0)):
+        got = llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=dataclasses.replace(plain, **penalty))[0]
+        assert got.token_ids[0] == free[0] and len(set(got.token_ids)) == 5, (penalty, got.token_ids)
+
+
+def test_a_request_that_exactly_fills_the_kv_cache_runs():
+    small = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=5, page_size=16, max_num_seqs=1)
+    assert small.stats()["kv_pages_total"] == 4  # 64 tokens
+    p = SamplingParams(max_tokens=54, temperature=0.0, ignore_eos=True)
+    assert len(small.generate(prompt_token_ids=[list(range(3, 13))], sampling_params=p)[0].token_ids) == 54
+
+
 def test_an_empty_list_of_prompts_gives_an_empty_list(llm):
     assert llm.generate(prompt_token_ids=[]) == [] and llm.generate([]) == []
 
