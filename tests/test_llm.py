@@ -929,6 +929,20 @@ def test_a_request_that_exactly_fills_the_kv_cache_runs():
     assert len(small.generate(prompt_token_ids=[list(range(3, 13))], sampling_params=p)[0].token_ids) == 54
 
 
+def test_an_abort_updates_the_gauges_at_once():
+    """Prometheus sees an aborted request's pages free and its slot empty right away, not a step later
+    (an idle server takes no next step)."""
+    small = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=16, max_num_seqs=2)
+    engine, registry = small.engine, small.engine.metrics.registry
+    req = engine.add_request([1, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert registry.get_sample_value("jaxinfer_running_sequences") == 1
+    engine.abort(req.request_id)
+    engine.release(req.request_id)
+    assert registry.get_sample_value("jaxinfer_running_sequences") == 0
+    assert registry.get_sample_value("jaxinfer_kv_pages_free") == small.stats()["kv_pages_total"]
+
+
 def test_an_empty_list_of_prompts_gives_an_empty_list(llm):
     assert llm.generate(prompt_token_ids=[]) == [] and llm.generate([]) == []
 
