@@ -943,6 +943,17 @@ def test_an_abort_updates_the_gauges_at_once():
     assert registry.get_sample_value("jaxinfer_kv_pages_free") == small.stats()["kv_pages_total"]
 
 
+def test_a_long_row_decodes_beside_a_short_one_as_alone():
+    """The decode step's page table is as wide as its longest row needs (rows sorted longest first):
+    a 150-token row beside a 3-token one gets the tokens it gets alone."""
+    big = LLM(default_model.TINY_RANDOM, max_model_len=256, num_kv_pages=40, max_num_seqs=2)
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[1, *range(3, 153)], [1, 7, 8]]
+    together = big.generate(prompt_token_ids=prompts, sampling_params=p)
+    alone = [big.generate(prompt_token_ids=[x], sampling_params=p)[0].token_ids for x in prompts]
+    assert [o.token_ids for o in together] == alone
+
+
 def test_an_empty_list_of_prompts_gives_an_empty_list(llm):
     assert llm.generate(prompt_token_ids=[]) == [] and llm.generate([]) == []
 
