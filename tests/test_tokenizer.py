@@ -541,30 +541,22 @@ def test_chat_template_tools_kwargs_and_parts_match_transformers(tmp_path):
     _edit_config(d, chat_template=PARTS_TEMPLATE)
     ours = load_tokenizer(str(d))
     theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+
+    def render(conv, **kw):
+        special = ours.special_tokens
+        return render_chat_template(ours.chat_template, validate_messages(conv), special_tokens=special, **kw)
+
     tools = [{"type": "function", "function": {"name": "météo", "description": "température °C, 東京"}}]
     conv = [{"role": "user", "content": "Quel temps à Tōkyō ?"}]
-    text = render_chat_template(
-        ours.chat_template, validate_messages(conv), special_tokens=ours.special_tokens, tools=check_tools(tools)
-    )
+    text = render(conv, tools=check_tools(tools))
     assert text == theirs.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
     assert "température °C, 東京" in text
-    text = render_chat_template(
-        ours.chat_template,
-        validate_messages(conv),
-        special_tokens=ours.special_tokens,
-        template_kwargs={"bos_token": "<BOS>"},
-    )
+    text = render(conv, template_kwargs={"bos_token": "<BOS>"})
     assert text == theirs.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, bos_token="<BOS>")
     assert text.startswith("<BOS><user>")
     parts = [{"type": "text", "text": "First"}, {"type": "text", "text": "Second"}]
     conv = [*conv, {"role": "assistant", "content": parts}]
-    text = render_chat_template(
-        ours.chat_template,
-        validate_messages(conv),
-        add_generation_prompt=False,
-        special_tokens=ours.special_tokens,
-        continue_final_message=True,
-    )
+    text = render(conv, add_generation_prompt=False, continue_final_message=True)
     assert text == theirs.apply_chat_template(conv, tokenize=False, continue_final_message=True)
     assert text.endswith("<assistant>First|Second")
 
