@@ -253,7 +253,10 @@ class AsyncEngine:
             if stream is None:
                 continue
             if isinstance(item, StreamDelta):
-                if item.token_ids and stream.first_token_time is None:
+                # The first token may be a stop token, which ends the sample without being sent; it
+                # was made all the same (the engine's TTFT counts it too). An abort made nothing.
+                made = item.token_ids or item.finish_reason not in (None, "abort")
+                if made and stream.first_token_time is None:
                     stream.first_token_time = now
                 stream.completion_tokens += len(item.token_ids)
                 if item.finish_reason is not None:

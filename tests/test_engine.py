@@ -544,23 +544,34 @@ def test_admission_is_first_come_and_preemption_takes_the_last_admitted():
     )
     for seq in (a, b, c):
         sched.add(seq)
-    started = []
-    for _ in range(16):
+    started, held = [], []
+
+    def step():
         plan = sched.schedule()
-        started += [ch.seq for ch in plan.prefill if ch.start == 0]
+        started.extend(ch.seq for ch in plan.prefill if ch.start == 0)
         for ch in plan.prefill + plan.decode:  # as the engine does after the step
             ch.seq.num_computed += ch.length
             if ch.samples:
                 ch.seq.tokens.append(5)
-        if len(started) == 2:
-            pool = sched.groups[0].pool
-            pool.allocate(pool.num_free)  # from now on a page can only come from a running sequence
+
+    pool = sched.groups[0].pool
+    for _ in range(16):
+        step()
+        if len(started) == 2 and not held:
+            first_scheduled = b.first_scheduled_time
+            held = pool.allocate(pool.num_free)  # from now on a page can only come from a running sequence
         if sched.num_preemptions:
             break
     assert started == [a, b]  # c waits: max_num_seqs is 2
     # a, admitted first, reaches a page boundary first: b gives its pages back and queues before c.
     assert a.status is SeqStatus.RUNNING and b.status is SeqStatus.WAITING
     assert list(sched.waiting) == [b, c] and sched.num_preemptions == 1
+    # Re-admitted, b keeps the time it first left the queue: its queue time (and so TTFT's split
+    # into queue and prefill) is not measured again from the re-admission.
+    pool.release(held)
+    step()
+    assert b.status is SeqStatus.RUNNING and started[-1] is b
+    assert b.first_scheduled_time == first_scheduled is not None
 
 
 def windowed_workload():

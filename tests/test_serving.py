@@ -504,6 +504,14 @@ def test_request_log_line_and_cumulative_logprob(server, llm, caplog):
     assert line["finish_reasons"] == ["length", "length"]
     assert 0 < line["ttft_s"] <= line["latency_s"]
     offline = llm.generate("the quick fox", p)[0]
+    # A first token that is a stop token is made, though not sent: it has a TTFT, as in the engine.
+    first = offline.outputs[0].token_ids[0]
+    stop_at_once = SamplingParams(max_tokens=5, temperature=1.0, seed=4, stop_token_ids=[first])
+    with Client(server.address) as c:
+        assert c.generate("the quick fox", stop_at_once, request_id="stop-1").outputs[0].token_ids == []
+    line = _wait_for_log(caplog, lambda x: x["client_request_id"] == "stop-1")
+    assert line["finish_reasons"] == ["stop"] and line["completion_tokens"] == 0
+    assert 0 < line["ttft_s"] <= line["latency_s"]
     for got, want in zip(out.outputs, offline.outputs, strict=True):
         assert got.token_ids == want.token_ids
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-5)
