@@ -100,6 +100,34 @@ def _invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
+class _Rpc:
+    """One call as the server counts and logs it; its handler fills in `cid` and `stream`."""
+
+    id: str  # the server's own, also the request id in the engine
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    error: str | None = None  # for the log line
+    cid: str | None = None  # the caller's request_id, if it sent one
+    stream: RequestStream | None = None  # once admitted to the engine
+    ended: bool = False  # counted and logged
+
+
+def _status_of(e: BaseException, ctx) -> tuple[grpc.StatusCode, str | None]:
+    """The status an exception ends its call with, and the error to log (none for a cancellation)."""
+    if isinstance(e, RpcError):
+        return e.code, str(e)
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        # The client gives up at its own deadline, which the server's (arrival + timeout) trails by
+        # the transport's latency: a cancel that close to it is the deadline.
+        remaining = ctx.time_remaining()
+        deadline = remaining is not None and remaining <= _DEADLINE_SLACK_S
+        return (grpc.StatusCode.DEADLINE_EXCEEDED if deadline else grpc.StatusCode.CANCELLED), None
+    if isinstance(e, InvalidRequestError):  # found only by the engine thread: still the request's fault
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
 class Server:
     """One gRPC server over one engine. Given an `llm`, the server's engine thread owns `llm.engine`
     from `start()` on: nothing else may call into it (run offline work on another LLM)."""
@@ -369,7 +397,7 @@ class Server:
         prompt_ids,
         params: SamplingParams,
         field: str,
-        info: dict,
+        rpc: _Rpc,
         *,
         interval: int = 1,
         cache_salt: str | None = None,
@@ -380,7 +408,7 @@ class Server:
             raise _invalid(f"{'sampling_params' if str(e).startswith('SamplingParams.') else field}: {e}") from None
         try:
             return self.async_engine.submit(
-                prompt_ids, params, request_id=info["id"], interval=interval, cache_salt=cache_salt
+                prompt_ids, params, request_id=rpc.id, interval=interval, cache_salt=cache_salt
             )
         except QueueFullError as e:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
@@ -393,119 +421,85 @@ class Server:
         """Wraps a handler: RpcError -> status, cancellation -> abort, metrics and the log line."""
         self._observed.add(method)  # counted on arrival too (_CountReceived)
 
-        def finish(info: dict, code: grpc.StatusCode, t0: float) -> None:
-            self._requests.labels(method, code.name).inc()
-            stream: RequestStream | None = info.get("stream")
-            if stream is None and method not in ("Generate", "GenerateStream", "Decode"):
-                return
-            line = {
-                "event": "request",
-                "id": info["id"],
-                "method": method,
-                "code": code.name,
-                "client_request_id": info.get("cid"),
-            }
-            if stream is not None:
-                line.update(
-                    prompt_tokens=len(stream.prompt_ids),
-                    completion_tokens=stream.completion_tokens,
-                    n=stream.params.n,
-                    max_tokens=stream.params.max_tokens,
-                    finish_reasons=[stream.finish_reasons.get(i) for i in range(stream.params.n)],
-                    ttft_s=None
-                    if stream.first_token_time is None
-                    else round(stream.first_token_time - stream.arrival, 6),
-                )
-            line["latency_s"] = round(time.perf_counter() - t0, 6)
-            if info.get("error"):
-                line["error"] = info["error"]
-            log.info(json.dumps(line))
-
-        def classify(ctx, e: BaseException, info: dict) -> grpc.StatusCode:
-            if isinstance(e, RpcError):
-                info["error"] = str(e)
-                return e.code
-            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                # The client gives up at its own deadline, which the server's (arrival + timeout)
-                # trails by the transport's latency: a cancel that close to it is the deadline.
-                remaining = ctx.time_remaining()
-                return (
-                    grpc.StatusCode.DEADLINE_EXCEEDED
-                    if remaining is not None and remaining <= _DEADLINE_SLACK_S
-                    else grpc.StatusCode.CANCELLED
-                )
-            if isinstance(e, InvalidRequestError):  # found only by the engine thread: still the request's fault
-                info["error"] = str(e)
-                return grpc.StatusCode.INVALID_ARGUMENT
-            info["error"] = f"{type(e).__name__}: {e}"
-            return grpc.StatusCode.INTERNAL
-
-        def cleanup(info: dict) -> None:
-            stream = info.get("stream")
-            if stream is not None and not stream.finished and self.async_engine is not None:
-                self.async_engine.abort(stream)
-
         def begin(request) -> None:
             if isinstance(request, wire.BadMessage):
                 raise _invalid(request.error)
             if method != "GetModelInfo":
                 self._check_serving()
 
-        async def fail(ctx, e: BaseException, info: dict) -> None:
+        async def fail(ctx, e: BaseException, rpc: _Rpc) -> None:
             """Records the status; re-raises a cancellation, ends anything else with its code."""
-            code = info["code"] = classify(ctx, e, info)
+            rpc.code, rpc.error = _status_of(e, ctx)
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
                 raise e
             gone = _ended(ctx)
             if gone:  # the deadline passed (or the client left) before the answer: that is its status
-                code = info["code"] = grpc.StatusCode.DEADLINE_EXCEEDED if not ctx.done() else grpc.StatusCode.CANCELLED
-            if code is grpc.StatusCode.INTERNAL:
+                rpc.code = grpc.StatusCode.DEADLINE_EXCEEDED if not ctx.done() else grpc.StatusCode.CANCELLED
+            if rpc.code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
             # Counted before the client hears the status, so a scrape right after it sees the RPC.
-            cleanup(info)
-            finish(info, code, info["t0"])
-            info["finished"] = True
+            self._end_rpc(method, rpc)
             if gone:
                 # gRPC core has already ended the call: an abort would fail inside grpc.aio and log a
                 # traceback; ending the handler as a cancellation is what grpc.aio expects.
                 raise asyncio.CancelledError
-            await ctx.abort(code, info.get("error", code.name))
-
-        def new_info() -> dict:
-            return {"id": f"{next(self._rpc_ids):06d}", "code": grpc.StatusCode.OK, "t0": time.perf_counter()}
+            await ctx.abort(rpc.code, rpc.error or rpc.code.name)
 
         if streaming:
 
             async def wrapped(request, ctx):
-                info = new_info()
+                rpc = _Rpc(id=f"{next(self._rpc_ids):06d}")
                 try:
                     begin(request)
-                    async for item in handler(request, ctx, info):
+                    async for item in handler(request, ctx, rpc):
                         if _ended(ctx):  # a write now would fail inside grpc.aio, which logs a traceback
                             raise asyncio.CancelledError
                         yield item
                 except BaseException as e:
-                    await fail(ctx, e, info)
+                    await fail(ctx, e, rpc)
                 finally:
-                    if not info.get("finished"):
-                        cleanup(info)
-                        finish(info, info["code"], info["t0"])
+                    self._end_rpc(method, rpc)
 
         else:
 
             async def wrapped(request, ctx):
-                info = new_info()
+                rpc = _Rpc(id=f"{next(self._rpc_ids):06d}")
                 try:
                     begin(request)
-                    return await handler(request, ctx, info)
+                    return await handler(request, ctx, rpc)
                 except BaseException as e:
-                    await fail(ctx, e, info)
+                    await fail(ctx, e, rpc)
                 finally:
-                    if not info.get("finished"):
-                        cleanup(info)
-                        finish(info, info["code"], info["t0"])
+                    self._end_rpc(method, rpc)
 
         return wrapped
+
+    def _end_rpc(self, method: str, rpc: _Rpc) -> None:
+        """Once per call: aborts what it left in the engine, counts its status, logs its line (for
+        the generating methods, and any call that reached the engine)."""
+        if rpc.ended:
+            return
+        rpc.ended = True
+        stream = rpc.stream
+        if stream is not None and not stream.finished and self.async_engine is not None:
+            self.async_engine.abort(stream)
+        self._requests.labels(method, rpc.code.name).inc()
+        if stream is None and method not in ("Generate", "GenerateStream", "Decode"):
+            return
+        line = {"event": "request", "id": rpc.id, "method": method, "code": rpc.code.name, "client_request_id": rpc.cid}
+        if stream is not None:
+            line.update(
+                prompt_tokens=len(stream.prompt_ids),
+                completion_tokens=stream.completion_tokens,
+                n=stream.params.n,
+                max_tokens=stream.params.max_tokens,
+                finish_reasons=[stream.finish_reasons.get(i) for i in range(stream.params.n)],
+                ttft_s=None if stream.first_token_time is None else round(stream.first_token_time - stream.arrival, 6),
+            )
+        line["latency_s"] = round(time.perf_counter() - rpc.t0, 6)
+        if rpc.error:
+            line["error"] = rpc.error
+        log.info(json.dumps(line))
 
     # -- jaxinfer.v1 ----------------------------------------------------------------------------
 
@@ -529,12 +523,12 @@ class Server:
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    async def _start_generate(self, request: pb.GenerateRequest, info: dict, *, streaming: bool) -> RequestStream:
+    async def _start_generate(self, request: pb.GenerateRequest, rpc: _Rpc, *, streaming: bool) -> RequestStream:
         try:
             check_request_id(request.request_id)
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
-        info["cid"] = request.request_id or None
+        rpc.cid = request.request_id or None
         which = request.WhichOneof("prompt")
         if which is None:
             raise _invalid("prompt: set one of text or token_ids")
@@ -554,15 +548,14 @@ class Server:
             raise _invalid(str(e)) from None
         # A unary call only needs the end: holding every delta until then spares a wake-up per step.
         interval = self.config.stream_interval if streaming else 2**31
-        stream = self._admit(ids, params, which, info, interval=interval, cache_salt=salt)
-        info["stream"] = stream
+        stream = rpc.stream = self._admit(ids, params, which, rpc, interval=interval, cache_salt=salt)
         return stream
 
     def _usage(self, stream: RequestStream) -> pb.Usage:
         return pb.Usage(prompt_tokens=len(stream.prompt_ids), completion_tokens=stream.completion_tokens)
 
-    async def _generate(self, request, ctx, info):
-        stream = await self._start_generate(request, info, streaming=False)
+    async def _generate(self, request, ctx, rpc):
+        stream = await self._start_generate(request, rpc, streaming=False)
         n = stream.params.n
         comps = [pb.Completion(index=i) for i in range(n)]
         texts = [[] for _ in range(n)]
@@ -582,15 +575,15 @@ class Server:
         for c, t in zip(comps, texts):
             c.text = "".join(t)
         return pb.GenerateResponse(
-            request_id=info["cid"] or stream.request_id,
+            request_id=rpc.cid or stream.request_id,
             prompt_token_ids=stream.prompt_ids,
             completions=comps,
             usage=self._usage(stream),
             prompt_logprobs=wire.logprobs_proto(prompt_logprobs),
         )
 
-    async def _generate_stream(self, request, ctx, info):
-        stream = await self._start_generate(request, info, streaming=True)
+    async def _generate_stream(self, request, ctx, rpc):
+        stream = await self._start_generate(request, rpc, streaming=True)
         finished = 0  # samples whose last message has been sent (the engine may be steps ahead)
         try:
             async for d in _coalesced(stream):
@@ -598,7 +591,7 @@ class Server:
                     continue
                 finished += d.finish_reason is not None
                 msg = pb.GenerateStreamResponse(
-                    request_id=info["cid"] or stream.request_id,
+                    request_id=rpc.cid or stream.request_id,
                     index=d.index,
                     token_ids=d.token_ids,
                     text=d.text,
@@ -613,10 +606,10 @@ class Server:
         except EngineFailedError as e:
             raise _engine_failed(e) from None
 
-    async def _tokenize_rpc(self, request, ctx, info):
+    async def _tokenize_rpc(self, request, ctx, rpc):
         return pb.TokenizeResponse(token_ids=await self._tokenize_off_loop(request.text, "text"))
 
-    async def _model_info(self, request, ctx, info):
+    async def _model_info(self, request, ctx, rpc):
         if self.llm is None or self.state in ("loading", "failed"):
             self._check_serving()
         cfg, eng = self.llm.cfg, self.llm.engine
@@ -685,7 +678,7 @@ class Server:
     async def _jetstream_health(self, request, ctx):
         return js.HealthCheckResponse(is_live=self.state == "serving")
 
-    async def _decode(self, request, ctx, info):
+    async def _decode(self, request, ctx, rpc):
         """JetStream's Decode: greedy; token ids answer token ids, text answers text (and its ids).
 
         Every message carries one sample per requested sample, in order; a step that adds nothing
@@ -708,8 +701,7 @@ class Server:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=max(1, request.num_samples))
         except InvalidRequestError as e:
             raise _invalid(str(e).replace("SamplingParams.n", "num_samples")) from None
-        stream = self._admit(ids, params, which, info)
-        info["stream"] = stream
+        stream = rpc.stream = self._admit(ids, params, which, rpc)
         n = params.n
         pending_ids = [[] for _ in range(n)]
         pending_text = [[] for _ in range(n)]

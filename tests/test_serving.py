@@ -594,6 +594,25 @@ def test_engine_failure_fails_its_requests_not_the_server(server):
         engine.__dict__.pop("step", None)
 
 
+def test_a_bug_in_a_handler_is_internal_and_the_server_serves_on(server, monkeypatch, caplog):
+    """An exception no handler expected (a bug of ours, not the request's) ends its call with
+    INTERNAL, naming the exception, and is logged with its traceback; the next call is answered."""
+    caplog.set_level("INFO", logger="jaxinfer.serving")
+
+    def broken(*args):
+        raise KeyError("injected handler bug")
+
+    monkeypatch.setattr(server.server, "_tokenize", broken)
+    with Client(server.address) as c:
+        with pytest.raises(ServerError) as e:
+            c.tokenize("anything")
+        assert e.value.code == "INTERNAL" and e.value.details == "KeyError: 'injected handler bug'"
+        failed = [r for r in caplog.records if r.getMessage() == "Tokenize failed"]
+        assert failed and failed[0].exc_info[0] is KeyError
+        monkeypatch.undo()
+        assert c.tokenize("anything") == server.server.llm.tokenizer.encode("anything")
+
+
 def test_a_device_fault_fails_the_requests_in_flight_and_the_server_serves_on(server, monkeypatch):
     """A step that fails on the device consumes the KV cache donated to it: the engine makes a new
     one (tests/test_llm.py checks what it holds) and the server keeps answering with the same
