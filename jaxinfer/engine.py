@@ -273,6 +273,10 @@ class Engine:
                 KVCache.create, cfg, num_pages=num_kv_pages, page_size=page_size, num_window_pages=num_window_pages
             )
             self._new_cache = jax.jit(create, out_shardings=jax.sharding.SingleDeviceSharding(device))
+            # The model's own jitted steps: every engine of the same shapes shares their compilations.
+            self._steps = (model_lib.prefill, model_lib.decode_step)
+            self._prompt_lp_step = model_lib.prefill_with_prompt_logprobs
+            self._poison_step = _poison_pages_jit
         else:
             from jaxinfer import sharding
 
@@ -290,14 +294,14 @@ class Engine:
             # for a drifted sharding.
             outs = (sharding.replicated(mesh), cache_sh)
             jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
-            self._sharded_steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
-            self._sharded_prompt_lp_step = jax.jit(
+            self._steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
+            self._prompt_lp_step = jax.jit(
                 model_lib.forward_with_prompt_logprobs,
                 static_argnames=("cfg", "top_n"),
                 donate_argnames=("cache",),
                 out_shardings=(*outs, sharding.replicated(mesh)),
             )
-            self._sharded_poison = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
+            self._poison_step = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
         self.cache = self._new_cache()
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
         # for the `model` axis, pages whole on every `data` device).
@@ -448,22 +452,16 @@ class Engine:
         `multi_process_warmup`: compile first, then run and wait for the step as a wait on the other
         processes (`peer_wait`), so that the startup watchdog times the collective, not this
         process's own compilation."""
+        if targets is None:
+            step, inputs, kw = self._steps[t == 1], (batch,), dict(cfg=self.cfg)
+        else:
+            step, inputs, kw = self._prompt_lp_step, (batch, targets), dict(cfg=self.cfg, top_n=self._top_n)
         if self.mesh is None:
-            if targets is not None:
-                return self._donating_call(
-                    model_lib.prefill_with_prompt_logprobs, batch, targets, cfg=self.cfg, top_n=self._top_n
-                )
-            fn = model_lib.decode_step if t == 1 else model_lib.prefill
-            return self._donating_call(fn, batch, cfg=self.cfg)
+            return self._donating_call(step, *inputs, **kw)
         from jaxinfer import sharding
         from jaxinfer.distributed import peer_wait
 
-        inputs = (batch,) if targets is None else (batch, targets)
         inputs = jax.device_put(inputs, sharding.batch_shardings(inputs, self.mesh))
-        if targets is None:
-            step, kw = self._sharded_steps[t == 1], dict(cfg=self.cfg)
-        else:
-            step, kw = self._sharded_prompt_lp_step, dict(cfg=self.cfg, top_n=self._top_n)
         with jax.set_mesh(self.mesh):
             if multi_process_warmup:
                 step.lower(self.params, self.cache, *inputs, **kw).compile()  # jit's own cache keeps it
@@ -503,11 +501,7 @@ class Engine:
         self._run_poison(pages, group)
 
     def _run_poison(self, pages: np.ndarray, group: int) -> None:
-        layers = self._group_layers[group]
-        if self.mesh is None:
-            self.cache = _poison_pages_jit(self.cache, pages, layers)
-        else:
-            self.cache = self._sharded_poison(self.cache, pages, layers)
+        self.cache = self._poison_step(self.cache, pages, self._group_layers[group])
 
     # -- requests ---------------------------------------------------------------------------
 

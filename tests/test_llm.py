@@ -322,7 +322,9 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(llm, monkeypatc
         logits, cache = model_lib.forward(params, cache, batch, cfg=cfg)
         return logits + io_callback(fault, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), cache
 
-    monkeypatch.setattr(model_lib, phase, jax.jit(failing, static_argnames=("cfg",), donate_argnames=("cache",)))
+    steps = list(llm.engine._steps)  # (prefill, decode_step)
+    steps[phase == "decode_step"] = jax.jit(failing, static_argnames=("cfg",), donate_argnames=("cache",))
+    monkeypatch.setattr(llm.engine, "_steps", tuple(steps))
     with pytest.raises(Exception, match="injected device fault"):
         llm.generate(prompt_token_ids=[[1, 5, 6] * 5, shared[:20]], sampling_params=GREEDY)
     monkeypatch.undo()
@@ -556,16 +558,14 @@ def test_a_ctrl_c_between_a_steps_donation_and_its_new_cache_keeps_the_cache(llm
     new cache: every sequence started over from an empty one ("a failed step took the KV cache")."""
     import signal
 
-    from jaxinfer import model as model_lib
-
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     b_prompt = [1, 9, 20, 33] * 5
     expected = [d.token_ids for d in llm.stream(prompt_token_ids=b_prompt, sampling_params=params)]
-    real = model_lib.decode_step
+    prefill, real = llm.engine._steps
 
     def decode_step(*args, **kw):
         out = real(*args, **kw)
-        monkeypatch.setattr(model_lib, "decode_step", real)
+        monkeypatch.setattr(llm.engine, "_steps", (prefill, real))
         signal.raise_signal(signal.SIGINT)  # the handler raises KeyboardInterrupt at the next bytecode
         return out
 
@@ -575,7 +575,7 @@ def test_a_ctrl_c_between_a_steps_donation_and_its_new_cache_keeps_the_cache(llm
     a = llm.stream(prompt_token_ids=[1, 5, 6] * 5, sampling_params=params)
     next(a)  # A's prompt step, B's first decode
     got.append(next(b).token_ids)
-    monkeypatch.setattr(model_lib, "decode_step", decode_step)
+    monkeypatch.setattr(llm.engine, "_steps", (prefill, decode_step))
     with caplog.at_level("ERROR", logger="jaxinfer"), pytest.raises(KeyboardInterrupt):
         next(a)  # a decode step for both
     a.close()

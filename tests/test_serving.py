@@ -632,9 +632,9 @@ def test_a_device_fault_fails_the_requests_in_flight_and_the_server_serves_on(se
             logits, cache = model_lib.forward(params, cache, batch, cfg=cfg)
             return logits + io_callback(fault, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), cache
 
-        monkeypatch.setattr(
-            model_lib, "decode_step", jax.jit(failing, static_argnames=("cfg",), donate_argnames=("cache",))
-        )
+        engine = server.server.llm.engine
+        failing_decode = jax.jit(failing, static_argnames=("cfg",), donate_argnames=("cache",))
+        monkeypatch.setattr(engine, "_steps", (engine._steps[0], failing_decode))
         with pytest.raises(ServerError) as e:
             c.generate("doomed", SamplingParams(max_tokens=4, ignore_eos=True))
         assert e.value.code == "INTERNAL" and "injected device fault" in e.value.details
