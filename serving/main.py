@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import math
 import os
@@ -79,10 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args) -> int:
-    from jaxinfer.cli import check_engine_flags, engine_kwargs, flag_names
+def check_flags(args) -> None:
+    """Raises InvalidRequestError naming the first flag out of its range (before anything binds or
+    loads)."""
+    from jaxinfer.cli import check_engine_flags
     from jaxinfer.errors import InvalidRequestError
-    from serving.server import Server, ServerConfig
 
     for name, lo, hi in (
         ("port", 0, 65535),
@@ -92,16 +94,10 @@ def run(args) -> int:
     ):
         v = getattr(args, name)
         if v is not None and not lo <= v <= hi:
-            print(f"error: --{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}", file=sys.stderr)
-            return 2
-    try:
-        check_engine_flags(args)
-    except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    check_engine_flags(args)
     if args.metrics_port and args.metrics_port == args.port:  # else "cannot bind ...: is the port in use"
-        print(f"error: --port and --metrics-port must differ, both are {args.port}", file=sys.stderr)
-        return 2
+        raise InvalidRequestError(f"--port and --metrics-port must differ, both are {args.port}")
     for name, limit, ok in (
         ("drain_timeout", ">= 0", lambda v: v >= 0),
         ("peer_timeout", "> 0", lambda v: v > 0),
@@ -110,8 +106,48 @@ def run(args) -> int:
         v = getattr(args, name)
         if not (math.isfinite(v) and ok(v)):  # nan would never time out; <= 0 would spin
             flag = "--" + name.replace("_", "-")
-            print(f"error: {flag} must be a finite number of seconds {limit}, got {v}", file=sys.stderr)
-            return 2
+            raise InvalidRequestError(f"{flag} must be a finite number of seconds {limit}, got {v}")
+
+
+def server_config(args):
+    """The ServerConfig of `jaxinfer serve`'s flags."""
+    from jaxinfer.cli import engine_kwargs
+    from serving.server import ServerConfig
+
+    return ServerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        max_queued_requests=args.max_queued_requests,
+        drain_timeout=args.drain_timeout,
+        stream_interval=args.stream_interval,
+        peer_timeout=args.peer_timeout,
+        peer_startup_timeout=args.peer_startup_timeout,
+        warmup_prompt_logprobs=args.warmup_prompt_logprobs,
+        engine=engine_kwargs(args) | {"generation_config": args.generation_config},
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (as --host gives it) is reachable from this machine only."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: whatever it resolves to, assume the network
+        return False
+
+
+def run(args) -> int:
+    from jaxinfer.cli import flag_names
+    from jaxinfer.errors import InvalidRequestError
+    from serving.server import Server
+
+    try:
+        check_flags(args)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # Our own log lines at --log-level; other libraries' (orbax, JAX) only from WARNING up, unless
     # DEBUG is asked for: their INFO chatter buried the one JSON line per request.
     logging.basicConfig(
@@ -133,20 +169,7 @@ def run(args) -> int:
             return 2
         if not distributed.is_leader():
             return _follow(args)
-    config = ServerConfig(
-        model=args.model,
-        dtype=args.dtype,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        max_queued_requests=args.max_queued_requests,
-        drain_timeout=args.drain_timeout,
-        stream_interval=args.stream_interval,
-        peer_timeout=args.peer_timeout,
-        peer_startup_timeout=args.peer_startup_timeout,
-        warmup_prompt_logprobs=args.warmup_prompt_logprobs,
-        engine=engine_kwargs(args) | {"generation_config": args.generation_config},
-    )
+    config = server_config(args)
 
     import jax
 
@@ -157,7 +180,7 @@ def run(args) -> int:
         except OSError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        if args.host not in ("127.0.0.1", "localhost", "::1"):
+        if not is_loopback(args.host):
             print(f"jaxinfer serve: WARNING: bound to {args.host}, reachable beyond this machine", file=sys.stderr)
         metrics = f", metrics on {args.host}:{server.metrics_port}" if server.metrics_port else ""
         print(f"jaxinfer serve: listening on {args.host}:{port}{metrics}; loading the model", flush=True)

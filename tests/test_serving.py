@@ -1101,16 +1101,18 @@ def test_serve_cli_metrics_and_sigterm_drain():
             proc.kill()
 
 
-def test_sigterm_while_loading_exits_cleanly():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_while_loading_exits_cleanly(sig):
     """Stopped before the model is ready: exit 0 at once (the load thread, inside JAX, used to make
-    the interpreter's teardown abort the process)."""
+    the interpreter's teardown abort the process). Ctrl-C stops the server as SIGTERM does."""
     proc = _serve("--max-model-len", "64", "--max-num-seqs", "2", "--num-kv-pages", "16")
     try:
         assert "loading the model" in proc.stdout.readline()
         time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(timeout=60) == 0
         assert "stopped while loading the model" in proc.stdout.read()
+        assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -1386,6 +1388,72 @@ def test_port_in_use_is_a_clear_error(server):
 
     with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: the port is in use"):
         asyncio.run(start())
+
+
+def test_every_serve_flag_reaches_the_server_config():
+    """A flag dropped between the command line and the server would leave it at its default without
+    a word: each is set here to something other than its default. The ranges admit their edges: no
+    queue beyond --max-num-seqs, and a stop that does not wait."""
+    from jaxinfer import cli
+    from serving import main
+    from serving.server import ServerConfig
+
+    argv = ["serve", "--model", "m", "--dtype", "bfloat16", "--host", "::1", "--port", "7", "--metrics-port", "8"]
+    argv += ["--max-queued-requests", "0", "--drain-timeout", "0", "--stream-interval", "3", "--max-num-seqs", "4"]
+    argv += ["--generation-config", "none", "--warmup-prompt-logprobs", "--peer-timeout", "5"]
+    argv += ["--peer-startup-timeout", "6"]
+    args = cli._parser().parse_args(argv)
+    main.check_flags(args)
+    config = main.server_config(args)
+    assert config.engine == cli.engine_kwargs(args) | {"generation_config": "none"}
+    assert config.engine["max_num_seqs"] == 4
+    assert config == ServerConfig(
+        model="m",
+        dtype="bfloat16",
+        host="::1",
+        port=7,
+        metrics_port=8,
+        max_queued_requests=0,
+        drain_timeout=0.0,
+        stream_interval=3,
+        peer_timeout=5.0,
+        peer_startup_timeout=6.0,
+        warmup_prompt_logprobs=True,
+        engine=config.engine,
+    )
+    # And with no flags, the server's own defaults (the API's, for the engine: tests/test_llm.py).
+    defaults = main.server_config(cli._parser().parse_args(["serve"]))
+    assert defaults == ServerConfig(engine=defaults.engine | {"generation_config": "auto"})
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--stream-interval", "0"], "--stream-interval must be in [1, 1000000], got 0"),
+        (["--max-queued-requests", "-1"], "--max-queued-requests must be in [0, 1000000], got -1"),
+        (["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0, got inf"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be a finite number of seconds >= 0, got -1.0"),
+        (["--peer-timeout", "inf"], "--peer-timeout must be a finite number of seconds > 0, got inf"),
+        (["--peer-startup-timeout", "0"], "--peer-startup-timeout must be a finite number of seconds > 0, got 0.0"),
+        (["--metrics-port", "65536"], "--metrics-port must be in [0, 65535], got 65536"),
+    ],
+)
+def test_serve_flags_out_of_range_are_named(flags, message):
+    from jaxinfer import cli
+    from serving import main
+
+    with pytest.raises(InvalidRequestError) as e:
+        main.check_flags(cli._parser().parse_args(["serve", *flags]))
+    assert str(e.value) == message
+
+
+def test_only_loopback_hosts_count_as_private():
+    """`serve` warns when bound beyond this machine: any loopback address is private, names and
+    wildcards are not."""
+    from serving.main import is_loopback
+
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.7", "example.com", "localhost.example.com"]))
 
 
 def test_serve_on_a_port_in_use_is_one_error_line():
