@@ -141,15 +141,22 @@ def _wait_serving(client, proc: subprocess.Popen | None, errors=None) -> None:
         time.sleep(0.2)
 
 
-def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--dtype", args.dtype, "--max-model-len", str(max_model_len)]
-    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    cmd += ["--max-queued-requests", str(args.num_requests), "--stream-interval", str(args.stream_interval)]
+def serve_argv(args, model_dir, max_model_len: int) -> list[str]:
+    """`jaxinfer serve`'s arguments for the server this bench starts: the offline engine's
+    configuration (`offline_kwargs`), on loopback, with a queue that holds every request."""
+    argv = ["serve", "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--dtype", args.dtype, "--max-model-len", str(max_model_len)]
+    argv += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    argv += ["--max-queued-requests", str(args.num_requests), "--stream-interval", str(args.stream_interval)]
     if model_dir:
-        cmd += ["--model", model_dir]
+        argv += ["--model", model_dir]
     if not args.prefix_caching:
-        cmd.append("--no-prefix-caching")
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "jaxinfer.cli", *serve_argv(args, model_dir, max_model_len)]
     errors = tempfile.TemporaryFile("w+")  # the server's stderr: why it failed to start, if it does
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
     line = proc.stdout.readline()
@@ -303,20 +310,24 @@ def _compare(args, vocab: int, serve_round, llm) -> tuple[dict, dict]:
     return report, rows
 
 
-def _offline_llm(args, model_dir, max_model_len, served_model: str):
-    """An offline engine of the server's configuration, in this process."""
-    from jaxinfer import LLM
-
-    llm = LLM(
-        model_dir,
+def offline_kwargs(args, model_dir, max_model_len: int) -> dict:
+    """The LLM arguments of the offline yardstick: the started server's configuration (`serve_argv`)."""
+    return dict(
+        model=model_dir,
         dtype=args.dtype,
         max_model_len=max_model_len,
         # The served side never has more than --concurrency requests in flight: neither may this one.
         max_num_seqs=min(args.max_num_seqs, args.concurrency),
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.prefix_caching,
-        warmup=True,
     )
+
+
+def _offline_llm(args, model_dir, max_model_len, served_model: str):
+    """An offline engine of the server's configuration, in this process."""
+    from jaxinfer import LLM
+
+    llm = LLM(**offline_kwargs(args, model_dir, max_model_len), warmup=True)
     if args.concurrency < args.max_num_seqs:
         print(
             f"offline engine: max_num_seqs {args.concurrency} (= --concurrency: the served side runs at most "

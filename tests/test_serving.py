@@ -1219,6 +1219,88 @@ def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
     assert report["identical_outputs"] == 2
 
 
+def _bench_args(argv):
+    import argparse
+
+    from jaxinfer import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_bench_serve_starts_its_server_as_it_configures_the_offline_engine():
+    """The served and offline sides of `bench serve --vs-offline` compare the same engine: every
+    workload and capacity flag reaches both, through the server's own command line (a flag dropped on
+    the way would compare, say, bfloat16 served against float32 offline)."""
+    from jaxinfer import cli
+    from serving import loadgen, main
+
+    def both(*flags):
+        args = _bench_args(["serve", "--num-requests", "9", *flags])
+        served = main.server_config(cli._parser().parse_args(loadgen.serve_argv(args, "DIR", 77)))
+        return args, served, loadgen.offline_kwargs(args, "DIR", 77)
+
+    flags = ["--dtype", "bfloat16", "--max-num-seqs", "5", "--max-num-batched-tokens", "48", "--concurrency", "3"]
+    for prefix in ([], ["--prefix-caching"]):
+        args, served, offline = both(*flags, "--stream-interval", "4", *prefix)
+        assert (served.host, served.port, served.model, served.dtype) == ("127.0.0.1", 0, "DIR", "bfloat16")
+        assert (served.max_queued_requests, served.stream_interval) == (9, 4)  # every request queued at once
+        engine = {k: served.engine[k] for k in offline if k not in ("model", "dtype")}
+        assert engine == {k: v for k, v in offline.items() if k not in ("model", "dtype")} | {"max_num_seqs": 5}
+        assert (offline["model"], offline["dtype"], offline["max_model_len"]) == ("DIR", "bfloat16", 77)
+        assert offline["max_num_batched_tokens"] == 48 and offline["enable_prefix_caching"] == bool(prefix)
+        # The server runs at most --concurrency requests at once, as it is only ever sent that many.
+        assert offline["max_num_seqs"] == 3
+    assert both("--max-num-seqs", "2")[2]["max_num_seqs"] == 2
+
+
+def test_bench_serve_workload_spans_its_ranges_and_ignores_eos():
+    """Prompt and output lengths are drawn from the closed ranges (a range of one value included),
+    and every request is greedy with EOS ignored, so its output length is the work asked for."""
+    from serving import loadgen
+
+    args = _bench_args(["serve", "--num-requests", "400", "--prompt-len-range", "2,4", "--output-len-range", "5,6"])
+    prompts, params, arrivals = loadgen.workload(args, vocab_size=50)
+    assert {len(p) for p in prompts} == {2, 3, 4} and {p.max_tokens for p in params} == {5, 6}
+    assert all(p.temperature == 0.0 and p.ignore_eos for p in params) and arrivals == [0.0] * 400
+    assert all(3 <= t < 50 for p in prompts for t in p)
+    args = _bench_args(["serve", "--num-requests", "3", "--prompt-len-range", "7", "--output-len-range", "2"])
+    prompts, params, _ = loadgen.workload(args, vocab_size=50)
+    assert [len(p) for p in prompts] == [7] * 3 and [p.max_tokens for p in params] == [2] * 3
+
+
+def test_load_generator_keeps_to_its_concurrency_and_counts_errors_by_code(server):
+    """drive() on the server: never more than --concurrency streams open at once; TTFT counts from
+    the arrival, so a request that waited for a slot has its wait in it; a refused request is counted
+    under its gRPC code."""
+    from serving import loadgen
+
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    bad = [5, 10**6]  # a token id outside the vocabulary: INVALID_ARGUMENT
+    engine = server.server.llm.engine
+    real_step = engine.step
+    engine.step = lambda: (time.sleep(0.01), real_step())[1]
+    try:
+        outcomes, wall = asyncio.run(
+            loadgen.drive(server.address, [[5, 6]] * 4 + [bad], [long] * 5, [0.0] * 5, concurrency=2, duration_limit=60)
+        )
+    finally:
+        del engine.step
+    assert [o.code for o in outcomes] == ["OK"] * 4 + ["INVALID_ARGUMENT"]
+    assert all(len(o.tokens) == 12 for o in outcomes[:4])
+    ends = [o.done if o.done is not None else o.sent for o in outcomes]
+    open_at = [sum(o.sent <= t < e for o, e in zip(outcomes, ends)) for t in (o.sent for o in outcomes)]
+    assert max(open_at) == 2, open_at
+    start = outcomes[0].arrival
+    assert all(o.arrival == start <= o.sent for o in outcomes)
+    waited = max(outcomes[:4], key=lambda o: o.sent)  # sent only when an earlier one finished
+    assert waited.sent - start > 0.1 and waited.first - waited.arrival > waited.sent - waited.arrival
+    assert loadgen.summarize(outcomes, wall)["errors"] == {"INVALID_ARGUMENT": 1}
+    stats = server.wait_idle()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 def test_load_generator_stops_at_its_duration_limit(server):
     """drive() on the server: what is open at --duration-limit is cancelled (and aborted in the
     engine), what has not arrived by then is never sent, and the wall time runs from the first send
@@ -1243,9 +1325,10 @@ def test_load_generator_stops_at_its_duration_limit(server):
         )
     finally:
         del engine.step  # the class's own again
-    assert 1.0 <= time.perf_counter() - t < 10.0
+    assert 1.0 <= time.perf_counter() - t < 1.9  # cancelled at the limit, not a second later
     assert [o.code for o in outcomes] == ["OK", "CANCELLED (duration limit)", "NOT SENT"]
-    assert len(outcomes[0].tokens) == 2 and 0 < len(outcomes[1].tokens) < 120
+    # Each step sleeps 20 ms: by the 1 s limit no more than ~50 tokens can have been made.
+    assert len(outcomes[0].tokens) == 2 and 0 < len(outcomes[1].tokens) <= 55
     assert wall == outcomes[0].done - min(outcomes[0].sent, outcomes[1].sent)
     stats = server.wait_idle()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
