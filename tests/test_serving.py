@@ -1301,6 +1301,23 @@ def test_load_generator_keeps_to_its_concurrency_and_counts_errors_by_code(serve
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def test_bench_serve_waits_for_a_given_server_still_loading():
+    """`--server` at a `jaxinfer serve` still loading its model (NOT_SERVING): the bench waits for
+    SERVING; it has no process of its own to watch."""
+    from serving import loadgen
+
+    answers = iter(["NOT_SERVING", "NOT_SERVING", "SERVING"])
+
+    class Loading:
+        target = "127.0.0.1:1"
+
+        def health(self):
+            return next(answers)
+
+    loadgen._wait_serving(Loading(), None)  # two polls, 0.2 s apart
+    assert next(answers, "asked again") == "asked again"
+
+
 def test_load_generator_stops_at_its_duration_limit(server):
     """drive() on the server: what is open at --duration-limit is cancelled (and aborted in the
     engine), what has not arrived by then is never sent, and the wall time runs from the first send
