@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -407,6 +408,35 @@ def test_n_samples_compute_their_shared_prompt_once(params):
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def test_capacity_ranges_are_closed_and_named():
+    """Each capacity setting is accepted at both ends of its documented range and refused one past
+    them, by name; a bool is no integer (True would pass as 1)."""
+    from jaxinfer.capacity import check_capacity, check_max_model_len
+
+    ok = dict(page_size=16, max_num_seqs=8, num_kv_pages=None, max_num_batched_tokens=64, num_window_kv_pages=None)
+    ranges = dict(
+        page_size=(1, 2**16),
+        max_num_seqs=(1, 2**14),
+        num_kv_pages=(2, 2**31 - 1),
+        max_num_batched_tokens=(16, 2**20),
+        num_window_kv_pages=(2, 2**31 - 1),
+    )
+    for name, (lo, hi) in ranges.items():
+        for edge in (lo, hi):
+            check_capacity(**ok | {name: edge})
+        for bad in (lo - 1, hi + 1, True):
+            message = f"{name} must be an integer in [{lo}, {hi}], got {bad!r}"
+            with pytest.raises(InvalidRequestError, match=re.escape(message)):
+                check_capacity(**ok | {name: bad})
+    check_max_model_len(CFG, CFG.max_position_embeddings)
+    for bad in (1, CFG.max_position_embeddings + 1, True):
+        with pytest.raises(
+            InvalidRequestError,
+            match=re.escape(f"max_model_len must be in [2, {CFG.max_position_embeddings} for this model], got {bad!r}"),
+        ):
+            check_max_model_len(CFG, bad)
+
+
 def test_bad_capacity_and_requests(params):
     with pytest.raises(InvalidRequestError, match="page_size"):
         make_engine(params, page_size=6)
@@ -692,6 +722,24 @@ def test_a_hybrid_model_keeps_only_the_window_in_its_window_pools(hybrid):
     assert run(auto, prompts, sps)[0] == want
     with pytest.raises(InvalidRequestError, match="num_window_kv_pages must be an integer in"):
         engine(num_kv_pages=64, num_window_kv_pages=1)
+
+
+def test_what_must_fit_counts_the_window_pools_at_their_own_size(hybrid, monkeypatch):
+    """The free-memory check sizes a hybrid model's window layers by their own pools: a cache of
+    exactly the free memory is built, one window page more is refused."""
+    from jaxinfer import capacity
+
+    cfg, p = hybrid
+
+    def engine(window_pages):
+        return Engine(cfg, p, max_model_len=256, page_size=8, num_kv_pages=64, num_window_kv_pages=window_pages)
+
+    size = engine(9).kv_cache_bytes
+    assert size == capacity.layer_page_bytes(cfg, 8) * (64 + 2 * 9)
+    monkeypatch.setattr(capacity, "free_device_bytes", lambda: size)
+    assert engine(9).kv_cache_bytes == size
+    with pytest.raises(InvalidRequestError, match="the KV cache would take"):
+        engine(10)
 
 
 @pytest.mark.parametrize("budget_pages", [40, 400, 4000])
