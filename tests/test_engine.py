@@ -429,11 +429,9 @@ def test_capacity_ranges_are_closed_and_named():
             with pytest.raises(InvalidRequestError, match=re.escape(message)):
                 check_capacity(**ok | {name: bad})
     check_max_model_len(CFG, CFG.max_position_embeddings)
-    for bad in (1, CFG.max_position_embeddings + 1, True):
-        with pytest.raises(
-            InvalidRequestError,
-            match=re.escape(f"max_model_len must be in [2, {CFG.max_position_embeddings} for this model], got {bad!r}"),
-        ):
+    limit = f"[2, {CFG.max_position_embeddings} for this model]"
+    for bad in (1, CFG.max_position_embeddings + 1, 2.0):
+        with pytest.raises(InvalidRequestError, match=re.escape(f"max_model_len must be in {limit}, got {bad!r}")):
             check_max_model_len(CFG, bad)
 
 
