@@ -549,11 +549,21 @@ def test_free_device_memory_is_the_limit_less_what_is_in_use(monkeypatch):
     from jaxinfer import capacity
 
     class Device:
+        stats = {"bytes_limit": 80 << 30, "bytes_in_use": 30 << 30}
+
         def memory_stats(self):
-            return {"bytes_limit": 80 << 30, "bytes_in_use": 30 << 30}
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
 
     monkeypatch.setattr(capacity.jax, "local_devices", lambda: [Device()])
+    monkeypatch.setattr(capacity, "host_free_bytes", lambda: 7 << 30)
     assert capacity.free_device_bytes() == 50 << 30
+    Device.stats = {"bytes_limit": 80 << 30}  # nothing in use reported: nothing in use
+    assert capacity.free_device_bytes() == 80 << 30
+    for unknown in ({"bytes_in_use": 30 << 30}, None, NotImplementedError("no stats on this backend")):
+        Device.stats = unknown  # no limit to read: the host's free RAM
+        assert capacity.free_device_bytes() == 7 << 30
 
 
 def test_admission_is_first_come_and_preemption_takes_the_last_admitted():

@@ -1220,9 +1220,15 @@ def test_decode_timing_counts_the_rows_each_step_really_ran():
     assert 0 < step < total and 1 < rows < 4
 
 
-def test_bench_serve_vs_offline_refuses_a_paced_workload():
+def test_bench_serve_vs_offline_refuses_a_paced_workload(monkeypatch):
+    """Refused before minutes of starting a server and loading the offline engine."""
     from jaxinfer import bench
+    from serving import loadgen
 
+    def no_server(*args):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(loadgen, "_start_server", no_server)
     with pytest.raises(InvalidRequestError, match="--vs-offline compares throughput on the same work"):
         bench.run(_bench_args(["serve", "--vs-offline", "--request-rate", "4"]))
 
