@@ -1220,13 +1220,9 @@ def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
 
 
 def _bench_args(argv):
-    import argparse
+    from jaxinfer import cli
 
-    from jaxinfer import bench
-
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    return p.parse_args(argv)
+    return cli._parser().parse_args(["bench", *argv])  # as `jaxinfer bench` parses them
 
 
 def test_bench_serve_starts_its_server_as_it_configures_the_offline_engine():
