@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
 import socket
@@ -124,7 +125,7 @@ def initialize(
             # A loopback coordinator listens there only (JAX's default is every interface, with no
             # authentication); any other address keeps the default: a cluster name may resolve to
             # an address that is not this machine's own (a Kubernetes service's).
-            loopback = host in ("localhost", "::1") or host.startswith("127.")
+            loopback = is_loopback(host)
             _check_can_listen(host if loopback else "", port, coordinator_address)
             bind = coordinator_address if loopback else None
     jax.config.update("jax_enable_recoverability", True)
@@ -137,6 +138,15 @@ def initialize(
         initialization_timeout=initialization_timeout,
         coordinator_bind_address=bind,
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name as a flag gives it) is reachable from this machine only:
+    localhost or a loopback address. Any other name may resolve to the network."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _coordinator(address) -> tuple[str, int]:

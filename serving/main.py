@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import math
 import os
@@ -130,14 +129,6 @@ def server_config(args):
     )
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` (as --host gives it) is reachable from this machine only."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a name: whatever it resolves to, assume the network
-        return False
-
-
 def run(args) -> int:
     from jaxinfer.cli import flag_names
     from jaxinfer.errors import InvalidRequestError
@@ -180,6 +171,8 @@ def run(args) -> int:
         except OSError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        from jaxinfer.distributed import is_loopback
+
         if not is_loopback(args.host):
             print(f"jaxinfer serve: WARNING: bound to {args.host}, reachable beyond this machine", file=sys.stderr)
         metrics = f", metrics on {args.host}:{server.metrics_port}" if server.metrics_port else ""

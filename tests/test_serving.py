@@ -1544,9 +1544,9 @@ def test_serve_flags_out_of_range_are_named(flags, message):
 
 
 def test_only_loopback_hosts_count_as_private():
-    """`serve` warns when bound beyond this machine: any loopback address is private, names and
-    wildcards are not."""
-    from serving.main import is_loopback
+    """`serve` warns when bound beyond this machine, and a multi-host coordinator listens on loopback
+    only where its address is there: any loopback address is private, names and wildcards are not."""
+    from jaxinfer.distributed import is_loopback
 
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.7", "example.com", "localhost.example.com"]))
