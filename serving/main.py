@@ -129,6 +129,13 @@ def server_config(args):
     )
 
 
+def configure_logging(level: str) -> None:
+    """Our own log lines (one JSON line per request among them) from `level` up; other libraries'
+    (orbax, JAX) only from WARNING up, unless DEBUG is asked for: their INFO chatter buried ours."""
+    logging.basicConfig(level="DEBUG" if level == "DEBUG" else "WARNING", format="%(message)s", stream=sys.stderr)
+    logging.getLogger("jaxinfer").setLevel(level)
+
+
 def run(args) -> int:
     from jaxinfer.cli import flag_names
     from jaxinfer.errors import InvalidRequestError
@@ -139,12 +146,7 @@ def run(args) -> int:
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Our own log lines at --log-level; other libraries' (orbax, JAX) only from WARNING up, unless
-    # DEBUG is asked for: their INFO chatter buried the one JSON line per request.
-    logging.basicConfig(
-        level="DEBUG" if args.log_level == "DEBUG" else "WARNING", format="%(message)s", stream=sys.stderr
-    )
-    logging.getLogger("jaxinfer").setLevel(args.log_level)
+    configure_logging(args.log_level)
     multi = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(v is not None for v in multi):  # a 0 or "" is refused by name, not ignored
         from jaxinfer import distributed

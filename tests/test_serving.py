@@ -1522,6 +1522,44 @@ def test_every_serve_flag_reaches_the_server_config():
     assert defaults == ServerConfig(engine=defaults.engine | {"generation_config": "auto"})
 
 
+@pytest.mark.parametrize("level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+def test_log_level_sets_jaxinfers_loggers_and_keeps_other_libraries_at_warning(level, monkeypatch):
+    """`--log-level WARNING` silences the per-request lines; other libraries' INFO chatter stays out
+    unless DEBUG is asked for."""
+    import logging
+
+    from jaxinfer import cli
+    from serving import main
+
+    seen = []
+
+    def spy(lvl):
+        seen.append(lvl)
+        raise KeyboardInterrupt  # stop `run` here: nothing binds or loads
+
+    monkeypatch.setattr(main, "configure_logging", spy)
+    with pytest.raises(KeyboardInterrupt):
+        main.run(cli._parser().parse_args(["serve", "--log-level", level]))
+    assert seen == [level]
+    monkeypatch.undo()
+
+    root, ours = logging.getLogger(), logging.getLogger("jaxinfer")
+    saved = root.handlers[:], root.level, ours.level
+    root.handlers[:] = []  # pytest's own capture handlers would make basicConfig a no-op
+    try:
+        main.configure_logging(level)
+        request_log = logging.getLogger("jaxinfer.serving")
+        assert request_log.isEnabledFor(logging.INFO) == (level in ("DEBUG", "INFO"))
+        assert request_log.isEnabledFor(logging.ERROR)
+        assert logging.getLogger("absl").isEnabledFor(logging.INFO) == (level == "DEBUG")
+        assert logging.getLogger("orbax").isEnabledFor(logging.WARNING)
+        assert [h.stream for h in root.handlers] == [sys.stderr]
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])  # setLevel, not the attribute: it clears the loggers' level caches
+        ours.setLevel(saved[2])
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
