@@ -1067,6 +1067,35 @@ def test_cli_errors_are_one_line_no_traceback(argv, message):
     assert "Failed to add port" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    "raised, status, line",
+    [
+        (PermissionError(13, "Permission denied", "/out"), 2, "error: [Errno 13] Permission denied: '/out'"),
+        (InvalidRequestError("max_tokens must be >= 1"), 2, "error: max_tokens must be >= 1"),
+        (ValueError("bug"), 1, "error: unexpected ValueError: bug (JAXINFER_TRACEBACK=1 shows where)"),
+        (KeyboardInterrupt(), 130, None),
+    ],
+)
+def test_cli_exit_status_by_what_ended_the_command(raised, status, line, monkeypatch, capsys):
+    """Bad input (ours, or a path the OS refused, however deep it was raised) exits 2 in one line; a
+    bug 1, its traceback only with JAXINFER_TRACEBACK; Ctrl-C 130."""
+    from jaxinfer import cli
+
+    def fail(argv):
+        raise raised
+
+    monkeypatch.setattr(cli, "_main", fail)
+    monkeypatch.delenv("JAXINFER_TRACEBACK", raising=False)
+    assert cli.main(["generate", "x"]) == status
+    assert capsys.readouterr().err.splitlines() == ([line] if line else [])
+    monkeypatch.setenv("JAXINFER_TRACEBACK", "1")
+    if status == 1:
+        with pytest.raises(ValueError):
+            cli.main(["generate", "x"])
+    else:
+        assert cli.main(["generate", "x"]) == status
+
+
 def _bench_args(argv):
     import argparse
 
