@@ -259,6 +259,41 @@ def test_prompt_logprobs_and_streamed_logprobs_cross_the_wire(server, llm):
     _same_logprobs([lp for d in offline for lp in d.logprobs], ref.outputs[0].logprobs)
 
 
+def test_clients_read_prompt_logprobs_off_sample_0s_first_message_whatever_comes_before():
+    """The protocol puts the prompt's logprobs on sample 0's first message. Ours sends that message
+    first; another server may not. A stand-in server on loopback sends sample 1's first."""
+
+    class SampleOneFirst(pb_grpc.InferenceServiceServicer):
+        def GenerateStream(self, request, context):
+            lp = pb.TokenLogprob(token_id=5, logprob=-1.5)
+            stop = pb.FINISH_REASON_LENGTH
+            yield pb.GenerateStreamResponse(index=1, token_ids=[7])
+            yield pb.GenerateStreamResponse(index=0, token_ids=[8], prompt_logprobs=[lp])
+            yield pb.GenerateStreamResponse(index=1, token_ids=[9], finish_reason=stop)
+            yield pb.GenerateStreamResponse(index=0, token_ids=[10], finish_reason=stop)
+
+    stand_in = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    pb_grpc.add_InferenceServiceServicer_to_server(SampleOneFirst(), stand_in)
+    address = f"127.0.0.1:{stand_in.add_insecure_port('127.0.0.1:0')}"
+    stand_in.start()
+    try:
+        p = SamplingParams(max_tokens=2, n=2, prompt_logprobs=0)
+        with Client(address, timeout=30) as c:
+            synced = list(c.stream(prompt_token_ids=[4, 5], sampling_params=p))
+
+        async def collect():
+            async with AsyncClient(address, timeout=30) as c:
+                return [d async for d in c.stream(prompt_token_ids=[4, 5], sampling_params=p)]
+
+        for deltas in (synced, asyncio.run(collect())):
+            assert [(d.index, d.token_ids) for d in deltas] == [(1, [7]), (0, [8]), (1, [9]), (0, [10])]
+            got = [d.prompt_logprobs for d in deltas]
+            assert got[0] is None and got[2:] == [None, None]
+            assert got[1][0] is None and got[1][1].token_id == 5 and got[1][1].logprob == -1.5
+    finally:
+        stand_in.stop(0)
+
+
 def test_truncate_prompt_tokens_crosses_the_wire(server, llm):
     """A text past the prompt limit's size, refused without truncation, runs its last tokens with
     it (tokenized off the event loop), as offline; the response names the tokens run."""
