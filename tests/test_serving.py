@@ -1422,15 +1422,31 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
     gate = threading.Event()  # holds the steps while the drain starts; 300 s: a backstop only (`finally`)
     step = llm.engine.step
     llm.engine.step = lambda: (gate.wait(300), step())[1]
+    # A call that passed the serving check as the drain started: held in its tokenization meanwhile.
+    tokenizing, tokenize = threading.Event(), s.server._tokenize
+
+    def held_tokenize(text, *args):
+        if text == "late":
+            tokenizing.set()
+            gate.wait(300)
+        return tokenize(text, *args)
+
+    s.server._tokenize = held_tokenize
     try:
         # A deadline on every call: admitted where it should be refused, a call would wait on the
         # gate (and the test hang) instead of failing.
-        with Client(s.address, timeout=60) as c, grpc.insecure_channel(s.address) as ch:
+        with (
+            Client(s.address, timeout=60) as c,
+            grpc.insecure_channel(s.address) as ch,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
             stub = pb_grpc.InferenceServiceStub(ch)
             req = pb.GenerateRequest(text="old", sampling_params=pb.SamplingParams(max_tokens=12, ignore_eos=True))
             old = stub.GenerateStream(req)
             while s.server.async_engine.num_in_flight < 1:
                 time.sleep(0.01)
+            late = pool.submit(stub.Generate, pb.GenerateRequest(text="late"), timeout=60)
+            assert tokenizing.wait(30)
             stopping = asyncio.run_coroutine_threadsafe(s.server.stop(drain_timeout=30), s.loop)
             while s.server.state != "draining":
                 time.sleep(0.01)
@@ -1445,6 +1461,9 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
             assert e.value.code == "UNAVAILABLE" and "draining" in e.value.details
             gate.set()
             assert sum(len(m.token_ids) for m in old) == 12  # the old request ran to its end
+            with pytest.raises(grpc.RpcError) as e:  # refused at admission, not served or aborted in the drain
+                late.result(30)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
             assert stopping.result(30) is True  # drained in time
     finally:
         gate.set()
