@@ -522,6 +522,83 @@ def test_a_preempted_sample_waits_for_its_siblings_only_on_tokens_they_share():
     assert scheduled.get(1) == (16, 20), f"the queue waited on a sibling: {scheduled}"
 
 
+@pytest.mark.parametrize("prompt_len", [30, 32])
+def test_a_sample_does_not_wait_for_pages_it_could_never_share(prompt_len):
+    """A sample waits for a sibling computing their prompt only up to the full pages the cache could
+    give it (here the first of 16 tokens): not for a partial page (30 tokens), nor for the page
+    holding its own last token (32 tokens: it computes that one itself, for its logits)."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import GroupPages, PageGroup, Scheduler, SeqStatus, Sequence
+
+    sched = Scheduler(
+        groups=[PageGroup(PagePool(64))],
+        page_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_prefill_tokens=256,
+    )
+    sp = SamplingParams(max_tokens=8)
+    prompt = list(range(3, 3 + prompt_len))
+    a, b = (
+        Sequence(seq_id=i, request_id="r", index=i, params=sp, seed=i, tokens=list(prompt), prompt_len=prompt_len)
+        for i in range(2)
+    )
+    a.siblings = b.siblings = [a, b]
+    sched.running.append(a)  # a: its first page computed and cached, the rest of the prompt to go
+    a.status, a.num_computed = SeqStatus.RUNNING, 16
+    a.groups = [GroupPages(pages=sched.groups[0].pool.allocate(1))]
+    sched.register_full_pages(a)
+    sched.add(b)
+
+    plan = sched.schedule()
+    scheduled = {ch.seq.seq_id: (ch.start, ch.length) for ch in plan.prefill + plan.decode}
+    assert scheduled == {0: (16, prompt_len - 16), 1: (16, prompt_len - 16)}  # b from a's cached page
+
+
+def test_a_step_that_preempts_admits_nothing():
+    """vLLM's rule: a step that had to preempt takes nobody from the queue, not even the sequence it
+    just preempted, though a small token budget would let its first chunk fit the freed pages
+    (re-admitted at once, it would be preempted again next step: thrashing)."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import GroupPages, PageGroup, Scheduler, SeqStatus, Sequence
+
+    sched = Scheduler(
+        groups=[PageGroup(PagePool(4))], page_size=4, max_num_seqs=4, max_num_batched_tokens=4, max_prefill_tokens=64
+    )
+    sp = SamplingParams(max_tokens=8)
+    a = Sequence(seq_id=0, request_id="a", index=0, params=sp, seed=0, tokens=[3] * 5, prompt_len=4)
+    b = Sequence(seq_id=1, request_id="b", index=0, params=sp, seed=0, tokens=[4] * 9, prompt_len=8)
+    pool = sched.groups[0].pool
+    for seq, pages in ((a, 1), (b, 2)):  # every page held: a's next token needs one of b's
+        seq.status, seq.num_computed = SeqStatus.RUNNING, len(seq.tokens) - 1
+        seq.groups = [GroupPages(pages=pool.allocate(pages))]
+        sched.running.append(seq)
+
+    plan = sched.schedule()
+    assert [(ch.seq, ch.start, ch.length) for ch in plan.prefill + plan.decode] == [(a, 4, 1)]
+    assert sched.num_preemptions == 1 and list(sched.waiting) == [b] and pool.num_free == 1
+    a.num_computed += 1  # as the engine does after the step
+    a.tokens.append(5)
+    plan = sched.schedule()  # the next step takes it back, a chunk of the budget a's decode left
+    assert [(ch.seq, ch.start, ch.length) for ch in plan.decode + plan.prefill] == [(a, 5, 1), (b, 0, 3)]
+
+
+def test_a_second_prompt_chunk_may_fill_the_prefill_limit_exactly():
+    """Two 32-token prompts under a 64-token prefill limit run in one call (2 rows x 32: the limit
+    itself, not past it)."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import PageGroup, Scheduler, Sequence
+
+    sched = Scheduler(
+        groups=[PageGroup(PagePool(64))], page_size=4, max_num_seqs=4, max_num_batched_tokens=256, max_prefill_tokens=64
+    )
+    sp = SamplingParams(max_tokens=8)
+    for i in range(2):
+        sched.add(Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=[3 + i] * 32, prompt_len=32))
+    plan = sched.schedule()
+    assert [(ch.seq.seq_id, ch.start, ch.length) for ch in plan.prefill] == [(0, 0, 32), (1, 0, 32)]
+
+
 def test_latency_metrics_measure_what_they_name(params):
     """ITL is each token's gap from the one before (their sum: first to last token), TTFT from arrival
     to the first token, and a value on a bucket's edge counts in that bucket (Prometheus' le)."""
