@@ -756,6 +756,34 @@ def test_a_windowed_prefix_hit_needs_only_the_pages_in_its_window(params):
     assert small.stats()["kv_pages_free"] == small.stats()["kv_pages_total"]
 
 
+def test_a_windowed_prefix_hit_needs_no_page_before_its_window():
+    """At a window of 9 keys and pages of 8, the first token after a 5-page hit (position 40) sees
+    positions 32-40: page 4 alone must be cached, not page 3 before it (the first to be evicted)."""
+    from jaxinfer.kv_cache import PagePool, page_hash
+    from jaxinfer.scheduler import PageGroup, Scheduler, Sequence
+
+    pool = PagePool(16)
+    sched = Scheduler(
+        groups=[PageGroup(pool, window=9)],
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_prefill_tokens=64,
+    )
+    tokens = list(range(3, 46))  # 43 tokens: 5 full pages, then 3
+    digest = b""
+    for i in range(5):
+        digest = page_hash(digest, tokens[8 * i : 8 * (i + 1)])
+    (page,) = pool.allocate(1)
+    pool.register(page, digest)  # page 4 cached, every page before it evicted
+    pool.release([page])
+    sched.add(
+        Sequence(seq_id=0, request_id="r", index=0, params=SamplingParams(), seed=0, tokens=tokens, prompt_len=43)
+    )
+    plan = sched.schedule()
+    assert [(ch.start, ch.length) for ch in plan.prefill] == [(40, 3)] and sched.prefix_cache_hit_tokens == 40
+
+
 HYBRID = dataclasses.replace(CFG, num_layers=3)  # layers 0 and 2 see 12 keys, layer 1 the whole context
 
 
