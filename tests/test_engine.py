@@ -784,6 +784,36 @@ def test_a_windowed_prefix_hit_needs_no_page_before_its_window():
     assert [(ch.start, ch.length) for ch in plan.prefill] == [(40, 3)] and sched.prefix_cache_hit_tokens == 40
 
 
+def test_a_lost_cache_sends_every_sequence_back_to_its_first_token():
+    """`recompute_all` (the KV cache was lost): running sequences and a queue head that took prefix
+    pages in a schedule that then failed all give their pages back and start from token 0; the
+    prefix cache forgets every page."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import PageGroup, Scheduler, SeqStatus, Sequence
+
+    pool = PagePool(16)
+    sched = Scheduler(
+        groups=[PageGroup(pool)], page_size=4, max_num_seqs=1, max_num_batched_tokens=64, max_prefill_tokens=64
+    )
+    sp = SamplingParams()
+    a, b = (
+        Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=list(range(3, 13)), prompt_len=10)
+        for i in range(2)
+    )
+    sched.add(a)
+    sched.add(b)
+    (chunk,) = sched.schedule().prefill
+    a.num_computed += chunk.length
+    sched.register_full_pages(a)
+    sched._reuse_prefix(b)  # b, still queued, holds a's two cached pages: the schedule failed here
+    assert b.num_computed == 8 and len(b.pages) == 2
+
+    sched.recompute_all()
+    assert [s.status for s in (a, b)] == [SeqStatus.WAITING] * 2 and list(sched.waiting) == [a, b]
+    assert [(s.num_computed, s.pages) for s in (a, b)] == [(0, []), (0, [])]
+    assert pool.num_free == pool.capacity and not pool.contains(a.digests[0])
+
+
 HYBRID = dataclasses.replace(CFG, num_layers=3)  # layers 0 and 2 see 12 keys, layer 1 the whole context
 
 
