@@ -1470,20 +1470,24 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
         s.loop.call_soon_threadsafe(s.loop.stop)
 
 
-def test_drain_timeout_ends_what_is_left_with_abort():
-    """Requests still running when the drain time is up end with finish reason 'abort' (a message
-    the client can read), at once: not cut off by the transport seconds later."""
-    llm = LLM(**ENGINE)
+def test_drain_timeout_ends_what_is_left_with_abort(caplog):
+    """Requests still running or queued when the drain time is up end with finish reason 'abort' (a
+    message the client can read), at once: not cut off by the transport seconds later. One that never
+    left the queue is logged with no TTFT: the abort made no token."""
+    llm = LLM(**ENGINE | {"max_num_seqs": 1})
     s = ServerThread(llm)
     step = llm.engine.step
     llm.engine.step = lambda: (time.sleep(0.05), step())[1]  # 100 tokens take ~5 s
+    caplog.set_level("INFO", logger="jaxinfer.serving")
     try:
         with grpc.insecure_channel(s.address) as ch:
             params = pb.SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)
-            stream = pb_grpc.InferenceServiceStub(ch).GenerateStream(
-                pb.GenerateRequest(text="left over", sampling_params=params), timeout=60
-            )
+            stub = pb_grpc.InferenceServiceStub(ch)
+            stream = stub.GenerateStream(pb.GenerateRequest(text="left over", sampling_params=params), timeout=60)
             got = [next(stream)]
+            queued = stub.GenerateStream(pb.GenerateRequest(text="queued", sampling_params=params), timeout=60)
+            while s.server.async_engine.num_in_flight < 2:
+                time.sleep(0.01)
             t0 = time.monotonic()
             assert s.run(s.server.stop(drain_timeout=0.3)) is False  # not drained in time
             got += list(stream)
@@ -1491,7 +1495,11 @@ def test_drain_timeout_ends_what_is_left_with_abort():
             made = sum(len(m.token_ids) for m in got)
             assert got[-1].finish_reason == pb.FINISH_REASON_ABORT and 0 < made < 100
             assert got[-1].usage.completion_tokens == made  # the abort itself is no token
+            (last,) = list(queued)
+            assert last.finish_reason == pb.FINISH_REASON_ABORT and not last.token_ids
         assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+        lines = [json.loads(r.message) for r in caplog.records if r.message.startswith("{")]
+        assert sorted((x["completion_tokens"], x["ttft_s"] is None) for x in lines) == [(0, True), (made, False)]
     finally:
         s.loop.call_soon_threadsafe(s.loop.stop)
 
