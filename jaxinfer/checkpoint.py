@@ -392,7 +392,7 @@ def restore(ckpt_dir: str | os.PathLike, *, dtype: str = "float32", shardings=No
 def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "auto") -> ModelConfig:
     """Hugging Face safetensors checkpoint -> jaxinfer checkpoint (parameters stored in `dtype`).
 
-    dtype="auto": the dtype `LLM(hf_dir)` computes in (`loading.auto_dtype`), so the copy behaves as
+    dtype="auto": the dtype `LLM(hf_dir, dtype="auto")` computes in (`loading.auto_dtype`), so the copy behaves as
     the original does (a bfloat16 checkpoint is not widened to float32). The returned config's dtype
     is the one stored."""
     from jaxinfer.loading import auto_dtype, load_hf_checkpoint

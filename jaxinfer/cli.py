@@ -130,7 +130,7 @@ def engine_kwargs(args) -> dict:
 DTYPE_HELP = "parameter and activation dtype; auto: what the checkpoint stores"  # generate's and serve's
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows each option's default after its help, unless the help already says it or there is none
     to show (None, off, empty). Descriptions keep their own line breaks."""
 
@@ -138,7 +138,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         if (
             not action.option_strings
-            or action.default in (None, False, [], argparse.SUPPRESS)
+            or action.default in (None, False, [], {}, argparse.SUPPRESS)
             or "default" in text.lower()
         ):
             return text
@@ -151,14 +151,14 @@ def _parser() -> argparse.ArgumentParser:
     from jaxinfer.llm import GENERATION_CONFIG_CHOICES
 
     parser = argparse.ArgumentParser(
-        prog="jaxinfer", description="LLM inference on JAX/XLA.", formatter_class=_HelpFormatter
+        prog="jaxinfer", description="LLM inference on JAX/XLA.", formatter_class=HelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser(
         "generate",
         help="generate text from a prompt",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Generate from one or more prompts (text or token ids).",
     )
     g.add_argument("prompt", nargs="*", help="prompt text (several prompts run as one batch)")
@@ -253,7 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve",
         help="serve the model over gRPC",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Serve jaxinfer.v1, JetStream's Orchestrator, gRPC health and reflection on one "
         "continuous-batching engine. SIGTERM drains requests in flight, then exits 0.",
     )
@@ -266,14 +266,14 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="measure TTFT, decode throughput and bandwidth utilisation",
         description=bench.__doc__,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     bench.add_arguments(b)
 
     c = sub.add_parser(
         "convert",
         help="convert a Hugging Face checkpoint to jaxinfer's orbax format",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Read a Hugging Face safetensors checkpoint and write a jaxinfer checkpoint (orbax "
         "parameters, config.json, tokenizer files) that `LLM(OUT_DIR)` / `--model OUT_DIR` restore directly. "
         "`jaxinfer bench load HF_DIR` compares the load times of the two formats.",
@@ -496,7 +496,7 @@ def _bench_load(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench load",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Time loading one model from its Hugging Face safetensors and from its jaxinfer (orbax) "
         "checkpoint (converted into a temp dir unless --orbax-dir is given). Prints one JSON object.",
     )
@@ -517,23 +517,23 @@ def _bench_window_pools(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench window-pools",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="A Gemma-3-shaped model (5 sliding-window layers + 1 global), the same KV-cache bytes: "
         "every layer's pool at one size, against the window layers in pools of their own and the global "
         "layer given the bytes that frees. Same requests, same tokens (checked); prints throughput and "
         "preemptions side by side.",
     )
-    for flag, default in (
-        ("--num-requests", 32),
-        ("--prompt-len", 768),
-        ("--output-len", 256),
-        ("--window", 128),
-        ("--one-size-pages", 400),
-        ("--max-num-seqs", 16),
-        ("--max-num-batched-tokens", 128),
+    for flag, default, text in (
+        ("--num-requests", 32, "greedy requests, all submitted at once"),
+        ("--prompt-len", 768, "prompt tokens per request"),
+        ("--output-len", 256, "tokens generated per request"),
+        ("--window", 128, "keys the sliding-window layers attend to"),
+        ("--one-size-pages", 400, "pages of every layer's pool in the one-size run (sets the bytes both runs get)"),
+        ("--max-num-seqs", 16, "sequences running at once"),
+        ("--max-num-batched-tokens", 128, "tokens per engine step"),
     ):
-        p.add_argument(flag, type=bench._positive_int, default=default)
-    p.add_argument("--json", action="store_true")
+        p.add_argument(flag, type=bench._positive_int, default=default, help=text)
+    p.add_argument("--json", action="store_true", help="print the two runs' figures as JSON")
     args = p.parse_args(argv)
     rows = bench.window_pools(
         num_requests=args.num_requests,
@@ -563,7 +563,7 @@ def _bench_mesh(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="jaxinfer bench mesh",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Parameter and KV-cache bytes per device for each mesh (measured from the arrays' shards), "
         "and whether every mesh gives the first one's greedy tokens.",
     )

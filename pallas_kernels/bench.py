@@ -68,9 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="decode rows")
     p.add_argument("--contexts", type=_ints, default=[1024, 4096], help="tokens of context per row")
     p.add_argument("--heads", type=_ints, default=[32, 8], help="query heads,KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--head-dim", type=int, default=128, help="dimension of each head")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="queries' and K/V pools' dtype")
     p.add_argument(
         "--kv-dtype", default="auto", choices=["auto", "int8"], help="cache pools in --dtype, or int8 + scales"
     )
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sliding window of W keys (a Mistral/Gemma local layer); default global",
     )
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=10, help="timed samples per variant (the median is reported)")
     p.add_argument("--layers", type=int, default=1, help="attention layers per timed call (one jit); time is per layer")
     p.add_argument(
         "--gpu-blocks",
@@ -350,7 +350,9 @@ def run(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pallas_kernels.bench") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxinfer.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
     try:

@@ -1571,6 +1571,8 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens():
         (["serve"], ["--port PORT", "(default: 9000)", "(default: 256)", "(default: 30.0)", "(default: float32)"]),
         (["bench"], ["(default: 32,128,512)", "(default: 16,256)", "(default: 3)"]),
         (["generate"], ["(default: 16)", "(default: 512)", "(default: auto)"]),
+        (["bench", "kernels"], ["(default: 8)", "(default: 1024,4096)", "(default: 32,8)", "(default: bfloat16)"]),
+        (["bench", "window-pools"], ["(default: 768)", "(default: 400)", "print the two runs' figures as JSON"]),
     ],
 )
 def test_help_shows_each_options_default(capsys, argv, shown):
@@ -1582,3 +1584,4 @@ def test_help_shows_each_options_default(capsys, argv, shown):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert all(s in out for s in shown), [s for s in shown if s not in out]
     assert "[16, 256]" not in out and "(default: the embedded default model) (default" not in out
+    assert "(default: {})" not in out
