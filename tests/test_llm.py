@@ -479,11 +479,20 @@ def test_a_held_back_ctrl_c_is_delivered_once_when_the_outermost_region_ends():
                 signal.raise_signal(signal.SIGINT)
                 seen.append("not reached")
     assert "not reached" not in seen and signal.getsignal(signal.SIGINT) is handler
-    errors = []  # off the main thread (the server's engine thread) both are no-ops: no signal.signal there
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)  # held back ...
+            with _interrupts.allowed():  # ... until the wait for the device begins, not after it
+                seen.append("waited")
+    assert "waited" not in seen and signal.getsignal(signal.SIGINT) is handler
+    # Off the main thread (the server's engine thread) both are no-ops: no signal.signal there, also
+    # while the main thread is inside a region of its own.
+    errors = []
     thread = threading.Thread(target=lambda: errors.extend(_check_off_main_thread(_interrupts)))
-    thread.start()
-    thread.join()
-    assert errors == []
+    with _interrupts.deferred():
+        thread.start()
+        thread.join()
+    assert errors == [] and signal.getsignal(signal.SIGINT) is handler
 
 
 def _leaves_nothing(llm) -> None:
