@@ -49,13 +49,16 @@ def _leaves(pools):
     return [np.asarray(x)[:, 1:] for x in jax.tree.leaves(pools)]  # all but the scratch page
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int8-from-bfloat16"])
 @pytest.mark.parametrize("interpret", [True, "tpu"], ids=["generic", "tpu-interpret"])
 def test_kv_write_matches_the_scatter(kind, interpret):
-    rng = np.random.default_rng(len(kind))
+    """int8 pools take float32 K/V, or bfloat16 (a bfloat16 model's), quantized in float32 as the
+    reference does."""
+    kind, _, source = kind.partition("-from-")
+    rng = np.random.default_rng(len(kind) + len(source))
     for rows, t in [(1, 1), (4, 1), (3, 7), (2, 12)]:
         k_pages, v_pages = _pools(rng, kind)
-        dtype = jnp.float32 if kind == "int8" else kind
+        dtype = source or (jnp.float32 if kind == "int8" else kind)
         k = jnp.asarray(rng.standard_normal((rows, t, NK, H)) * 3, dtype)
         v = jnp.asarray(rng.standard_normal((rows, t, NK, H)), dtype)
         k = k.at[0, 0, 1].set(0.0)  # an all-zero vector: scale 0
