@@ -393,9 +393,12 @@ def test_kernel_bench_refuses_a_zero_window_and_no_variants():
         bench.run(p.parse_args(["--batch", "100000", "--contexts", "100000"]))  # was a MemoryError mid-run
 
 
-@pytest.mark.parametrize("model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True)])
+@pytest.mark.parametrize(
+    "model_axis,kv_heads,int8", [(2, 2, False), (4, 4, True), (4, 2, False), (8, 2, True), (2, 3, False)]
+)
 def test_kernel_under_shard_map_over_kv_heads(model_axis, kv_heads, int8):
-    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer): same output."""
+    """Sharded over the mesh's `model` axis (replicated when KV heads are fewer, or not a multiple of
+    it: 3 over 2): same output."""
     check_under_shard_map(ragged_paged_attention, model_axis, kv_heads, int8)
 
 
