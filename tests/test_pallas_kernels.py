@@ -218,6 +218,7 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
 
     assert supports(page_size=16, head_dim=128) and supports(page_size=8, head_dim=64)
     assert not supports(page_size=16, head_dim=80) and not supports(page_size=12, head_dim=128)
+    assert not supports(page_size=16, head_dim=8)  # a dot of fewer than 16 columns: Triton refuses it
     q, k, v, table, kv, ql = random_batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
     with pytest.raises(ValueError, match="pages_per_block must be a positive int"):
         ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_block=0)

@@ -58,6 +58,18 @@ def _gpus() -> list:
 
 
 needs_gpu = pytest.mark.skipif(not _gpus(), reason="no GPU present: the compiled GPU kernel needs one")
+
+
+@pytest.mark.skipif(bool(_gpus()), reason="a GPU is present: the tuner would run its sweep")
+def test_the_tuner_says_it_needs_a_gpu(capsys):
+    """Without one it stops before timing anything (it would time interpret mode, or fail in Triton)."""
+    from pallas_kernels import tune_gpu
+
+    with pytest.raises(SystemExit, match=r"error: tune_gpu needs a GPU \(jax.default_backend\(\) is 'cpu'\)"):
+        tune_gpu.main(["--contexts", "64"])
+    assert capsys.readouterr().out == ""
+
+
 # On a GPU: the block settings the table picks and ones it does not (the compiled kernel needs >= 16 keys
 # per step, so PAGE = 8 takes at least 2 pages per step), all compiled by Triton, none interpreted.
 GPU_COMPILED_BLOCKS = [
