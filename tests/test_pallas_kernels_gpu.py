@@ -178,6 +178,35 @@ def test_mosaic_kernel_matches_reference(st):
     check_kernel_against_reference(ragged_paged_attention_mgpu, st, _mosaic_blocks(st), interpret=True, cases=8)
 
 
+@pytest.mark.parametrize("blocks", [dict(kv_splits=1), dict(kv_splits=2, keys_per_step=128)], ids=["one", "split"])
+def test_mosaic_kernel_carries_its_softmax_across_steps(blocks):
+    """The random batches above fit one 64-key step; rows of several steps (up to 300 keys, with a
+    40-token prefill chunk, rows ending one key into a step and one key short of a step's end) check
+    the running max and sum the kernel rescales from step to step, within a KV split and across the
+    splits' merge. Slots past a row's end hold NaN, as stale pages do."""
+    rng = np.random.default_rng(5)
+    b, t, n, nk, h, s, width = 4, 40, 4, 2, 64, 8, 40
+    kv, ql = np.array([300, 63, 200, 127]), np.array([1, 1, 40, 1])
+    pool = b * width + 1
+    table = 1 + rng.permutation(b * width).reshape(b, width)
+    k = rng.standard_normal((nk, pool, s, h)) * 2  # spread logits: the running max moves
+    v = rng.standard_normal((nk, pool, s, h))
+    for row in range(b):
+        for slot in range(kv[row], width * s):
+            k[:, table[row, slot // s], slot % s] = v[:, table[row, slot // s], slot % s] = np.nan
+    k, v = jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float16)
+    table = jnp.asarray(table, jnp.int32)
+    kv, ql = jnp.asarray(kv, jnp.int32), jnp.asarray(ql, jnp.int32)
+    out = ragged_paged_attention_mgpu(q, k, v, table, kv, ql, scale=h**-0.5, interpret=True, **blocks)
+    positions = (kv - ql)[:, None] + jnp.arange(t)[None, :]
+    ref = reference_paged_attention(q, k, v, table, positions, kv, scale=h**-0.5, kind=GlobalAttention())
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    for row in range(b):
+        m = int(ql[row])
+        np.testing.assert_allclose(out[row, :m], ref[row, :m], atol=2e-3, rtol=2e-3, err_msg=f"row {row}")
+
+
 def test_mosaic_kernel_refuses_what_it_cannot_run():
     """float32 and int8 pools, head dims off wgmma's tiles, pages that do not divide a step: named errors."""
     rng = np.random.default_rng(3)
