@@ -45,6 +45,30 @@ def test_kernel_matches_reference(st):
     check_kernel_against_reference(ragged_paged_attention_gpu, st, INTERPRET_BLOCKS, interpret=True)
 
 
+@pytest.mark.parametrize("kernel", ["triton", "mosaic"])
+@pytest.mark.parametrize("sign", [1, -1], ids=["high", "low"])
+def test_kernels_keep_softmax_exact_at_extreme_logits(kernel, sign):
+    """Logits near +160 (exp overflows float32 unless each split's and the merge's sums are taken
+    from their running max) and near -160 (exp underflows to 0 unless the max starts below every
+    logit), over several steps and KV splits."""
+    rng = np.random.default_rng(7)
+    b, n, nk, h, s, width = 2, 2, 1, 64, 8, 32
+    kv, ql = jnp.asarray([200, 130], jnp.int32), jnp.asarray([1, 1], jnp.int32)
+    dtype = jnp.float32 if kernel == "triton" else jnp.float16
+    k = jnp.asarray(1 + 0.1 * rng.standard_normal((nk, b * width + 1, s, h)), dtype)
+    v = jnp.asarray(rng.standard_normal((nk, b * width + 1, s, h)), dtype)
+    q = jnp.full((b, 1, n, h), sign * 20.0, dtype)  # q.k / 8 = 160 +- ~16
+    table = jnp.asarray(1 + rng.permutation(b * width).reshape(b, width), jnp.int32)
+    if kernel == "triton":
+        out = ragged_paged_attention_gpu(
+            q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_step=2, kv_splits=4
+        )
+    else:
+        out = ragged_paged_attention_mgpu(q, k, v, table, kv, ql, scale=0.125, interpret=True, kv_splits=2)
+    ref = reference_paged_attention(q, k, v, table, (kv - ql)[:, None], kv, scale=0.125, kind=GlobalAttention())
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-3, rtol=2e-3)
+
+
 def test_kernel_under_shard_map_over_kv_heads():
     """Its block table then sees the per-device batch and heads."""
     check_under_shard_map(ragged_paged_attention_gpu, 4, 4, True)
