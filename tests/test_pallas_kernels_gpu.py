@@ -323,6 +323,17 @@ def test_triton_kernel_lowers_for_cuda_without_a_gpu(dtype, t, int8, window, sof
     assert "triton" in lowered.as_text()  # the kernel, as a Triton custom call
 
 
+def test_triton_row_blocks_are_at_least_the_tensor_cores_tile(monkeypatch):
+    """A decode step has 1-8 query rows per KV head; a Triton dot needs 16, so the blocks the wrapper
+    hands the kernel pad them to 16 (the lowering above takes its blocks as given)."""
+    seen = []
+    monkeypatch.setattr(gpu, "_call", lambda *args, blocks, **kw: seen.append(blocks.rows_per_block))
+    for g in (1, 2, 8):
+        q, k, v, table, kv, ql = random_batch(np.random.default_rng(g), Static(group=g, head_dim=64, t=1))
+        ragged_paged_attention_gpu(q, k, v, table, kv, ql, scale=0.125, interpret=True)
+    assert seen == [16, 16, 16]
+
+
 def _hopper() -> bool:
     return any(getattr(d, "compute_capability", None) == "9.0" for d in _gpus())
 
