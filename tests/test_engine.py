@@ -458,20 +458,28 @@ def test_bad_capacity_and_requests(params):
     assert r.request_id == "a"
 
 
+def _scheduler(pool, *, page_size, max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens=64, window=None):
+    """A scheduler over one page group, for the tests below that drive it by hand (no model):
+    `pool` is a PagePool or its number of pages."""
+    from jaxinfer.kv_cache import PagePool
+    from jaxinfer.scheduler import PageGroup, Scheduler
+
+    return Scheduler(
+        groups=[PageGroup(PagePool(pool) if isinstance(pool, int) else pool, window=window)],
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_prefill_tokens=max_prefill_tokens,
+    )
+
+
 def test_prompt_chunks_are_cut_to_their_padded_shape():
     """A prompt chunk its power-of-two bucket would pad by more than 32 tokens is cut to the power of
     two below; a second prompt joins a step's call only within the first one's bucket and while the
     call stays >= 3/4 real tokens. (A call costs its padded shape, so this is throughput.)"""
-    from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import PageGroup, Scheduler, Sequence
+    from jaxinfer.scheduler import Sequence
 
-    sched = Scheduler(
-        groups=[PageGroup(PagePool(256))],
-        page_size=8,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        max_prefill_tokens=512,
-    )
+    sched = _scheduler(256, page_size=8, max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=512)
     sp = SamplingParams(max_tokens=4)
     for i, n in enumerate((200, 120, 30)):
         tokens = list(range(3, 3 + n))
@@ -499,12 +507,9 @@ def test_a_preempted_sample_waits_for_its_siblings_only_on_tokens_they_share():
     head of the queue. A sample preempted after it drew tokens of its own shares only the prompt (and
     any output drawn alike) with them. It used to wait until a running sibling had computed as many
     tokens as it holds, i.e. while the sibling decoded up to its length, and the queue behind it with it."""
-    from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import GroupPages, PageGroup, Scheduler, SeqStatus, Sequence
+    from jaxinfer.scheduler import GroupPages, SeqStatus, Sequence
 
-    sched = Scheduler(
-        groups=[PageGroup(PagePool(64))], page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens=64
-    )
+    sched = _scheduler(64, page_size=4)
     sp = SamplingParams(max_tokens=40)
     prompt = list(range(3, 19))  # 16 tokens: 4 full pages to share
     a = Sequence(seq_id=0, request_id="r", index=0, params=sp, seed=0, tokens=prompt + [7] * 4, prompt_len=16)
@@ -527,16 +532,9 @@ def test_a_sample_does_not_wait_for_pages_it_could_never_share(prompt_len):
     """A sample waits for a sibling computing their prompt only up to the full pages the cache could
     give it (here the first of 16 tokens): not for a partial page (30 tokens), nor for the page
     holding its own last token (32 tokens: it computes that one itself, for its logits)."""
-    from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import GroupPages, PageGroup, Scheduler, SeqStatus, Sequence
+    from jaxinfer.scheduler import GroupPages, SeqStatus, Sequence
 
-    sched = Scheduler(
-        groups=[PageGroup(PagePool(64))],
-        page_size=16,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        max_prefill_tokens=256,
-    )
+    sched = _scheduler(64, page_size=16, max_num_batched_tokens=256, max_prefill_tokens=256)
     sp = SamplingParams(max_tokens=8)
     prompt = list(range(3, 3 + prompt_len))
     a, b = (
@@ -559,12 +557,9 @@ def test_a_step_that_preempts_admits_nothing():
     """vLLM's rule: a step that had to preempt takes nobody from the queue, not even the sequence it
     just preempted, though a small token budget would let its first chunk fit the freed pages
     (re-admitted at once, it would be preempted again next step: thrashing)."""
-    from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import GroupPages, PageGroup, Scheduler, SeqStatus, Sequence
+    from jaxinfer.scheduler import GroupPages, SeqStatus, Sequence
 
-    sched = Scheduler(
-        groups=[PageGroup(PagePool(4))], page_size=4, max_num_seqs=4, max_num_batched_tokens=4, max_prefill_tokens=64
-    )
+    sched = _scheduler(4, page_size=4, max_num_batched_tokens=4)
     sp = SamplingParams(max_tokens=8)
     a = Sequence(seq_id=0, request_id="a", index=0, params=sp, seed=0, tokens=[3] * 5, prompt_len=4)
     b = Sequence(seq_id=1, request_id="b", index=0, params=sp, seed=0, tokens=[4] * 9, prompt_len=8)
@@ -586,12 +581,9 @@ def test_a_step_that_preempts_admits_nothing():
 def test_a_second_prompt_chunk_may_fill_the_prefill_limit_exactly():
     """Two 32-token prompts under a 64-token prefill limit run in one call (2 rows x 32: the limit
     itself, not past it)."""
-    from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import PageGroup, Scheduler, Sequence
+    from jaxinfer.scheduler import Sequence
 
-    sched = Scheduler(
-        groups=[PageGroup(PagePool(64))], page_size=4, max_num_seqs=4, max_num_batched_tokens=256, max_prefill_tokens=64
-    )
+    sched = _scheduler(64, page_size=4, max_num_batched_tokens=256)
     sp = SamplingParams(max_tokens=8)
     for i in range(2):
         sched.add(Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=[3 + i] * 32, prompt_len=32))
@@ -646,12 +638,9 @@ def test_free_device_memory_is_the_limit_less_what_is_in_use(monkeypatch):
 def test_admission_is_first_come_and_preemption_takes_the_last_admitted():
     """vLLM's policy: waiting sequences start in arrival order; when a running one needs a page and
     none is left, the most recently admitted one gives its pages back and goes to the queue's head."""
-    from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import PageGroup, Scheduler, SeqStatus, Sequence
+    from jaxinfer.scheduler import SeqStatus, Sequence
 
-    sched = Scheduler(
-        groups=[PageGroup(PagePool(7))], page_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_prefill_tokens=64
-    )
+    sched = _scheduler(7, page_size=4, max_num_seqs=2)
     sp = SamplingParams(max_tokens=40)
     a, b, c = (
         Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=[3 + i] * 8, prompt_len=8)
@@ -760,16 +749,10 @@ def test_a_windowed_prefix_hit_needs_no_page_before_its_window():
     """At a window of 9 keys and pages of 8, the first token after a 5-page hit (position 40) sees
     positions 32-40: page 4 alone must be cached, not page 3 before it (the first to be evicted)."""
     from jaxinfer.kv_cache import PagePool, page_hash
-    from jaxinfer.scheduler import PageGroup, Scheduler, Sequence
+    from jaxinfer.scheduler import Sequence
 
     pool = PagePool(16)
-    sched = Scheduler(
-        groups=[PageGroup(pool, window=9)],
-        page_size=8,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_prefill_tokens=64,
-    )
+    sched = _scheduler(pool, page_size=8, window=9)
     tokens = list(range(3, 46))  # 43 tokens: 5 full pages, then 3
     digest = b""
     for i in range(5):
@@ -789,12 +772,10 @@ def test_a_lost_cache_sends_every_sequence_back_to_its_first_token():
     pages in a schedule that then failed all give their pages back and start from token 0; the
     prefix cache forgets every page."""
     from jaxinfer.kv_cache import PagePool
-    from jaxinfer.scheduler import PageGroup, Scheduler, SeqStatus, Sequence
+    from jaxinfer.scheduler import SeqStatus, Sequence
 
     pool = PagePool(16)
-    sched = Scheduler(
-        groups=[PageGroup(pool)], page_size=4, max_num_seqs=1, max_num_batched_tokens=64, max_prefill_tokens=64
-    )
+    sched = _scheduler(pool, page_size=4, max_num_seqs=1)
     sp = SamplingParams()
     a, b = (
         Sequence(seq_id=i, request_id=str(i), index=0, params=sp, seed=0, tokens=list(range(3, 13)), prompt_len=10)
