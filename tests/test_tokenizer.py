@@ -867,8 +867,10 @@ def test_function_tools_are_described_as_transformers_describes_them():
 
     from jaxinfer.tool_schema import function_schema
 
-    for fn in (get_weather, search, Calculator().add, pick):
+    for fn in (get_weather, search, Calculator().add, pick, described_twice):
         assert function_schema(fn) == get_json_schema(fn), fn.__name__
+    # A repeated section: the first one describes the arguments, as in transformers.
+    assert function_schema(described_twice)["function"]["parameters"]["properties"]["a"]["description"] == "the number"
     assert function_schema(pick)["function"]["parameters"]["properties"]["mode"]["enum"] == ["fast", "slow"]
     assert function_schema(pick)["function"]["return"]["description"] == "the pick, on a line\n    and the next"
     weather = function_schema(get_weather)["function"]
@@ -891,6 +893,22 @@ def pick(mode: str, size: int = 1) -> str:
     Returns:
         the pick, on a line
         and the next
+    """
+
+
+def described_twice(a: int, b: str) -> int:
+    """Joins a and b.
+
+    Args:
+        a: the number
+        b: the text
+
+    Args:
+        a: a later, second description
+        b: also ignored
+
+    Returns:
+        a and b joined
     """
 
 
