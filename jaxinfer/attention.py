@@ -156,6 +156,26 @@ def _visible(kv_pos, kv_lens, first_q_pos, kind: AttentionKind):
     return visible
 
 
+def _decode_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [K, R, G, H] . k [K, R, S, H] -> [K, R, G, S] float32, as a multiply and a sum over H.
+
+    Decode's G (query heads per KV head) is 1-8 rows, and XLA CPU runs a batched dot of such small
+    matrices as one Eigen call per (KV head, row): ~95 us per 8-row x 128-token tile. With K read as
+    [.., H, S], the sum runs down a non-minor axis with S vectorised: ~15 us, the transpose fused
+    into the tile's gather. The ~150M model at 48 rows (lengths 16-480), 8 layers of decode attention:
+    34.5 -> 28.7 ms; its whole decode step 73 -> 68 ms (2-core CPU, /tmp A/B scripts).
+    """
+    f32 = jnp.float32
+    return jnp.sum(q.astype(f32)[..., None] * jnp.swapaxes(k, -1, -2).astype(f32)[:, :, None], axis=-2)
+
+
+def _decode_values(p: jax.Array, v: jax.Array) -> jax.Array:
+    """p [K, R, G, S] . v [K, R, S, H] -> [K, R, G, H] float32, as a multiply and a sum over S (H
+    vectorised), for the reason `_decode_scores` gives: ~35 -> ~14 us per tile."""
+    f32 = jnp.float32
+    return jnp.sum(p.astype(f32)[..., None] * v.astype(f32)[:, :, None], axis=-2)
+
+
 def tiled_paged_attention(
     q: jax.Array,
     k_pages: Pool,
@@ -239,7 +259,10 @@ def tiled_paged_attention(
         v = jnp.where(in_context[None, :, :, None], v, jnp.zeros((), v.dtype))  # stale slots may hold NaN
 
         qt = jax.lax.dynamic_slice(qg, (0, first, 0, 0), (nk, rows, g * t, h))
-        logits = jnp.einsum("KRQH,KRSH->KRQS", qt, k, preferred_element_type=jnp.float32) * scale
+        if t == 1:
+            logits = _decode_scores(qt, k) * scale
+        else:
+            logits = jnp.einsum("KRQH,KRSH->KRQS", qt, k, preferred_element_type=jnp.float32) * scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logits = logits.reshape(nk, rows, g, t, tile)
@@ -252,7 +275,10 @@ def tiled_paged_attention(
         p = jnp.exp(logits - m_new[..., None])
         alpha = jnp.exp(m_old - m_new)
         l_new = alpha * l_old + sum_last_axis(p)[..., 0]  # batch-invariant: see jaxinfer.numerics
-        pv = jnp.einsum("KRQS,KRSH->KRQH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        if t == 1:
+            pv = _decode_values(p.astype(v.dtype), v)
+        else:
+            pv = jnp.einsum("KRQS,KRSH->KRQH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_new = alpha[..., None] * acc_old + pv
         return (
             i + 1,
