@@ -56,7 +56,15 @@ _tiled = jax.jit(
 )
 
 
-@pytest.mark.parametrize("st", STATICS, ids=static_id)
+# Decode (t = 1) takes its own path in the tiled attention (multiply-and-sum contractions, inputs
+# widened to float32): also in bfloat16, plain and with int8 pools, which STATICS cover at t > 1 only.
+TILED_STATICS = STATICS + [
+    Static(group=4, head_dim=64, t=1, dtype="bfloat16", window=6, soft_cap=20.0),
+    Static(group=2, head_dim=128, t=1, dtype="bfloat16", int8=True),
+]
+
+
+@pytest.mark.parametrize("st", TILED_STATICS, ids=static_id)
 def test_tiled_xla_attention_matches_reference(st):
     """The "xla" backend: tiles of R rows x T tokens with an online softmax; row groups that do not
     divide the batch (padded), tiles that do not divide the table (padded with scratch pages), tiles
@@ -100,13 +108,15 @@ def test_tiled_xla_attention_row_does_not_depend_on_its_neighbours(kind):
         np.testing.assert_array_equal(alone[0], together[row])
 
 
+@pytest.mark.parametrize("t", [4, 1], ids=["chunk", "decode"])
 @pytest.mark.parametrize("attend", [reference_paged_attention, tiled_paged_attention])
-def test_int8_pools_are_dequantized_in_float32_whatever_the_query_dtype(attend):
+def test_int8_pools_are_dequantized_in_float32_whatever_the_query_dtype(attend, t):
     """The pure-JAX forms over int8 pools give with bfloat16 queries what they give with the same
     queries in float32, rounded once at the end: value x scale is not rounded to bfloat16 first (that
-    moved outputs by up to ~0.05 at softmax scale 1)."""
+    moved outputs by up to ~0.05 at softmax scale 1), nor are the products summed in bfloat16 (the
+    tiled form's decode path)."""
     rng = np.random.default_rng(3)
-    st = Static(group=2, head_dim=64, t=4, dtype="bfloat16", int8=True)
+    st = Static(group=2, head_dim=64, t=t, dtype="bfloat16", int8=True)
     q, k, v, table, kv, ql = random_batch(rng, st)
     positions = (kv - ql)[:, None] + jnp.arange(st.t)[None, :]
     args = (k, v, table, positions, kv)
