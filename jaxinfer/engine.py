@@ -78,17 +78,18 @@ _compile_count = 0
 _compile_lock = threading.Lock()
 
 
-def _on_event(name: str, *args, **kwargs):
-    # A program XLA compiled, or one a persistent compilation cache (`jax_compilation_cache_dir`)
-    # handed back instead: either way the jit cache missed and the program was traced and lowered.
+def _on_compile(name: str, *args, **kwargs):
+    # JAX times its compile-or-load-from-the-persistent-cache (`jax_compilation_cache_dir`) step under
+    # this one event, so a program XLA compiled and one the cache handed back count once each: either
+    # way the jit cache missed and the program was traced and lowered. (The cache's own
+    # "/jax/compilation_cache/cache_hits" fires inside that step: counting it too counted a load twice.)
     global _compile_count
-    if name in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"):
+    if name == "/jax/core/compile/backend_compile_duration":
         with _compile_lock:
             _compile_count += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-jax.monitoring.register_event_listener(_on_event)
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
 
 
 def num_compiles() -> int:

@@ -2,7 +2,10 @@
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -273,6 +276,38 @@ def test_a_cache_salt_shares_prefix_pages_only_with_the_same_salt(params):
             e.add_request([1, 2, 3], sp, cache_salt=bad)
     assert not e.requests or all(r.finished for r in e.requests.values())
     e.abort(e.add_request([1, 2, 3], sp, cache_salt="x" * 1024).request_id)  # the longest salt taken
+
+
+_COUNT_A_CACHE_LOAD = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxinfer.engine import num_compiles
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name == "/jax/compilation_cache/cache_hits"))
+x = jnp.asarray(np.arange(7.0, dtype=np.float32))
+f = jax.jit(lambda x: jnp.sin(x) * 3 + x.sum())
+a = num_compiles(); f(x).block_until_ready(); b = num_compiles(); first_hits = sum(hits)
+jax.clear_caches()
+f(x).block_until_ready(); c = num_compiles()
+print(b - a, c - b, first_hits, sum(hits) - first_hits)
+"""
+
+
+def test_a_program_loaded_from_the_persistent_cache_counts_once(tmp_path):
+    """`num_compiles` (the no-recompile checks, stats()["num_compiles"]) counts a program XLA compiled
+    and one the persistent compilation cache handed back alike, once each: the second call below is a
+    cache load (one cache hit), and counted one, not two."""
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        JAX_PLATFORMS="cpu",
+    )
+    run = subprocess.run([sys.executable, "-c", _COUNT_A_CACHE_LOAD], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    compiled, loaded, hits_then, hits_now = map(int, run.stdout.split())
+    assert (hits_then, hits_now) == (0, 1)  # compiled the first time, loaded from the cache the second
+    assert (compiled, loaded) == (1, 1)
 
 
 @pytest.mark.parametrize("placed", [False, True], ids=["host-params", "device-params"])
