@@ -1321,9 +1321,11 @@ def test_bench_timers_on_a_made_up_clock(monkeypatch, llm):
         monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=iter(times).__next__))
 
     # The read ceiling: the best of the repeats (the least disturbed one), per kind of read.
-    clock([0, 3, 10, 11, 20, 22] + [100, 104, 110, 112, 120, 121.5])  # reduce 3, 1, 2 s; matvec 4, 2, 1.5 s
+    # reduce 3, 1, 2 s; rows 2, 0.5, 1 s; matvec 4, 2, 1.5 s
+    clock([0, 3, 10, 11, 20, 22] + [50, 52, 60, 60.5, 70, 71] + [100, 104, 110, 112, 120, 121.5])
     nbytes = 16 * 4096 * 4
-    assert bench.measure_read_bandwidth(nbytes, repeats=3) == {"reduce": nbytes / 1.0, "matvec": nbytes / 1.5}
+    got = bench.measure_read_bandwidth(nbytes, repeats=3)
+    assert got == {"reduce": nbytes / 1.0, "rows": nbytes / 0.5, "matvec": nbytes / 1.5}
 
     # The latency bench's decode window: from the step that gave the last row its first token (the
     # third, at t=3) to the last; seven steps at t = 1..7 made 1, 2, 3, 3, 3, 2, 1 tokens.
