@@ -150,6 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the prefix cache on (off by default: the baseline run would warm it for the other)",
     )
+    t.add_argument(
+        "--vs-sync",
+        action="store_true",
+        help="run the continuous workload again reading each step's results before the next step "
+        "(async scheduling off), and print the ratio",
+    )
     sv = p.add_argument_group("serve mode (also takes the throughput-mode workload flags)")
     sv.add_argument("--server", metavar="HOST:PORT", help="a running server (default: start one on loopback)")
     sv.add_argument("--concurrency", type=_positive_int, default=32, help="streams in flight at most")
@@ -414,6 +420,13 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     cb_wall, cb_seqs, cb_gaps = drive_engine(llm.engine, prompts, params)
     cb_tokens = sum(len(s.output_ids) for s in cb_seqs)
     t2 = _phase_totals(llm.engine)
+    if args.vs_sync:
+        llm.engine.async_scheduling = False
+        sync_wall, sync_seqs, sync_gaps = drive_engine(llm.engine, prompts, params)
+        llm.engine.async_scheduling = True
+        t3 = _phase_totals(llm.engine)
+        if [s.output_ids for s in sync_seqs] != [s.output_ids for s in cb_seqs]:
+            raise RuntimeError("async scheduling changed the outputs")  # a bug, not a measurement
     stats = llm.stats()
     rows = {
         "one_at_a_time": {
@@ -433,6 +446,15 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
             **_phases(t1, t2, cb_wall),
         },
     }
+    if args.vs_sync:
+        rows["continuous_sync"] = {
+            "requests": args.num_requests,
+            "wall_s": sync_wall,
+            "output_tokens_per_s": cb_tokens / sync_wall,
+            "requests_per_s": args.num_requests / sync_wall,
+            **latencies(sync_seqs, sync_gaps),
+            **_phases(t2, t3, sync_wall),
+        }
     ratio = rows["continuous"]["output_tokens_per_s"] / rows["one_at_a_time"]["output_tokens_per_s"]
     print(
         f"\n{'mode':>14} {'requests':>9} {'wall s':>8} {'out tok/s':>10} {'req/s':>7} "
@@ -459,6 +481,8 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
         )
     note = "" if k == args.num_requests else f" (baseline measured on the first {k} requests)"
     print(f"continuous batching / one at a time: {ratio:.2f}x output-token throughput{note}")
+    if args.vs_sync:
+        print(f"async scheduling / one step at a time: {sync_wall / cb_wall:.2f}x (same outputs)")
     print(
         f"preemptions {stats['num_preemptions']}, prefix-cache hit tokens {stats['prefix_cache_hit_tokens']}, "
         f"XLA compilations after warm-up: {num_compiles() - after_warmup}"

@@ -53,6 +53,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of common prefixes")
     e.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="read each step's results before dispatching the next (default: overlap them; same outputs)",
+    )
+    e.add_argument(
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
@@ -121,6 +126,7 @@ def engine_kwargs(args) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=not args.no_async_scheduling,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         mesh=args.mesh,
@@ -311,6 +317,7 @@ _LOCAL_ONLY = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "no_prefix_caching",
+    "no_async_scheduling",
     "attention_backend",
     "mesh",
     "kv_cache_dtype",

@@ -7,6 +7,10 @@ waiting on any of it, then feeds the sampled tokens back to their sequences: sto
 incremental detokenization, metrics. A prompt chunk of a request that asked for prompt_logprobs
 runs in `prefill_with_prompt_logprobs` instead, which also returns every position's log-probabilities.
 
+With async scheduling (the default) a step's results are read only after the next step is
+dispatched, whose decode rows take the sampled tokens on the device: the host's bookkeeping then
+overlaps the device's work instead of following it (`Engine._run_ahead`).
+
 Shapes come from a fixed set of buckets decided at construction (`prefill_shapes`, `decode_shapes`),
 all compiled by `warmup()`, so a serving engine never compiles after it starts taking traffic. The
 prompt-logprobs programs are compiled there only when asked (always on a multi-process job); else
@@ -58,6 +62,7 @@ from jaxinfer.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
+    SampleOutput,
     SamplingBatch,
     SamplingParams,
     history_width,
@@ -114,6 +119,26 @@ def _poison_pages(cache: KVCache, pages: jax.Array, layers: tuple[int, ...]) -> 
 
 _poison_pages_jit = jax.jit(_poison_pages, static_argnames=("layers",))
 
+# ----------------------------------------------------------------------------------------------
+# Async scheduling: a decode row's input token read from the previous step's output on the device.
+
+_PLACEHOLDER = -1  # a sequence's last token while the step that samples it runs (Sequence.ahead)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _pad_tokens(tokens: jax.Array, size: int) -> jax.Array:
+    """A call's sampled tokens [B] at the head of a vector of fixed `size`: the merge below then has
+    one shape per decode bucket, whatever calls the step before made."""
+    return jnp.zeros(size, tokens.dtype).at[: tokens.shape[0]].set(tokens)
+
+
+@jax.jit
+def _merge_tokens(host: jax.Array, first: jax.Array, second: jax.Array, src: jax.Array, use: jax.Array) -> jax.Array:
+    """A decode call's input tokens [B, 1]: the host's, or where use[i], entry src[i] of the step
+    before's sampled tokens (its two calls' padded vectors, end to end)."""
+    prev = jnp.concatenate([first, second])
+    return jnp.where(use[:, None], prev[src][:, None], host)
+
 
 @dataclasses.dataclass
 class Logprob:
@@ -132,6 +157,28 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One model call of a step and its sampler, dispatched: the results are still on the device."""
+
+    phase: str  # "prefill" | "decode"
+    chunks: list[Chunk]
+    samples: list[bool]  # each chunk's Chunk.samples as dispatched (a placeholder changes it after)
+    out: SampleOutput
+    plp: object  # PromptLogprobs, or None
+
+
+@dataclasses.dataclass(eq=False)
+class _Step:
+    calls: list[_Call]
+    started: float  # when it was dispatched
+    # Run ahead (Engine._run_ahead): its chunks were counted as computed when it was dispatched, and
+    # each sequence it samples for holds a placeholder until its results are read.
+    ahead: bool = False
+    tokens: tuple = ()  # (first call's, last call's) sampled tokens, padded to Engine._token_slots
+    rows: dict = dataclasses.field(default_factory=dict)  # Sequence -> its token's index in `tokens` end to end
 
 
 @dataclasses.dataclass
@@ -179,6 +226,11 @@ class Engine:
             None: one device, as placed by JAX.
         channel: multi-host only (jaxinfer.distributed.StepChannel): on the leader, every step's
             inputs are broadcast to the followers before the step runs.
+        async_scheduling: dispatch each step before reading the one before's results, so the
+            host's work (reading tokens, stop conditions, text, scheduling, building the next inputs)
+            overlaps the device's (see `_run_ahead`). Outputs are the same either way. A step runs
+            ahead only when nothing in the next one needs its tokens on the host (penalties, bad
+            words, prompt logprobs) and on one process. An attribute: may be switched between steps.
     """
 
     def __init__(
@@ -197,7 +249,10 @@ class Engine:
         mesh=None,
         channel=None,
         num_window_kv_pages: int | None = None,
+        async_scheduling: bool = True,
     ):
+        if not isinstance(async_scheduling, bool):
+            raise InvalidRequestError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         check_capacity(
             page_size=page_size,
             max_num_seqs=max_num_seqs,
@@ -278,6 +333,9 @@ class Engine:
             self._steps = (model_lib.prefill, model_lib.decode_step)
             self._prompt_lp_step = model_lib.prefill_with_prompt_logprobs
             self._poison_step = _poison_pages_jit
+            # Decode inputs always go in as arrays on this device (a merge's output is one, and a
+            # jitted function's cache tells committed arrays from host ones: two programs otherwise).
+            self._token_sharding = jax.sharding.SingleDeviceSharding(device)
         else:
             from jaxinfer import sharding
 
@@ -303,6 +361,7 @@ class Engine:
                 out_shardings=(*outs, sharding.replicated(mesh)),
             )
             self._poison_step = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
+            self._token_sharding = None  # every input is placed by sharding.batch_shardings
         self.cache = self._new_cache()
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
         # for the `model` axis, pages whole on every `data` device).
@@ -324,6 +383,11 @@ class Engine:
         self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
         # Decode rows must split over a mesh's `data` axis (see scheduler.decode_bucket).
         self._rows_multiple = 1 if mesh is None else dict(mesh.shape).get("data", 1)
+        self.async_scheduling = async_scheduling
+        self._ahead: _Step | None = None  # the step run ahead, whose results are not read yet
+        self._results_time = 0.0  # when the last call's results were read (step-time metrics)
+        # The most rows any call has: the size a step's sampled tokens are padded to for the next.
+        self._token_slots = max(b for b, _, _ in self.decode_shapes() + self.prefill_shapes())
         self._after_step()  # the gauges read true (all pages free) before the first step
 
     # -- shapes -----------------------------------------------------------------------------
@@ -373,8 +437,11 @@ class Engine:
         shapes += [(*shape, True) for shape in self.prefill_shapes()] if prompt_logprobs else []
         for b, t, mp, with_targets in shapes:
             table = np.full((b, mp), SCRATCH_PAGE, np.int32)
+            tokens = np.zeros((b, t), np.int32)
+            if t == 1 and self._token_sharding is not None:
+                tokens = jax.device_put(tokens, self._token_sharding)  # as `_decode_tokens` passes them
             batch = Batch(
-                tokens=np.zeros((b, t), np.int32),
+                tokens=tokens,
                 q_lens=np.zeros(b, np.int32),
                 kv_lens=np.zeros(b, np.int32),
                 page_table=table,
@@ -391,9 +458,15 @@ class Engine:
             if self._sample_device is not None:  # multi-host leader: its local copy, as _model_step takes
                 logits = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
             for w in history_widths(self.max_model_len):
-                sample(logits, SamplingBatch.from_rows([], b, w))
+                out = sample(logits, SamplingBatch.from_rows([], b, w))
             for allowed_width in (1, self._allowed_width):  # logit_bias, min_tokens, allowed_token_ids
                 sample(logits, SamplingBatch.from_rows([], b, bias_width=self._bias_width, allowed_width=allowed_width))
+            if self.channel is None:  # async scheduling: every call's tokens padded for the next step
+                padded = _pad_tokens(out.tokens, size=self._token_slots)
+        if self.channel is None:  # ... and every decode bucket's merge of them
+            for b in sorted({b for b, _, _ in self.decode_shapes()}):
+                zeros = np.zeros(b, np.int32)
+                _merge_tokens(zeros[:, None], padded, padded, zeros, zeros.astype(bool))
         jax.block_until_ready(self.cache)
         if self.poison_reused_pages and self.channel is None:
             # A step hands out any number of pages, padded to a power of two: one program per size.
@@ -668,6 +741,9 @@ class Engine:
             return []
         ended = [seq for seq in req.seqs if not seq.finished]
         for seq in ended:  # every sample's pages, before anything that could raise
+            if seq.ahead:  # its step's token is dropped when read
+                seq.tokens.pop()
+                seq.ahead = False
             self.scheduler.finish(seq, "abort")
             self.metrics.count_finished("abort")
             self._observe_end(seq)
@@ -692,6 +768,8 @@ class Engine:
 
     def step(self) -> list[SeqUpdate]:
         """Runs one scheduled step. Returns an update for every sequence that advanced or ended.
+        With async scheduling these are the results of the step before, read while this one runs
+        (the first step of a run returns none; the step after the last returns the rest).
 
         Updates are collected on the engine until returned: if the step is interrupted (Ctrl-C while
         it waits for the device) after some sequences advanced, the next step returns theirs too.
@@ -729,6 +807,7 @@ class Engine:
     def _renew_cache(self) -> None:
         """Host state first: whatever happens next, nothing reads the lost contents."""
         seqs = len(self.scheduler.running)
+        self._drop_ahead()
         self.scheduler.recompute_all()
         self._after_step()
         log.error(
@@ -740,63 +819,149 @@ class Engine:
         self.cache = self._new_cache()  # if this fails too, the next step tries again
 
     def _step(self) -> list[SeqUpdate]:
-        plan = self.scheduler.schedule()
+        ahead = self._ahead
+        # A sequence whose token still on the device is its last (max_tokens, max_model_len) sits
+        # this step out: it has no next token, and no page for one.
+        hold = {seq for seq in ahead.rows if seq.ahead and self._ends_by_length(seq)} if ahead else ()
+        plan = self.scheduler.schedule(hold)
         self._take_new_pages()
         if plan.empty:
-            self._after_step()
-            if self.has_unfinished():  # a scheduler bug; fail loudly rather than spin forever
+            if ahead is not None:
+                self._collect(ahead)
+            elif self.has_unfinished():  # a scheduler bug; fail loudly rather than spin forever
                 raise RuntimeError(
                     f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
                     f"{len(self.scheduler.running)} running, {self.pool.num_free} pages free"
                 )
+            self._after_step()
             updates, self._undelivered = self._undelivered, []
             return updates
         calls = []
         started = time.perf_counter()
         # A Ctrl-C while the calls compile or run leaves every sequence as it was (the cache keeps
         # what they wrote, rewritten alike when they run again); it is let through there (see
-        # `_donating_call`, `_dispatch` and the wait for the results below) and held back elsewhere.
+        # `_donating_call`, `_dispatch` and the waits in `_collect`) and held back elsewhere.
         if plan.prefill:
             t = bucket(max(c.length for c in plan.prefill), minimum=16)
-            calls.append(("prefill", plan.prefill, self._dispatch(plan.prefill, t, self.max_pages_per_seq)))
+            out = self._dispatch(plan.prefill, t, self.max_pages_per_seq)
+            calls.append(_Call("prefill", plan.prefill, [c.samples for c in plan.prefill], *out))
         if plan.decode:
             # Longest first: the "xla" attention works in groups of neighbouring rows and stops each
             # group at its longest row, so rows of similar length should be neighbours.
             decode = sorted(plan.decode, key=lambda c: -c.start)
-            mp = self._decode_mp(decode[0].start + 1)
-            calls.append(("decode", decode, self._dispatch(decode, 1, mp)))
+            out = self._dispatch(decode, 1, self._decode_mp(decode[0].start + 1))
+            calls.append(_Call("decode", decode, [c.samples for c in decode], *out))
+        step = _Step(calls, started)
+        if ahead is not None:
+            self._collect(ahead)  # while this step runs
+        if self.async_scheduling and self._may_run_ahead(step):
+            self._run_ahead(step)
+        else:
+            self._collect(step)
+        self._after_step()
+        updates, self._undelivered = self._undelivered, []
+        return updates
+
+    def _may_run_ahead(self, step: _Step) -> bool:
+        """Whether the next step may be dispatched before this one's results are read: no call
+        returns prompt logprobs, nothing it samples for needs its own last token on the host to
+        build the next step (penalties read the history, bad words its last tokens), and the
+        followers of a multi-process job are not waiting for the next step's tokens."""
+        if self.channel is not None:
+            return False
+        for call in step.calls:
+            if call.plp is not None:
+                return False
+            for chunk, samples in zip(call.chunks, call.samples):
+                if samples and (chunk.seq.params.has_penalties or chunk.seq.bad_words):
+                    return False
+        return True
+
+    def _run_ahead(self, step: _Step) -> None:
+        """Leaves a dispatched step running: counts its chunks as computed now and gives each
+        sequence it samples for a placeholder as its last token, so that the next step is scheduled
+        and dispatched before this one's results are read, and they are read while that one runs.
+
+        The next step's decode rows take their token from this step's output on the device
+        (`_decode_tokens`), and the device runs the steps in order (each takes the cache the one
+        before returned), so pages a sequence gives back are rewritten only after its last step. What
+        the engine learns a step late is that a sequence stopped on a token (EOS, a stop id or
+        string): it then ran one row for nothing, whose output is dropped. A sequence whose
+        placeholder is its last token by length sits the next step out (`hold` in `_step`)."""
+        size = self._token_slots
+        padded = [_pad_tokens(call.out.tokens, size=size) for call in step.calls]
+        step.tokens = (padded[0], padded[-1])
+        # Ahead before any sequence is: should the loop raise part way, the sequences it did not
+        # reach run their chunks again next step, as after a failed `_collect`.
+        step.ahead = True
+        self._ahead = step
+        for k, call in enumerate(step.calls):
+            for i, (chunk, samples) in enumerate(zip(call.chunks, call.samples)):
+                seq = chunk.seq
+                if seq.finished:  # stopped on the step before's token, read just now
+                    continue
+                if samples:
+                    seq.tokens.append(_PLACEHOLDER)
+                    seq.ahead = True
+                    step.rows[seq] = k * size + i
+                seq.num_computed += chunk.length
+                self.scheduler.register_full_pages(seq)  # the device computes them before any reader
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the sequence ends by length with its last token (as `_append` decides)."""
+        generated = len(seq.tokens) - seq.prompt_len
+        return generated >= (seq.params.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len
+
+    def _drop_ahead(self) -> None:
+        """Forgets the step run ahead (its cache is lost): its sequences lose their placeholders."""
+        if self._ahead is not None:
+            for seq in self._ahead.rows:
+                if seq.ahead:
+                    seq.tokens.pop()
+                    seq.ahead = False
+            self._ahead = None
+
+    def _collect(self, step: _Step) -> None:
+        """Reads a dispatched step's results and feeds them to its sequences (stop conditions,
+        text, metrics); the updates join `_undelivered`. A step run ahead had its chunks counted
+        already: only the tokens that replace its placeholders are left."""
         updates = self._undelivered
-        now = None
         m = self.metrics
-        for phase, chunks, out in calls:
-            out, plp = out
-            want_lp = any(c.seq.logprobs is not None for c in chunks)
+        # The calls run one after the other on the device, and after the step before: each one's
+        # time runs from the previous results (or its dispatch, if later) to its own.
+        started = max(step.started, self._results_time)
+        for call in step.calls:
+            want_lp = any(c.seq.logprobs is not None for c in call.chunks)
             with _interrupts.allowed():
-                tokens = np.asarray(out.tokens)
+                tokens = np.asarray(call.out.tokens)
                 lp = None
                 if want_lp:
+                    out = call.out
                     lp = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
-                if plp is not None:
-                    plp = jax.tree.map(np.asarray, plp)
-            now = time.perf_counter()
-            # The calls run one after the other on the device, so each one's time runs from the
-            # previous one's results (or the step's start) to its own.
-            m.step_time[phase].observe(now - started)
-            m.count_step_tokens(phase, sum(c.length for c in chunks))
+                plp = None if call.plp is None else jax.tree.map(np.asarray, call.plp)
+            now = self._results_time = time.perf_counter()
+            m.step_time[call.phase].observe(now - started)
+            m.count_step_tokens(call.phase, sum(c.length for c in call.chunks))
             started = now
-            for i, chunk in enumerate(chunks):
+            for i, (chunk, samples) in enumerate(zip(call.chunks, call.samples)):
                 seq = chunk.seq
-                if seq.finished:  # aborted while the step ran: its pages are gone already
-                    continue
-                if plp is not None and seq.pending_prompt_logprobs:
-                    self._add_prompt_logprobs(seq, chunk, plp, i)
-                seq.num_computed += chunk.length
-                self.scheduler.register_full_pages(seq)
-                if chunk.samples:
-                    updates.append(self._append(seq, int(tokens[i]), now, None if lp is None else (lp, i)))
-        self._after_step()
-        self._undelivered = []
-        return updates
+                if step.ahead:
+                    if not (samples and seq.ahead):  # nothing sampled; or aborted (or read) already
+                        continue
+                    seq.tokens.pop()
+                    seq.ahead = False
+                else:
+                    if seq.finished:  # aborted while the step ran: its pages are gone already
+                        continue
+                    if plp is not None and seq.pending_prompt_logprobs:
+                        self._add_prompt_logprobs(seq, chunk, plp, i)
+                    seq.num_computed += chunk.length
+                    self.scheduler.register_full_pages(seq)
+                    if not samples:
+                        continue
+                updates.append(self._append(seq, int(tokens[i]), now, None if lp is None else (lp, i)))
+        if self._ahead is step:
+            self._ahead = None
 
     def _dispatch(self, chunks: list[Chunk], t: int, mp: int):
         """Runs one model call and its sampler: (SampleOutput, PromptLogprobs or None), on the device."""
@@ -820,6 +985,8 @@ class Engine:
                 ban = (*ban, *self._bad_word_bans(seq))
             bans.append(ban or None)
         window_table = tables[1] if len(tables) > 1 else None
+        if t == 1 and self.channel is None:
+            tok = self._decode_tokens(tok, chunks)
         batch = Batch(tokens=tok, q_lens=q, kv_lens=kv, page_table=tables[0], window_page_table=window_table)
         targets = None
         if any(c.seq.pending_prompt_logprobs for c in chunks):
@@ -844,6 +1011,18 @@ class Engine:
         )
         with _interrupts.allowed():  # the new cache is kept already: only this step's results are lost
             return sample(logits, sb), plp
+
+    def _decode_tokens(self, tok: np.ndarray, chunks: list[Chunk]):
+        """A decode call's input tokens as a device array. A row whose sequence ran ahead takes its
+        token from the step before's output, still on the device (see `_run_ahead`)."""
+        ahead = [i for i, c in enumerate(chunks) if c.seq.ahead]
+        if not ahead:
+            return tok if self._token_sharding is None else jax.device_put(tok, self._token_sharding)
+        src = np.zeros(len(tok), np.int32)
+        use = np.zeros(len(tok), bool)
+        for i in ahead:
+            src[i], use[i] = self._ahead.rows[chunks[i].seq], True
+        return _merge_tokens(tok, *self._ahead.tokens, src, use)
 
     @staticmethod
     def _add_prompt_logprobs(seq: Sequence, chunk: Chunk, plp, row: int) -> None:

@@ -285,6 +285,9 @@ class LLM:
             SamplingParams (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens as
             max_tokens; see `get_default_sampling_params`), as in vLLM; "none": SamplingParams' own.
         warmup: compile every step shape now, so no request ever waits for a compilation.
+        async_scheduling: dispatch each engine step before reading the results of the one before,
+            so the host's bookkeeping overlaps the device's work (same outputs; see
+            `Engine._run_ahead`). False: one step at a time.
 
     One LLM may be used from several threads (a web app's workers, a notebook's): their requests
     join the same continuous batches, each call returning only its own outputs.
@@ -306,6 +309,7 @@ class LLM:
         mesh: str | dict | None = None,
         generation_config: str = "auto",
         warmup: bool = False,
+        async_scheduling: bool = True,
     ):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise InvalidRequestError(f"model must be a directory path or an embedded model's name, got {model!r}")
@@ -315,6 +319,8 @@ class LLM:
             raise InvalidRequestError(
                 f"enable_prefix_caching and warmup must be True or False, got {enable_prefix_caching!r}, {warmup!r}"
             )
+        if not isinstance(async_scheduling, bool):
+            raise InvalidRequestError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         if dtype == "auto" and isinstance(model, (str, os.PathLike, type(None))):
             dtype = _auto_dtype(model)
         if dtype not in DTYPES:
@@ -404,6 +410,7 @@ class LLM:
             tokenizer=tokenizer,
             mesh=device_mesh,
             channel=_leader_channel(),
+            async_scheduling=async_scheduling,
         )
         # Updates of the requests this LLM started, by request id. Whichever call steps the engine
         # (a generate(), or any of several open streams) files every request's updates here, so

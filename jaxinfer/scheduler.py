@@ -105,6 +105,10 @@ class Sequence:
     # sampler's alone), so every position is computed by a prompt-chunk call that returns them.
     prompt_logprobs: list | None = None
     siblings: list = dataclasses.field(default_factory=list)  # the request's n samples (this one included)
+    # Its last token is a placeholder: the token a step still running on the device sampled, read
+    # after the next step is dispatched (the engine's async scheduling). Only a running sequence in
+    # decode has one, and only between steps; the engine replaces it before anything reads it.
+    ahead: bool = False
     _array: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int32), repr=False)
     _array_len: int = dataclasses.field(default=0, repr=False)
 
@@ -138,7 +142,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+        return self.tokens[self.prompt_len : len(self.tokens) - self.ahead]  # never the placeholder
 
     @property
     def finished(self) -> bool:
@@ -344,7 +348,9 @@ class Scheduler:
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, hold: frozenset[Sequence] | set[Sequence] = frozenset()) -> StepPlan:
+        """The next step's chunks. `hold`: running sequences to leave out of this step (they keep
+        their pages): the engine's, whose token still on the device is their last."""
         budget = self.max_num_batched_tokens
         decode: list[Chunk] = []
         prefill: list[Chunk] = []
@@ -353,7 +359,7 @@ class Scheduler:
         # Running sequences: decode first (cheap, latency-critical), then prompt chunks, oldest first.
         order = sorted(self.running, key=lambda q: (len(q.tokens) - q.num_computed > 1,))
         for seq in order:
-            if seq.status is not SeqStatus.RUNNING or budget <= 0:
+            if seq.status is not SeqStatus.RUNNING or budget <= 0 or seq in hold:
                 continue
             n = self._chunk_length(min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill)
             if n == 0:

@@ -386,11 +386,12 @@ def test_abort_frees_pages_within_a_step(params):
     assert not e.has_unfinished()
 
 
-def test_an_abort_while_the_step_runs_ends_the_request_cleanly(params):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_while_the_step_runs_ends_the_request_cleanly(params, async_scheduling):
     """An abort that lands between a step's dispatch and the filing of its results (another thread,
     a garbage-collected stream's finalizer) used to raise IndexError: the step registered the pages of
     a sequence whose pages the abort had already freed."""
-    e = make_engine(params)
+    e = make_engine(params, async_scheduling=async_scheduling)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     keep = e.add_request(list(range(3, 33)), sp)
     victim = e.add_request(list(range(50, 80)), sp)  # both prompts in the first step, 2 full pages each
@@ -404,6 +405,9 @@ def test_an_abort_while_the_step_runs_ends_the_request_cleanly(params):
 
     e._dispatch = dispatch_then_abort
     updates = e.step()
+    if async_scheduling:  # the step ran ahead: its results come with the next one's dispatch
+        assert updates == [] and keep.seqs[0].ahead and not victim.seqs[0].ahead
+        updates = e.step()
     assert [u.seq for u in updates] == [keep.seqs[0]] and victim.seqs[0].finish_reason == "abort"
     e._dispatch = dispatch
     while e.has_unfinished():
@@ -983,8 +987,8 @@ def test_window_pools_bench_runs_both_layouts_in_the_same_bytes(capsys):
 def test_a_step_interrupted_while_waiting_for_the_device_loses_no_update(params):
     """Ctrl-C while a step waits for its decode results, after its prompt chunk's token was already
     appended: that token's update was lost (the sequence had it, no caller ever saw it); the next
-    step now returns it with its own."""
-    e = make_engine(params)
+    step now returns it with its own. (One step at a time: the test below interrupts async steps.)"""
+    e = make_engine(params, async_scheduling=False)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     alone = run(make_engine(params), [[5, 6, 7], [9, 10, 11, 12]], [sp, sp])[0]
     first = e.add_request([5, 6, 7], sp)
@@ -1015,3 +1019,181 @@ def test_a_step_interrupted_while_waiting_for_the_device_loses_no_update(params)
     assert [first.seqs[0].output_ids, second.seqs[0].output_ids] == alone
     assert seen[second.request_id] == alone[1]  # its first token, made by the interrupted step, too
     assert seen[first.request_id] == alone[0][1:]  # the first token came from the step before
+
+
+# -- async scheduling -----------------------------------------------------------------------------
+
+
+def _mixed_workload(params, *, long_prompt: bool, seed=5):
+    """Greedy, seeded sampling, n=2, logprobs, stop ids that fire, min_tokens, a short request with
+    a repetition penalty (its steps run one at a time), shared prefixes, and with `long_prompt` a
+    prompt that ends at max_model_len."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 128, 24).tolist()
+    prompts, sps = [], []
+    for i in range(24):
+        p = (shared if i % 4 == 0 else []) + rng.integers(3, 128, int(rng.integers(2, 40))).tolist()
+        kind = i % 6
+        if kind == 0:
+            sp = SamplingParams(max_tokens=int(rng.integers(3, 24)), temperature=0.0, ignore_eos=True)
+        elif kind == 1:
+            sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=i, n=2, ignore_eos=True)
+        elif kind == 2:
+            sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+        elif kind == 3:  # a stop id the greedy continuation draws (found below)
+            sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        elif i == 4:
+            sp = SamplingParams(max_tokens=4, temperature=0.7, repetition_penalty=1.3, seed=i, ignore_eos=True)
+        elif kind == 4:
+            sp = SamplingParams(max_tokens=10, temperature=0.7, seed=i, ignore_eos=True)
+        else:
+            sp = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=4, ignore_eos=True)
+        prompts.append(p)
+        sps.append(sp)
+    if long_prompt:
+        prompts.append(rng.integers(3, 128, 250).tolist())  # 6 tokens to max_model_len 256
+        sps.append(SamplingParams(temperature=0.0, ignore_eos=True))
+    # Stop ids: each kind-3 request stops on its 5th greedy token, a kind-5 one on its 2nd (held by min_tokens).
+    ref = make_engine(params, async_scheduling=False)
+    firsts, _ = run(ref, prompts, sps)
+    for i, sp in enumerate(sps):
+        if i % 6 == 3:
+            sps[i] = dataclasses.replace(sp, stop_token_ids=(firsts[i][4],))
+        elif i % 6 == 5 and i < 24:
+            sps[i] = dataclasses.replace(sp, stop_token_ids=(firsts[i][1],))
+    return prompts, sps
+
+
+def _outputs(reqs):
+    """Every sample's tokens, finish and stop reason, and its logprobs' ids; their values apart (the
+    two runs batch rows differently, and a matmul's last bit may follow its row count)."""
+    out, values = [], []
+    for r in reqs:
+        for s in r.seqs:
+            lps = s.logprobs or []
+            out.append((s.output_ids, s.finish_reason, s.stop_reason, [(lp.token_id, list(lp.top)) for lp in lps]))
+            values += [v for lp in lps for v in lp.top.values()]
+    return out, np.array(values)
+
+
+@pytest.mark.parametrize("pages", [256, 20])
+def test_async_scheduling_gives_the_outputs_of_one_step_at_a_time(params, pages):
+    """Steps dispatched before the results of the step before are read (decode inputs taken from its
+    output on the device, stops learnt a step late): the same tokens, logprobs and finish reasons as
+    reading every step's results first; with reused pages full of NaN, and under a KV budget so small
+    that sequences are preempted with a token still on the device."""
+    prompts, sps = _mixed_workload(params, long_prompt=pages > 20)
+    got = {}
+    for mode in (False, True):
+        e = make_engine(params, num_kv_pages=pages, poison_reused_pages=True, async_scheduling=mode)
+        ahead, steps = [], []
+        run_ahead = e._run_ahead
+        e._run_ahead = lambda step, ahead=ahead, run_ahead=run_ahead: (ahead.append(step), run_ahead(step))
+        e._collect = lambda step, steps=steps, collect=e._collect: (steps.append(step), collect(step))
+        _, reqs = run(e, prompts, sps)
+        got[mode] = _outputs(reqs)
+        stats = e.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        assert (stats["num_preemptions"] > 0) == (pages == 20)
+        if mode:
+            assert len(ahead) > 0.8 * len(set(steps))  # most steps ran ahead
+        else:
+            assert not ahead
+    (samples, values), (samples_sync, values_sync) = got[True], got[False]
+    assert samples == samples_sync
+    np.testing.assert_allclose(values, values_sync, rtol=1e-5)
+    finish = [s[1] for s in samples]
+    assert finish.count("stop") >= 4 and finish.count("length") >= 6
+    if pages > 20:  # the prompt 6 tokens short of max_model_len ended there
+        assert samples[-1][:2] == (samples[-1][0], "length") and len(samples[-1][0]) == 6
+
+
+def test_a_step_run_ahead_holds_a_placeholder_nothing_outside_sees(params):
+    e = make_engine(params)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    req = e.add_request([5, 6, 7, 8], sp)
+    assert e.step() == []  # the prompt's step runs ahead: its token is read with the next step
+    seq = req.seqs[0]
+    assert seq.ahead and seq.output_ids == []
+    (update,) = e.step()
+    assert update.token_ids == seq.output_ids and len(seq.output_ids) == 1 and seq.ahead
+    while e.has_unfinished():
+        e.step()
+    assert not seq.ahead and seq.finish_reason == "length" and len(seq.output_ids) == 5
+    assert seq.output_ids == run(make_engine(params, async_scheduling=False), [[5, 6, 7, 8]], [sp])[0][0]
+
+
+def test_an_abort_with_a_token_on_the_device_drops_it(params):
+    e = make_engine(params)
+    sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    keep = e.add_request([5, 6, 7, 8] * 3, sp)
+    victim = e.add_request([9, 10, 11] * 3, sp)
+    seen = []
+    for _ in range(4):
+        seen += [u.token_ids for u in e.step() if u.seq is victim.seqs[0]]
+    assert victim.seqs[0].ahead
+    (update,) = e.abort(victim.request_id)
+    assert update.finish_reason == "abort" and update.token_ids == []
+    assert victim.seqs[0].output_ids == [t for ids in seen for t in ids] and -1 not in victim.seqs[0].output_ids
+    while e.has_unfinished():
+        assert all(u.seq is keep.seqs[0] for u in e.step())
+    assert keep.seqs[0].output_ids == run(make_engine(params), [[5, 6, 7, 8] * 3], [sp])[0][0]
+    assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
+
+
+def test_a_ctrl_c_while_reading_a_step_run_ahead_loses_nothing(params):
+    """Ctrl-C while the engine waits for the step it ran ahead, the next one already dispatched: the
+    next one is dropped (its chunks run again), the one ahead is read at the next step, and every
+    token reaches the caller once."""
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    alone = run(make_engine(params), prompts, [sp, sp])[0]
+    e = make_engine(params)
+    reqs = [e.add_request(p, sp) for p in prompts]
+    seen = {r.request_id: [] for r in reqs}
+    for u in e.step() + e.step():
+        seen[u.seq.request_id] += u.token_ids
+    real = e._collect
+
+    def interrupted(step):
+        e._collect = real
+        raise KeyboardInterrupt
+
+    e._collect = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        e.step()
+    assert e._ahead is not None and all(r.seqs[0].ahead for r in reqs)
+    while e.has_unfinished():
+        for u in e.step():
+            seen[u.seq.request_id] += u.token_ids
+    assert [seen[r.request_id] for r in reqs] == alone == [r.seqs[0].output_ids for r in reqs]
+
+
+def test_a_step_that_raises_while_running_ahead_leaves_every_sequence_whole(params):
+    """An error part way through the bookkeeping of a step run ahead (here: offering a sequence's
+    pages to the prefix cache): the tokens read before it are returned by `take_undelivered`, every
+    sequence stays consistent, and the run goes on to the outputs of an undisturbed one."""
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7] * 5, [9, 10, 11, 12] * 4]
+    alone = run(make_engine(params), prompts, [sp, sp])[0]
+    e = make_engine(params)
+    reqs = [e.add_request(p, sp) for p in prompts]
+    seen = {r.request_id: [] for r in reqs}
+    for u in e.step() + e.step():
+        seen[u.seq.request_id] += u.token_ids
+    real = e.scheduler.register_full_pages
+
+    def fails(seq):
+        e.scheduler.register_full_pages = real
+        raise RuntimeError("injected failure")
+
+    e.scheduler.register_full_pages = fails
+    with pytest.raises(RuntimeError, match="injected failure"):
+        e.step()
+    for u in e.take_undelivered():
+        seen[u.seq.request_id] += u.token_ids
+    while e.has_unfinished():
+        for u in e.step():
+            seen[u.seq.request_id] += u.token_ids
+    assert [seen[r.request_id] for r in reqs] == alone == [r.seqs[0].output_ids for r in reqs]
+    assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]

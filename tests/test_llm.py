@@ -27,6 +27,15 @@ def llm():
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture
+def one_step_at_a_time(llm, monkeypatch):
+    """The engine reads each step's results before the next step (no async scheduling): for tests
+    that interleave streams step by step. tests/test_engine.py checks the async steps' own
+    interruptions."""
+    monkeypatch.setattr(llm.engine, "async_scheduling", False)
+    llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(max_tokens=1))  # reads a step ahead
+
+
 def test_default_model_generates(llm):
     outs = llm.generate(["Hello", "In the beginning"], GREEDY)
     assert [len(o.token_ids) for o in outs] == [8, 8]
@@ -378,7 +387,7 @@ def test_an_abort_ends_every_sample_even_when_the_text_cannot_be_decoded(llm, mo
     assert llm.generate(prompt_token_ids=[[1, 9] * 6], sampling_params=GREEDY)[0].token_ids == expected
 
 
-def test_a_stream_ended_by_a_step_that_then_raised_still_gets_its_last_tokens(llm, monkeypatch):
+def test_a_stream_ended_by_a_step_that_then_raised_still_gets_its_last_tokens(llm, monkeypatch, one_step_at_a_time):
     """Stream A's step finishes stream B, then raises (Ctrl-C) while handling A: B's last update,
     held by the engine for its next step, reaches B (B used to end with an empty delta)."""
     from jaxinfer import scheduler as scheduler_lib
@@ -413,7 +422,7 @@ def test_a_stream_ended_by_a_step_that_then_raised_still_gets_its_last_tokens(ll
 
 
 @pytest.mark.parametrize("where", ["register_full_pages", "detokenizer"])
-def test_a_ctrl_c_during_a_steps_bookkeeping_waits_for_its_end(llm, monkeypatch, where):
+def test_a_ctrl_c_during_a_steps_bookkeeping_waits_for_its_end(llm, monkeypatch, where, one_step_at_a_time):
     """A real SIGINT landing while a step books another open stream's token (its chunk counted as
     computed, its token not yet appended; or appended, its text not yet made): the interrupt is
     held back to the end of the step. Before, it tore B's state: B stalled ("scheduler made no
@@ -560,7 +569,9 @@ def test_a_ctrl_c_while_generate_cleans_up_ends_every_request(llm, monkeypatch, 
     _leaves_nothing(llm)
 
 
-def test_a_ctrl_c_between_a_steps_donation_and_its_new_cache_keeps_the_cache(llm, monkeypatch, caplog):
+def test_a_ctrl_c_between_a_steps_donation_and_its_new_cache_keeps_the_cache(
+    llm, monkeypatch, caplog, one_step_at_a_time
+):
     """A SIGINT landing just after the jitted decode call returns, before the engine keeps the cache
     it returned (the donated one is gone by then): it is held back to the end of the step, so the
     cache survives and an open stream goes on with the same tokens. Before, the interrupt dropped the
@@ -1389,11 +1400,15 @@ def test_bench_throughput_runs_and_reports(capsys):
             "64",
             "--baseline-requests",
             "5",
+            "--vs-sync",
         ]
     )
     report = bench.run(args)
     out = capsys.readouterr().out
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
+    # The same workload again, each step's results read before the next (it checks the outputs match).
+    assert "async scheduling / one step at a time: " in out and report["continuous_sync"]["requests"] == 8
+    assert report["continuous_sync"]["decode_rows"] == report["continuous"]["decode_rows"]
     assert (report["continuous"]["requests"], report["one_at_a_time"]["requests"]) == (8, 5)
     assert "(baseline measured on the first 5 requests)" in out
     assert report["ratio"] == pytest.approx(

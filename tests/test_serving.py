@@ -936,8 +936,14 @@ def test_queue_full_is_resource_exhausted(llm):
         with Client(s.address, timeout=60) as c, grpc.insecure_channel(s.address) as ch:
             stub = pb_grpc.InferenceServiceStub(ch)
             req = pb.GenerateRequest(text="one", sampling_params=pb.SamplingParams(max_tokens=20, temperature=0))
-            a, b = stub.GenerateStream(req), stub.GenerateStream(req)
+            # One at a time: the second reaches the engine only if its thread takes both commands
+            # in one go, before the held step (a loaded machine): the queue would then hold two.
+            a = stub.GenerateStream(req)
             deadline = time.monotonic() + 60
+            while not small.engine.scheduler.waiting:
+                assert time.monotonic() < deadline, "the first stream did not reach the engine"
+                time.sleep(0.01)
+            b = stub.GenerateStream(req)
             while s.server.async_engine.num_in_flight < 2:
                 in_flight = s.server.async_engine.num_in_flight
                 assert time.monotonic() < deadline, f"{in_flight} of 2 streams reached the engine"

@@ -445,7 +445,8 @@ def test_request_metrics_count_requests_once_and_include_aborts():
     engine = llm.engine
     long = SamplingParams(max_tokens=30, ignore_eos=True)
     req = engine.add_request([1, 7, 8], long, arrival_time=time.perf_counter() - 5)
-    engine.step()
+    while not req.seqs[0].output_ids:  # its first token read (async scheduling: the step after its own)
+        engine.step()
     engine.abort(req.request_id)
     engine.release(req.request_id)
     s = llm.stats()
