@@ -1141,18 +1141,28 @@ def test_an_abort_with_a_token_on_the_device_drops_it(params):
     assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
 
 
-def test_a_ctrl_c_while_reading_a_step_run_ahead_loses_nothing(params):
-    """Ctrl-C while the engine waits for the step it ran ahead, the next one already dispatched: the
-    next one is dropped (its chunks run again), the one ahead is read at the next step, and every
-    token reaches the caller once."""
+def _two_streams_two_steps_in(params, prompts):
+    """Two greedy requests on an engine two steps in (a step is ahead): (engine, requests, the tokens
+    each was given so far, each one's tokens alone)."""
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 6, 7], [9, 10, 11, 12]]
     alone = run(make_engine(params), prompts, [sp, sp])[0]
     e = make_engine(params)
     reqs = [e.add_request(p, sp) for p in prompts]
     seen = {r.request_id: [] for r in reqs}
-    for u in e.step() + e.step():
+    _file(seen, e.step() + e.step())
+    return e, reqs, seen, alone
+
+
+def _file(seen, updates):
+    for u in updates:
         seen[u.seq.request_id] += u.token_ids
+
+
+def test_a_ctrl_c_while_reading_a_step_run_ahead_loses_nothing(params):
+    """Ctrl-C while the engine waits for the step it ran ahead, the next one already dispatched: the
+    next one is dropped (its chunks run again), the one ahead is read at the next step, and every
+    token reaches the caller once."""
+    e, reqs, seen, alone = _two_streams_two_steps_in(params, [[5, 6, 7], [9, 10, 11, 12]])
     real = e._collect
 
     def interrupted(step):
@@ -1164,8 +1174,7 @@ def test_a_ctrl_c_while_reading_a_step_run_ahead_loses_nothing(params):
         e.step()
     assert e._ahead is not None and all(r.seqs[0].ahead for r in reqs)
     while e.has_unfinished():
-        for u in e.step():
-            seen[u.seq.request_id] += u.token_ids
+        _file(seen, e.step())
     assert [seen[r.request_id] for r in reqs] == alone == [r.seqs[0].output_ids for r in reqs]
 
 
@@ -1173,14 +1182,7 @@ def test_a_step_that_raises_while_running_ahead_leaves_every_sequence_whole(para
     """An error part way through the bookkeeping of a step run ahead (here: offering a sequence's
     pages to the prefix cache): the tokens read before it are returned by `take_undelivered`, every
     sequence stays consistent, and the run goes on to the outputs of an undisturbed one."""
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 6, 7] * 5, [9, 10, 11, 12] * 4]
-    alone = run(make_engine(params), prompts, [sp, sp])[0]
-    e = make_engine(params)
-    reqs = [e.add_request(p, sp) for p in prompts]
-    seen = {r.request_id: [] for r in reqs}
-    for u in e.step() + e.step():
-        seen[u.seq.request_id] += u.token_ids
+    e, reqs, seen, alone = _two_streams_two_steps_in(params, [[5, 6, 7] * 5, [9, 10, 11, 12] * 4])
     real = e.scheduler.register_full_pages
 
     def fails(seq):
@@ -1190,10 +1192,8 @@ def test_a_step_that_raises_while_running_ahead_leaves_every_sequence_whole(para
     e.scheduler.register_full_pages = fails
     with pytest.raises(RuntimeError, match="injected failure"):
         e.step()
-    for u in e.take_undelivered():
-        seen[u.seq.request_id] += u.token_ids
+    _file(seen, e.take_undelivered())
     while e.has_unfinished():
-        for u in e.step():
-            seen[u.seq.request_id] += u.token_ids
+        _file(seen, e.step())
     assert [seen[r.request_id] for r in reqs] == alone == [r.seqs[0].output_ids for r in reqs]
     assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
