@@ -835,6 +835,8 @@ def test_bad_constructor_arguments():
         LLM(enable_prefix_caching="no")  # a non-empty string was truthy
     with pytest.raises(InvalidRequestError, match="enable_prefix_caching and warmup must be True or False"):
         LLM(warmup="no")
+    with pytest.raises(InvalidRequestError, match="async_scheduling must be True or False, got 'off'"):
+        LLM(async_scheduling="off")
 
 
 def test_cli_json(capsys):
