@@ -741,9 +741,7 @@ class Engine:
             return []
         ended = [seq for seq in req.seqs if not seq.finished]
         for seq in ended:  # every sample's pages, before anything that could raise
-            if seq.ahead:  # its step's token is dropped when read
-                seq.tokens.pop()
-                seq.ahead = False
+            seq.drop_placeholder()  # the token its step sampled is dropped when read
             self.scheduler.finish(seq, "abort")
             self.metrics.count_finished("abort")
             self._observe_end(seq)
@@ -908,7 +906,7 @@ class Engine:
                 self.scheduler.register_full_pages(seq)  # the device computes them before any reader
 
     def _ends_by_length(self, seq: Sequence) -> bool:
-        """Whether the sequence ends by length with its last token (as `_append` decides)."""
+        """Whether the sequence's last token ends it by length (max_tokens, or max_model_len)."""
         generated = len(seq.tokens) - seq.prompt_len
         return generated >= (seq.params.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len
 
@@ -916,9 +914,7 @@ class Engine:
         """Forgets the step run ahead (its cache is lost): its sequences lose their placeholders."""
         if self._ahead is not None:
             for seq in self._ahead.rows:
-                if seq.ahead:
-                    seq.tokens.pop()
-                    seq.ahead = False
+                seq.drop_placeholder()
             self._ahead = None
 
     def _collect(self, step: _Step) -> None:
@@ -948,8 +944,7 @@ class Engine:
                 if step.ahead:
                     if not (samples and seq.ahead):  # nothing sampled; or aborted (or read) already
                         continue
-                    seq.tokens.pop()
-                    seq.ahead = False
+                    seq.drop_placeholder()
                 else:
                     if seq.finished:  # aborted while the step ran: its pages are gone already
                         continue
@@ -1083,7 +1078,7 @@ class Engine:
             seq.detok.add(token, find_stops=generated >= p.min_tokens)  # (as vLLM counts min_tokens)
             if seq.detok.stopped:
                 return self._finish(seq, [token], "stop")
-        if generated >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len:
+        if self._ends_by_length(seq):
             return self._finish(seq, [token], "length")
         text = seq.detok.pop_delta() if seq.detok is not None else ""
         return SeqUpdate.of(seq, [token], text, None)

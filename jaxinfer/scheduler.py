@@ -140,6 +140,12 @@ class Sequence:
     def num_dropped(self) -> int:
         return self.groups[0].num_dropped
 
+    def drop_placeholder(self) -> None:
+        """Takes off the placeholder of a token still on the device (see `ahead`), if it has one."""
+        if self.ahead:
+            self.tokens.pop()
+            self.ahead = False
+
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len : len(self.tokens) - self.ahead]  # never the placeholder
