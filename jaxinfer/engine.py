@@ -229,8 +229,9 @@ class Engine:
         async_scheduling: dispatch each step before reading the one before's results, so the
             host's work (reading tokens, stop conditions, text, scheduling, building the next inputs)
             overlaps the device's (see `_run_ahead`). Outputs are the same either way. A step runs
-            ahead only when nothing in the next one needs its tokens on the host (penalties, bad
-            words, prompt logprobs) and on one process. An attribute: may be switched between steps.
+            ahead only when nothing in the next one needs its tokens on the host (bad words of
+            several tokens, prompt logprobs) and on one process. An attribute: may be switched
+            between steps.
     """
 
     def __init__(
@@ -863,15 +864,16 @@ class Engine:
     def _may_run_ahead(self, step: _Step) -> bool:
         """Whether the next step may be dispatched before this one's results are read: no call
         returns prompt logprobs, nothing it samples for needs its own last token on the host to
-        build the next step (penalties read the history, bad words its last tokens), and the
-        followers of a multi-process job are not waiting for the next step's tokens."""
+        build the next step (a bad word of several tokens is banned by the tokens before its last),
+        and the followers of a multi-process job are not waiting for the next step's tokens.
+        (Penalties read the last token on the device: `sample(last=)`.)"""
         if self.channel is not None:
             return False
         for call in step.calls:
             if call.plp is not None:
                 return False
             for chunk, samples in zip(call.chunks, call.samples):
-                if samples and (chunk.seq.params.has_penalties or chunk.seq.bad_words):
+                if samples and any(len(w) > 1 for w in chunk.seq.bad_words):
                     return False
         return True
 
@@ -881,11 +883,12 @@ class Engine:
         and dispatched before this one's results are read, and they are read while that one runs.
 
         The next step's decode rows take their token from this step's output on the device
-        (`_decode_tokens`), and the device runs the steps in order (each takes the cache the one
-        before returned), so pages a sequence gives back are rewritten only after its last step. What
-        the engine learns a step late is that a sequence stopped on a token (EOS, a stop id or
-        string): it then ran one row for nothing, whose output is dropped. A sequence whose
-        placeholder is its last token by length sits the next step out (`hold` in `_step`)."""
+        (`_decode_tokens`), as do penalised rows' histories (`sample(last=)`), and the device runs the
+        steps in order (each takes the cache the one before returned), so pages a sequence gives back
+        are rewritten only after its last step. What the engine learns a step late is that a sequence
+        stopped on a token (EOS, a stop id or string): it then ran one row for nothing, whose output is
+        dropped. A sequence whose placeholder is its last token by length sits the next step out (`hold`
+        in `_step`)."""
         size = self._token_slots
         padded = [_pad_tokens(call.out.tokens, size=size) for call in step.calls]
         step.tokens = (padded[0], padded[-1])
@@ -1004,8 +1007,11 @@ class Engine:
             bias_width=self._bias_width if biased else 1,
             allowed_width=self._allowed_width if allowed else 1,
         )
+        # A decode call's input tokens are its rows' last tokens: a penalised row that ran ahead
+        # takes its placeholder's token from them.
+        last = tok if t == 1 and width > 1 else None
         with _interrupts.allowed():  # the new cache is kept already: only this step's results are lost
-            return sample(logits, sb), plp
+            return sample(logits, sb, last), plp
 
     def _decode_tokens(self, tok: np.ndarray, chunks: list[Chunk]):
         """A decode call's input tokens as a device array. A row whose sequence ran ahead takes its

@@ -338,6 +338,9 @@ class SamplingBatch:
     want_logprobs: jax.Array  # [B] bool
     history: jax.Array  # [B, W] int32: prompt then output ids, -1 past the end; W = 1 when no row has a penalty
     prompt_lens: jax.Array  # [B] int32: history[:, :prompt_len] is prompt, the rest output
+    # Where `sample(last=)` writes the row's last token into its history (W: nowhere): a history that
+    # ends in a placeholder (a negative id) whose token is still on the device.
+    last_pos: jax.Array  # [B] int32
     # Added to the logits before the penalties (logit_bias; -inf bans the ids min_tokens holds back):
     bias_ids: jax.Array  # [B, N] int32, NO_ID past a row's list; N = 1: no row has any
     bias: jax.Array  # [B, N] float32
@@ -356,10 +359,12 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """rows: (params, seed, step, tokens, prompt_len) per live row; padded with greedy rows.
 
-        `history_len` must hold the tokens of every row that uses a penalty (see `history_width`);
-        rows without penalties leave their history at -1. `bans`: per row, the ids it may not draw yet
-        (or None). `bias_width` must hold a row's logit_bias and bans together (1 when no row has
-        either), `allowed_width` its allowed_token_ids (1 when no row has them).
+        `history_len` must hold the tokens of every row that uses a penalty (see `history_width`); rows
+        without penalties leave their history at -1. A penalised row whose tokens end in a negative id
+        (a placeholder for a token not yet on the host) has it filled in by `sample(last=)`. `bans`: per
+        row, the ids it may not draw yet (or None). `bias_width` must hold a row's logit_bias and bans
+        together (1 when no row has either), `allowed_width` its allowed_token_ids (1 when no row has
+        them).
         """
         b = batch_size
         temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
@@ -369,6 +374,7 @@ class SamplingBatch:
         want = np.zeros(b, bool)
         history = np.full((b, history_len), -1, np.int32)
         prompt_lens = np.zeros(b, np.int32)
+        last_pos = np.full(b, history_len, np.int32)
         bias_ids = np.full((b, bias_width), NO_ID, np.int32)
         bias = np.zeros((b, bias_width), np.float32)
         allowed = np.full((b, allowed_width), NO_ID, np.int32)
@@ -392,6 +398,8 @@ class SamplingBatch:
             if p.has_penalties:
                 history[i, : len(tokens)] = tokens
                 prompt_lens[i] = prompt_len
+                if len(tokens) and tokens[-1] < 0:
+                    last_pos[i] = len(tokens) - 1
         return cls(
             temperature=temp,
             top_k=top_k,
@@ -405,6 +413,7 @@ class SamplingBatch:
             want_logprobs=want,
             history=history,
             prompt_lens=prompt_lens,
+            last_pos=last_pos,
             bias_ids=bias_ids,
             bias=bias,
             allowed=allowed,
@@ -437,10 +446,13 @@ class SampleOutput:
     top_logprobs: jax.Array  # [B, min(MAX_LOGPROBS, V)] float32
 
 
-def apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """Presence/frequency penalties over output tokens, repetition penalty over prompt + output."""
+def apply_penalties(logits: jax.Array, sb: SamplingBatch, last: jax.Array | None = None) -> jax.Array:
+    """Presence/frequency penalties over output tokens, repetition penalty over prompt + output.
+    `last` [B, 1]: each row's last token, written into its history at `sb.last_pos` first."""
     b, v = logits.shape
     hist = sb.history
+    if last is not None:
+        hist = jnp.asarray(hist).at[jnp.arange(b), sb.last_pos].set(jnp.asarray(last)[:, 0], mode="drop")
     valid = hist >= 0
     is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= sb.prompt_lens[:, None])
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], hist.shape)
@@ -545,12 +557,14 @@ def _draw(x: jax.Array, keep: jax.Array, seed: jax.Array, step: jax.Array, *, bl
 _apply_penalties = jax.jit(apply_penalties)
 
 
-def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
+def sample(logits: jax.Array, params: SamplingBatch, last: jax.Array | np.ndarray | None = None) -> SampleOutput:
     """Picks one token per row, and the log-probabilities rows asked for.
 
     Args:
         logits: [B, V] float32 raw model logits.
         params: SamplingBatch with [B] fields and a [B, W] history.
+        last: [B, 1] int32, each row's last token (a decode call's input tokens, on the device),
+            for the penalised rows whose history ends in a placeholder (`SamplingBatch.last_pos`).
 
     Returns:
         SampleOutput. Two stages run as small programs of their own, only in steps that need them:
@@ -565,9 +579,17 @@ def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
     if params.bias_ids.shape[1] > 1 or params.allowed.shape[1] > 1:
         processed = _apply_bias(processed, params.bias_ids, params.bias, params.allowed)
     if params.history.shape[1] > 1:
-        processed = _apply_penalties(processed, params.replace(bias_ids=None, bias=None, allowed=None))
+        if last is None:
+            last = np.zeros((logits.shape[0], 1), np.int32)
+        # Placed as the logits are, from the host or the device: one penalty program, and a
+        # penalised `processed` placed as an unpenalised one (the logits) for `_sample`.
+        if isinstance(logits, jax.Array) and logits.committed:
+            last = jax.device_put(last, logits.sharding)
+        processed = _apply_penalties(processed, params.replace(bias_ids=None, bias=None, allowed=None), last)
     return _sample(
-        logits, processed, params.replace(history=None, prompt_lens=None, bias_ids=None, bias=None, allowed=None)
+        logits,
+        processed,
+        params.replace(history=None, prompt_lens=None, last_pos=None, bias_ids=None, bias=None, allowed=None),
     )
 
 

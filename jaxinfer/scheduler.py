@@ -113,10 +113,10 @@ class Sequence:
     _array_len: int = dataclasses.field(default=0, repr=False)
 
     def token_array(self) -> np.ndarray:
-        """`tokens` as int32 (a view into a buffer that grows by doubling). Tokens are only ever
-        appended, so each call copies only the new ones: the sampler's penalty history reads every
-        row's whole context each step, and converting the list each time cost ~2.5 ms per step at
-        32 rows x 4k tokens."""
+        """`tokens` as int32 (a view into a buffer that grows by doubling). Tokens are only ever appended
+        (a placeholder taken off is forgotten here too), so each call copies only the new ones: the
+        sampler's penalty history reads every row's whole context each step, and converting the list
+        each time cost ~2.5 ms per step at 32 rows x 4k tokens."""
         n = len(self.tokens)
         if n > len(self._array):
             grown = np.empty(max(64, 2 * n), np.int32)
@@ -144,6 +144,7 @@ class Sequence:
         """Takes off the placeholder of a token still on the device (see `ahead`), if it has one."""
         if self.ahead:
             self.tokens.pop()
+            self._array_len = min(self._array_len, len(self.tokens))  # the real token replaces it there too
             self.ahead = False
 
     @property

@@ -1025,9 +1025,9 @@ def test_a_step_interrupted_while_waiting_for_the_device_loses_no_update(params)
 
 
 def _mixed_workload(params, *, long_prompt: bool, seed=5):
-    """Greedy, seeded sampling, n=2, logprobs, stop ids that fire, min_tokens, a short request with
-    a repetition penalty (its steps run one at a time), shared prefixes, and with `long_prompt` a
-    prompt that ends at max_model_len."""
+    """Greedy, seeded sampling, n=2, logprobs, stop ids that fire, min_tokens, penalties (greedy and
+    seeded: they read each row's last token on the device), shared prefixes, and with `long_prompt`
+    a prompt that ends at max_model_len."""
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, 128, 24).tolist()
     prompts, sps = [], []
@@ -1043,7 +1043,13 @@ def _mixed_workload(params, *, long_prompt: bool, seed=5):
         elif kind == 3:  # a stop id the greedy continuation draws (found below)
             sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
         elif i == 4:
-            sp = SamplingParams(max_tokens=4, temperature=0.7, repetition_penalty=1.3, seed=i, ignore_eos=True)
+            sp = SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.3, seed=i, ignore_eos=True)
+        elif i == 10:
+            sp = SamplingParams(
+                max_tokens=20, temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True
+            )
+        elif i == 16:
+            sp = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=2.0, ignore_eos=True)
         elif kind == 4:
             sp = SamplingParams(max_tokens=10, temperature=0.7, seed=i, ignore_eos=True)
         else:
@@ -1106,6 +1112,34 @@ def test_async_scheduling_gives_the_outputs_of_one_step_at_a_time(params, pages)
     assert finish.count("stop") >= 4 and finish.count("length") >= 6
     if pages > 20:  # the prompt 6 tokens short of max_model_len ended there
         assert samples[-1][:2] == (samples[-1][0], "length") and len(samples[-1][0]) == 6
+
+
+def test_bad_words_of_one_token_run_ahead_and_longer_ones_one_step_at_a_time(params):
+    """A one-token bad word is banned whatever the row's last token: its steps run ahead. A longer
+    one is banned after the tokens before its last, which the host must have: those steps run one
+    at a time. Either way the outputs are those of one step at a time, without the banned tokens.
+    (Token ids as `Engine.bad_word_ids` makes them; the test model has no tokenizer.)"""
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11] * 3]
+    free = run(make_engine(params, async_scheduling=False), prompts, [sp, sp])[0]
+    words = {"one": ((free[0][3],), (free[1][5],)), "two": ((free[0][2], free[0][3]),)}
+    for kind, bad in words.items():
+        got = {}
+        for mode in (False, True):
+            e = make_engine(params, async_scheduling=mode)
+            ahead = []
+            e._run_ahead = lambda step, ahead=ahead, run_ahead=e._run_ahead: (ahead.append(step), run_ahead(step))
+            reqs = [e.add_request(p, sp) for p in prompts]
+            for r in reqs:
+                r.seqs[0].bad_words = bad
+            while e.has_unfinished():
+                e.step()
+            got[mode] = [r.seqs[0].output_ids for r in reqs]
+            assert bool(ahead) == (mode and kind == "one")
+        assert got[True] == got[False] != free
+        for w in bad:
+            for out in got[True]:
+                assert not any(out[i : i + len(w)] == list(w) for i in range(len(out)))
 
 
 def test_a_step_run_ahead_holds_a_placeholder_nothing_outside_sees(params):

@@ -300,6 +300,27 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_allclose(float(out.logprob[0]), ref[int(out.tokens[0])], rtol=1e-5, atol=1e-5)
 
 
+def test_a_placeholder_at_the_end_of_a_history_is_penalised_as_the_token_given_for_it():
+    """Async scheduling: a penalised row's last token may still be on the device, a placeholder (-1)
+    in the host's history; `sample(last=)` fills it in. The same penalised logits as a history that
+    holds the token, and not those of one without it; a row without a placeholder ignores `last`."""
+    from jaxinfer.sampling import apply_penalties
+
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.6)
+    top = np.argsort(-LOGITS)[:4].tolist()
+    logits = jnp.asarray(np.tile(LOGITS, (2, 1)))
+
+    def penalised(histories, last=None):
+        rows = [(p, 0, 3, h, 2) for h in histories]
+        return np.asarray(apply_penalties(logits, SamplingBatch.from_rows(rows, 2, history_len=8), last))
+
+    last = jnp.asarray([[top[0]], [top[3]]], jnp.int32)
+    filled = penalised([[5, 6, top[1], -1], [5, 6, top[1], top[2]]], last)
+    want = penalised([[5, 6, top[1], top[0]], [5, 6, top[1], top[2]]])
+    np.testing.assert_array_equal(filled, want)
+    assert not np.array_equal(filled[0], penalised([[5, 6, top[1]], [5]])[0])
+
+
 def test_logprobs_are_raw_whatever_the_penalties_bias_and_temperature():
     """Log-probabilities are of the model's own distribution (vLLM's default, raw_logprobs), not of
     the one the penalties, the bias and the temperature shaped for the draw."""
