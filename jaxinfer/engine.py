@@ -230,7 +230,7 @@ class Engine:
             host's work (reading tokens, stop conditions, text, scheduling, building the next inputs)
             overlaps the device's (see `_run_ahead`). Outputs are the same either way. A step runs
             ahead only when nothing in the next one needs its tokens on the host (bad words of
-            several tokens, prompt logprobs) and on one process. An attribute: may be switched
+            several tokens) and on one process. An attribute: may be switched
             between steps.
     """
 
@@ -862,16 +862,14 @@ class Engine:
         return updates
 
     def _may_run_ahead(self, step: _Step) -> bool:
-        """Whether the next step may be dispatched before this one's results are read: no call
-        returns prompt logprobs, nothing it samples for needs its own last token on the host to
-        build the next step (a bad word of several tokens is banned by the tokens before its last),
-        and the followers of a multi-process job are not waiting for the next step's tokens.
-        (Penalties read the last token on the device: `sample(last=)`.)"""
+        """Whether the next step may be dispatched before this one's results are read: nothing it
+        samples for needs its own last token on the host to build the next step (a bad word of
+        several tokens is banned by the tokens before its last), and the followers of a
+        multi-process job are not waiting for the next step's tokens. (Penalties read the last token
+        on the device, `sample(last=)`; prompt logprobs are filed when the step is read.)"""
         if self.channel is not None:
             return False
         for call in step.calls:
-            if call.plp is not None:
-                return False
             for chunk, samples in zip(call.chunks, call.samples):
                 if samples and any(len(w) > 1 for w in chunk.seq.bad_words):
                     return False
@@ -945,13 +943,15 @@ class Engine:
             for i, (chunk, samples) in enumerate(zip(call.chunks, call.samples)):
                 seq = chunk.seq
                 if step.ahead:
+                    if plp is not None and not seq.finished:
+                        self._add_prompt_logprobs(seq, chunk, plp, i)
                     if not (samples and seq.ahead):  # nothing sampled; or aborted (or read) already
                         continue
                     seq.drop_placeholder()
                 else:
                     if seq.finished:  # aborted while the step ran: its pages are gone already
                         continue
-                    if plp is not None and seq.pending_prompt_logprobs:
+                    if plp is not None:
                         self._add_prompt_logprobs(seq, chunk, plp, i)
                     seq.num_computed += chunk.length
                     self.scheduler.register_full_pages(seq)
@@ -1028,10 +1028,12 @@ class Engine:
     @staticmethod
     def _add_prompt_logprobs(seq: Sequence, chunk: Chunk, plp, row: int) -> None:
         """Files the chunk's prompt positions not filed yet (a preempted sequence computes its
-        prompt again): position p scores prompt token p + 1."""
+        prompt again), if its sequence asked for them: position p scores prompt token p + 1."""
         chosen, top_ids, top_lps = plp
         n = seq.params.prompt_logprobs
         got = seq.prompt_logprobs
+        if got is None or len(got) >= seq.prompt_len - 1:
+            return
         if chunk.start > len(got):  # the scheduler guarantees it cannot happen: never report a gap
             raise RuntimeError(f"sequence {seq.seq_id}: prompt positions {len(got)}..{chunk.start - 1} were skipped")
         for p in range(len(got), min(chunk.start + chunk.length, seq.prompt_len - 1)):

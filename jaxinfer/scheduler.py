@@ -100,9 +100,10 @@ class Sequence:
     detok: object = None  # IncrementalDetokenizer, owned by the engine
     logprobs: list | None = None  # Logprob per output token, when asked for
     # Logprob of each prompt token after the first, when asked for (a request's sample 0 only): the
-    # positions computed so far, in order. While it is short of prompt_len - 1, the sequence reads
-    # nothing from the prefix cache and takes no one-token chunk (a decode call's logits are the
-    # sampler's alone), so every position is computed by a prompt-chunk call that returns them.
+    # positions filed so far, in order. While some position is neither filed nor computed
+    # (`pending_prompt_logprobs`), the sequence reads nothing from the prefix cache and takes no
+    # one-token chunk (a decode call's logits are the sampler's alone), so every position is
+    # computed by a prompt-chunk call that returns them.
     prompt_logprobs: list | None = None
     siblings: list = dataclasses.field(default_factory=list)  # the request's n samples (this one included)
     # Its last token is a placeholder: the token a step still running on the device sampled, read
@@ -129,7 +130,11 @@ class Sequence:
 
     @property
     def pending_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
+        """Whether some prompt position still needs a call that returns its log-probabilities: one
+        neither filed nor computed by a call already dispatched (a step run ahead files them when
+        it is read)."""
+        done = max(len(self.prompt_logprobs), self.num_computed) if self.prompt_logprobs is not None else 0
+        return self.prompt_logprobs is not None and done < self.prompt_len - 1
 
     @property
     def pages(self) -> list[int]:

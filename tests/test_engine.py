@@ -1025,9 +1025,9 @@ def test_a_step_interrupted_while_waiting_for_the_device_loses_no_update(params)
 
 
 def _mixed_workload(params, *, long_prompt: bool, seed=5):
-    """Greedy, seeded sampling, n=2, logprobs, stop ids that fire, min_tokens, penalties (greedy and
-    seeded: they read each row's last token on the device), shared prefixes, and with `long_prompt`
-    a prompt that ends at max_model_len."""
+    """Greedy, seeded sampling, n=2, logprobs, prompt logprobs, stop ids that fire, min_tokens,
+    penalties (greedy and seeded: they read each row's last token on the device), shared prefixes,
+    and with `long_prompt` a prompt that ends at max_model_len."""
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, 128, 24).tolist()
     prompts, sps = [], []
@@ -1038,8 +1038,8 @@ def _mixed_workload(params, *, long_prompt: bool, seed=5):
             sp = SamplingParams(max_tokens=int(rng.integers(3, 24)), temperature=0.0, ignore_eos=True)
         elif kind == 1:
             sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=i, n=2, ignore_eos=True)
-        elif kind == 2:
-            sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+        elif kind == 2:  # and prompt logprobs, filed when a step run ahead is read
+            sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, prompt_logprobs=i % 4, ignore_eos=True)
         elif kind == 3:  # a stop id the greedy continuation draws (found below)
             sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
         elif i == 4:
@@ -1076,9 +1076,10 @@ def _outputs(reqs):
     out, values = [], []
     for r in reqs:
         for s in r.seqs:
-            lps = s.logprobs or []
-            out.append((s.output_ids, s.finish_reason, s.stop_reason, [(lp.token_id, list(lp.top)) for lp in lps]))
-            values += [v for lp in lps for v in lp.top.values()]
+            lps, plps = s.logprobs or [], s.prompt_logprobs or []
+            ids = [[(lp.token_id, list(lp.top)) for lp in x] for x in (lps, plps)]
+            out.append((s.output_ids, s.finish_reason, s.stop_reason, *ids))
+            values += [v for lp in lps + plps for v in (lp.logprob, *lp.top.values())]
     return out, np.array(values)
 
 
