@@ -228,10 +228,9 @@ class Engine:
             inputs are broadcast to the followers before the step runs.
         async_scheduling: dispatch each step before reading the one before's results, so the
             host's work (reading tokens, stop conditions, text, scheduling, building the next inputs)
-            overlaps the device's (see `_run_ahead`). Outputs are the same either way. A step runs
-            ahead only when nothing in the next one needs its tokens on the host (bad words of
-            several tokens) and on one process. An attribute: may be switched
-            between steps.
+            overlaps the device's (see `_run_ahead`). Outputs are the same either way. On one
+            process only (a multi-process job's followers get host inputs). An attribute: may be
+            switched between steps.
     """
 
     def __init__(
@@ -853,27 +852,16 @@ class Engine:
         step = _Step(calls, started)
         if ahead is not None:
             self._collect(ahead)  # while this step runs
-        if self.async_scheduling and self._may_run_ahead(step):
+        # On one process any step may run ahead: the next one's penalties and bad words read the
+        # tokens still on the device (`sample(last=)`), prompt logprobs are filed when it is read.
+        # The followers of a multi-process job get every step's inputs from the host.
+        if self.async_scheduling and self.channel is None:
             self._run_ahead(step)
         else:
             self._collect(step)
         self._after_step()
         updates, self._undelivered = self._undelivered, []
         return updates
-
-    def _may_run_ahead(self, step: _Step) -> bool:
-        """Whether the next step may be dispatched before this one's results are read: nothing it
-        samples for needs its own last token on the host to build the next step (a bad word of
-        several tokens is banned by the tokens before its last), and the followers of a
-        multi-process job are not waiting for the next step's tokens. (Penalties read the last token
-        on the device, `sample(last=)`; prompt logprobs are filed when the step is read.)"""
-        if self.channel is not None:
-            return False
-        for call in step.calls:
-            for chunk, samples in zip(call.chunks, call.samples):
-                if samples and any(len(w) > 1 for w in chunk.seq.bad_words):
-                    return False
-        return True
 
     def _run_ahead(self, step: _Step) -> None:
         """Leaves a dispatched step running: counts its chunks as computed now and gives each
@@ -968,7 +956,7 @@ class Engine:
         q = np.zeros(b, np.int32)
         kv = np.zeros(b, np.int32)
         tables = [np.full((b, mp), SCRATCH_PAGE, np.int32) for _ in self.scheduler.groups]
-        rows, bans = [], []
+        rows, bans, bans_if_last = [], [], []
         for i, c in enumerate(chunks):
             seq = c.seq
             tok[i, : c.length] = seq.tokens[c.start : c.start + c.length]
@@ -979,9 +967,12 @@ class Engine:
             generated = len(seq.tokens) - seq.prompt_len
             rows.append((seq.params, seq.seed, generated, history, seq.prompt_len))
             ban = self._stop_ids(seq.params) if generated < seq.params.min_tokens else ()
+            after = None
             if seq.bad_words and c.samples:
-                ban = (*ban, *self._bad_word_bans(seq))
+                banned, after = self._bad_word_bans(seq)
+                ban = (*ban, *banned)
             bans.append(ban or None)
+            bans_if_last.append(after)
         window_table = tables[1] if len(tables) > 1 else None
         if t == 1 and self.channel is None:
             tok = self._decode_tokens(tok, chunks)
@@ -998,18 +989,19 @@ class Engine:
         # The token history is only sent (and only as wide as needed) when some row has a penalty.
         width = history_width(rows, maximum=self.max_model_len)
         allowed = any(p.allowed_token_ids for p, *_ in rows)
-        biased = allowed or any(bans) or any(p.logit_bias for p, *_ in rows)
+        biased = allowed or any(bans) or any(bans_if_last) or any(p.logit_bias for p, *_ in rows)
         sb = SamplingBatch.from_rows(
             rows,
             b,
             width,
             bans=bans,
+            bans_if_last=bans_if_last,
             bias_width=self._bias_width if biased else 1,
             allowed_width=self._allowed_width if allowed else 1,
         )
-        # A decode call's input tokens are its rows' last tokens: a penalised row that ran ahead
-        # takes its placeholder's token from them.
-        last = tok if t == 1 and width > 1 else None
+        # A decode call's input tokens are its rows' last tokens: a row that ran ahead takes its
+        # placeholder's token from them (its penalties' history, the bad words it completes).
+        last = tok if t == 1 else None
         with _interrupts.allowed():  # the new cache is kept already: only this step's results are lost
             return sample(logits, sb, last), plp
 
@@ -1042,14 +1034,22 @@ class Engine:
             got.append(Logprob(seq.tokens[p + 1], float(chosen[row, j]), top))
 
     @staticmethod
-    def _bad_word_bans(seq: Sequence) -> list[int]:
-        """The last token of every bad word whose other tokens end the sequence's tokens."""
-        tokens = seq.tokens
-        return [
-            w[-1]
-            for w in seq.bad_words
-            if len(w) == 1 or (len(w) <= len(tokens) + 1 and tokens[1 - len(w) :] == list(w[:-1]))
-        ]
+    def _bad_word_bans(seq: Sequence) -> tuple[list[int], list[tuple[int, int]]]:
+        """The last token of every bad word whose other tokens end the sequence's tokens: (bans,
+        bans_if_last). When the last token is a placeholder (still on the device), a word whose
+        tokens before it match is banned only if that token is the word's second to last: (its
+        last, its second to last), for the device to decide (`SamplingBatch.bias_if_last`)."""
+        tokens, bans, after = seq.tokens, [], []
+        known = len(tokens) - seq.ahead  # the tokens on the host
+        for w in seq.bad_words:
+            if len(w) == 1:
+                bans.append(w[0])
+            elif not seq.ahead:
+                if len(w) <= len(tokens) + 1 and tokens[1 - len(w) :] == list(w[:-1]):
+                    bans.append(w[-1])
+            elif len(w) <= known + 2 and tokens[known + 2 - len(w) : known] == list(w[:-2]):
+                after.append((w[-1], w[-2]))
+        return bans, after
 
     def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
         """The ids that would end a sequence: what min_tokens keeps it from drawing."""

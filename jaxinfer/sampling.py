@@ -344,6 +344,7 @@ class SamplingBatch:
     # Added to the logits before the penalties (logit_bias; -inf bans the ids min_tokens holds back):
     bias_ids: jax.Array  # [B, N] int32, NO_ID past a row's list; N = 1: no row has any
     bias: jax.Array  # [B, N] float32
+    bias_if_last: jax.Array  # [B, N] int32: the bias applies only when the row's last token is this id (NO_ID: always)
     allowed: jax.Array  # [B, A] int32: allowed_token_ids, NO_ID past the list (all NO_ID: any); A = 1: none
 
     @classmethod
@@ -354,6 +355,7 @@ class SamplingBatch:
         history_len: int = 1,
         *,
         bans=None,
+        bans_if_last=None,
         bias_width: int = 1,
         allowed_width: int = 1,
     ) -> SamplingBatch:
@@ -377,9 +379,11 @@ class SamplingBatch:
         last_pos = np.full(b, history_len, np.int32)
         bias_ids = np.full((b, bias_width), NO_ID, np.int32)
         bias = np.zeros((b, bias_width), np.float32)
+        bias_if_last = np.full((b, bias_width), NO_ID, np.int32)
         allowed = np.full((b, allowed_width), NO_ID, np.int32)
         bans = bans or [None] * len(rows)
-        for i, ((p, *_), ban) in enumerate(zip(rows, bans)):
+        bans_if_last = bans_if_last or [None] * len(rows)
+        for i, ((p, *_), ban, after) in enumerate(zip(rows, bans, bans_if_last)):
             k = 0
             if p.logit_bias:
                 k = len(p.logit_bias)
@@ -388,6 +392,11 @@ class SamplingBatch:
             if ban:
                 bias_ids[i, k : k + len(ban)] = ban
                 bias[i, k : k + len(ban)] = -np.inf
+                k += len(ban)
+            if after:
+                bias_ids[i, k : k + len(after)] = [t for t, _ in after]
+                bias_if_last[i, k : k + len(after)] = [t for _, t in after]
+                bias[i, k : k + len(after)] = -np.inf
             if p.allowed_token_ids:
                 allowed[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
         for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
@@ -416,6 +425,7 @@ class SamplingBatch:
             last_pos=last_pos,
             bias_ids=bias_ids,
             bias=bias,
+            bias_if_last=bias_if_last,
             allowed=allowed,
         )
 
@@ -564,7 +574,8 @@ def sample(logits: jax.Array, params: SamplingBatch, last: jax.Array | np.ndarra
         logits: [B, V] float32 raw model logits.
         params: SamplingBatch with [B] fields and a [B, W] history.
         last: [B, 1] int32, each row's last token (a decode call's input tokens, on the device),
-            for the penalised rows whose history ends in a placeholder (`SamplingBatch.last_pos`).
+            for the penalised rows whose history ends in a placeholder (`SamplingBatch.last_pos`)
+            and the bans that follow it (`SamplingBatch.bias_if_last`).
 
     Returns:
         SampleOutput. Two stages run as small programs of their own, only in steps that need them:
@@ -576,29 +587,36 @@ def sample(logits: jax.Array, params: SamplingBatch, last: jax.Array | np.ndarra
     """
     # Each stage sees only its own inputs: its programs are keyed on their shapes alone.
     processed = logits
-    if params.bias_ids.shape[1] > 1 or params.allowed.shape[1] > 1:
-        processed = _apply_bias(processed, params.bias_ids, params.bias, params.allowed)
-    if params.history.shape[1] > 1:
+    biased = params.bias_ids.shape[1] > 1 or params.allowed.shape[1] > 1
+    if biased or params.history.shape[1] > 1:
         if last is None:
             last = np.zeros((logits.shape[0], 1), np.int32)
-        # Placed as the logits are, from the host or the device: one penalty program, and a
-        # penalised `processed` placed as an unpenalised one (the logits) for `_sample`.
+        # Placed as the logits are, from the host or the device: one program per stage, and a
+        # processed array placed as the unprocessed one (the logits) for `_sample`.
         if isinstance(logits, jax.Array) and logits.committed:
             last = jax.device_put(last, logits.sharding)
-        processed = _apply_penalties(processed, params.replace(bias_ids=None, bias=None, allowed=None), last)
+    if biased:
+        processed = _apply_bias(processed, params.bias_ids, params.bias, params.bias_if_last, params.allowed, last)
+    if params.history.shape[1] > 1:
+        stage = params.replace(bias_ids=None, bias=None, bias_if_last=None, allowed=None)
+        processed = _apply_penalties(processed, stage, last)
     return _sample(
         logits,
         processed,
-        params.replace(history=None, prompt_lens=None, last_pos=None, bias_ids=None, bias=None, allowed=None),
+        params.replace(
+            history=None, prompt_lens=None, last_pos=None, bias_ids=None, bias=None, bias_if_last=None, allowed=None
+        ),
     )
 
 
 @jax.jit
-def _apply_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array, allowed: jax.Array) -> jax.Array:
+def _apply_bias(logits, bias_ids, bias, bias_if_last, allowed, last) -> jax.Array:
     """allowed_token_ids (every other id -inf), then logit_bias and the bans (-inf: min_tokens' stop
-    ids, bad words) added. Bans that would leave a row nothing to draw (its only allowed ids banned)
-    are lifted for this step: an allowed token is drawn, not an arbitrary one."""
+    ids, bad words) added, each entry only if the row's last token (`last` [B, 1]) is its
+    `bias_if_last` (or that is NO_ID). Bans that would leave a row nothing to draw (its only allowed
+    ids banned) are lifted for this step: an allowed token is drawn, not an arbitrary one."""
     rows = jnp.arange(logits.shape[0])[:, None]
+    bias = jnp.where((bias_if_last == NO_ID) | (bias_if_last == last), bias, 0.0)
     if allowed.shape[1] > 1:
         ok = jnp.zeros(logits.shape, jnp.bool_).at[rows, allowed].set(True, mode="drop")
         restricted = allowed[:, :1] != NO_ID  # rows with a list (sorted: an empty one starts with NO_ID)

@@ -1115,15 +1115,24 @@ def test_async_scheduling_gives_the_outputs_of_one_step_at_a_time(params, pages)
         assert samples[-1][:2] == (samples[-1][0], "length") and len(samples[-1][0]) == 6
 
 
-def test_bad_words_of_one_token_run_ahead_and_longer_ones_one_step_at_a_time(params):
-    """A one-token bad word is banned whatever the row's last token: its steps run ahead. A longer
-    one is banned after the tokens before its last, which the host must have: those steps run one
-    at a time. Either way the outputs are those of one step at a time, without the banned tokens.
-    (Token ids as `Engine.bad_word_ids` makes them; the test model has no tokenizer.)"""
+def test_bad_words_run_ahead_banned_by_the_token_on_the_device(params):
+    """A one-token bad word is banned whatever the row's last token. A longer one is banned after
+    the tokens before its last; when the second to last is still on the device, the device decides
+    (`bias_if_last`). Steps run ahead either way, with the outputs of one step at a time, which
+    never hold a bad word. (Token ids as `Engine.bad_word_ids` makes them; the test model has no
+    tokenizer.) Two- and three-token words that greedy decoding would write, and one that it would
+    write but for its first token, which must not be banned."""
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11] * 3]
     free = run(make_engine(params, async_scheduling=False), prompts, [sp, sp])[0]
-    words = {"one": ((free[0][3],), (free[1][5],)), "two": ((free[0][2], free[0][3]),)}
+    a, b = free
+    near_miss = ((a[6] + 1) % 128, a[7], a[8])  # not in the free output: bans nothing
+    words = {
+        "one": ((a[3],), (b[5],)),
+        "two": ((a[2], a[3]),),
+        "three": ((b[3], b[4], b[5]), near_miss),
+        "prompt": ((7, 8, a[0]),),  # the prompt's last tokens, then the first one drawn
+    }
     for kind, bad in words.items():
         got = {}
         for mode in (False, True):
@@ -1136,11 +1145,14 @@ def test_bad_words_of_one_token_run_ahead_and_longer_ones_one_step_at_a_time(par
             while e.has_unfinished():
                 e.step()
             got[mode] = [r.seqs[0].output_ids for r in reqs]
-            assert bool(ahead) == (mode and kind == "one")
-        assert got[True] == got[False] != free
+            assert bool(ahead) == mode
+        assert got[True] == got[False] != free, kind
         for w in bad:
-            for out in got[True]:
-                assert not any(out[i : i + len(w)] == list(w) for i in range(len(out)))
+            for p, out in zip(prompts, got[True]):
+                seq = p + out
+                assert not any(seq[i : i + len(w)] == list(w) for i in range(len(p), len(seq))), kind
+        if kind == "three":  # the near miss changed nothing: prompt 0's tokens are the free ones
+            assert got[True][0] == a
 
 
 def test_a_step_run_ahead_holds_a_placeholder_nothing_outside_sees(params):

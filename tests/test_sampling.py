@@ -321,6 +321,18 @@ def test_a_placeholder_at_the_end_of_a_history_is_penalised_as_the_token_given_f
     assert not np.array_equal(filled[0], penalised([[5, 6, top[1]], [5]])[0])
 
 
+def test_a_ban_if_last_applies_only_after_that_token():
+    """A bad word whose second to last token is still on the device: its last token is banned only
+    in the rows whose last token (given by `sample(last=)`) is that one."""
+    greedy = SamplingParams(temperature=0.0)
+    best, runner_up = np.argsort(-LOGITS)[:2].tolist()
+    rows = [(greedy, 0, 3, [], 0)] * 3
+    after = [[(best, 7)], [(best, 7)], None]
+    sb = SamplingBatch.from_rows(rows, 3, bans_if_last=after, bias_width=4)
+    out = sample(jnp.asarray(np.tile(LOGITS, (3, 1))), sb, last=np.array([[7], [8], [7]], np.int32))
+    assert np.asarray(out.tokens).tolist() == [runner_up, best, best]
+
+
 def test_logprobs_are_raw_whatever_the_penalties_bias_and_temperature():
     """Log-probabilities are of the model's own distribution (vLLM's default, raw_logprobs), not of
     the one the penalties, the bias and the temperature shaped for the draw."""
