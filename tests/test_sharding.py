@@ -174,15 +174,23 @@ def test_the_default_page_count_is_sized_by_what_must_fit_on_the_mesh(monkeypatc
 
 
 def test_no_compilation_after_warmup_on_a_mesh(params):
-    """Greedy rows, then penalised ones, whose steps run ahead and take each row's last token from
-    the device: nothing compiles after the warm-up, and the penalised tokens are those of one step
-    at a time."""
+    """Greedy rows, then penalised and biased ones, whose steps run ahead and take each row's last
+    token from the device: nothing compiles after the warm-up, and their tokens are those of one
+    step at a time."""
     e = _engine(CFG, params, make_mesh("data=2,model=4"))
     e.warmup()
     before = num_compiles()
     _finish(e)
     prompts, _ = _workload()
-    sp = SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.0, repetition_penalty=1.5, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        frequency_penalty=1.0,
+        repetition_penalty=1.5,
+        logit_bias={5: 2.0},
+        min_tokens=2,
+        stop_token_ids=[7],
+    )
     got = []
     for mode in (True, False):
         e.async_scheduling = mode
