@@ -151,6 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep the prefix cache on (off by default: the baseline run would warm it for the other)",
     )
     t.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every fourth request also asks for repetition_penalty 1.2 and frequency_penalty 0.3, so "
+        "nearly every step carries a penalised row",
+    )
+    t.add_argument(
         "--vs-sync",
         action="store_true",
         help="run the continuous workload again reading each step's results before the next step "
@@ -351,6 +357,20 @@ def _phases(before: dict, after: dict, wall: float) -> dict:
 
 
 # How the throughput and serve modes derive max_model_len from their flags (said when it is refused).
+WORKLOAD_PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.3)
+
+
+def workload_params(output_lens, *, penalties: bool = False) -> list:
+    """Greedy with EOS ignored, so the work is fixed by the lengths; with `penalties`, every fourth
+    request also has WORKLOAD_PENALTIES (`--penalties`)."""
+    from jaxinfer.sampling import SamplingParams
+
+    extra = [WORKLOAD_PENALTIES if penalties and i % 4 == 0 else {} for i in range(len(output_lens))]
+    return [
+        SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True, **e) for n, e in zip(output_lens, extra)
+    ]
+
+
 RANGES_MAX_MODEL_LEN = "the largest of --prompt-len-range plus that of --output-len-range, plus 1"
 
 
@@ -390,7 +410,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
         )
     cfg = llm.cfg
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in prompt_lens]
-    params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in output_lens]
+    params = workload_params(output_lens, penalties=args.penalties)
     from jaxinfer.engine import num_compiles
 
     t = time.perf_counter()
@@ -405,6 +425,7 @@ def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
     print(
         f"{args.num_requests} requests: prompts {lo_p}-{hi_p} tokens, outputs {lo_o}-{hi_o} tokens, "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
+        + ("; every fourth with repetition 1.2 and frequency 0.3 penalties" if args.penalties else "")
     )
 
     k = min(args.baseline_requests or args.num_requests, args.num_requests)

@@ -27,9 +27,8 @@ import time
 
 import numpy as np
 
-from jaxinfer.bench import RANGES_MAX_MODEL_LEN, drive_engine, latencies, percentile
+from jaxinfer.bench import RANGES_MAX_MODEL_LEN, drive_engine, latencies, percentile, workload_params
 from jaxinfer.errors import InvalidRequestError
-from jaxinfer.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -58,9 +57,7 @@ def workload(args, vocab_size: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     n = args.num_requests
     prompts = [rng.integers(3, vocab_size, int(k)).tolist() for k in rng.integers(lo_p, hi_p + 1, n)]
-    params = [
-        SamplingParams(max_tokens=int(k), temperature=0.0, ignore_eos=True) for k in rng.integers(lo_o, hi_o + 1, n)
-    ]
+    params = workload_params(rng.integers(lo_o, hi_o + 1, n), penalties=getattr(args, "penalties", False))
     if args.request_rate == float("inf"):
         arrivals = np.zeros(n)
     else:

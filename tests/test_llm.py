@@ -1403,11 +1403,13 @@ def test_bench_throughput_runs_and_reports(capsys):
             "--baseline-requests",
             "5",
             "--vs-sync",
+            "--penalties",
         ]
     )
     report = bench.run(args)
     out = capsys.readouterr().out
     assert "continuous batching / one at a time" in out and "XLA compilations after warm-up: 0" in out
+    assert "every fourth with repetition 1.2 and frequency 0.3 penalties" in out
     # The same workload again, each step's results read before the next (it checks the outputs match).
     assert "async scheduling / one step at a time: " in out and report["continuous_sync"]["requests"] == 8
     assert report["continuous_sync"]["decode_rows"] == report["continuous"]["decode_rows"]
