@@ -869,7 +869,7 @@ class Engine:
         and dispatched before this one's results are read, and they are read while that one runs.
 
         The next step's decode rows take their token from this step's output on the device
-        (`_decode_tokens`), as do penalised rows' histories (`sample(last=)`), and the device runs the
+        (`_decode_tokens`), as do penalty histories and bad-word bans (`sample(last=)`), and the device runs the
         steps in order (each takes the cache the one before returned), so pages a sequence gives back
         are rewritten only after its last step. What the engine learns a step late is that a sequence
         stopped on a token (EOS, a stop id or string): it then ran one row for nothing, whose output is
