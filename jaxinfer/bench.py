@@ -289,7 +289,7 @@ def run(args) -> dict:
 
             return loadgen.run(args, model_dir)
         if args.mode == "throughput":
-            return _throughput(args, model_dir, LLM, SamplingParams)
+            return _throughput(args, model_dir, LLM)
         return _run(args, model_dir, LLM, SamplingParams, params_nbytes)
 
 
@@ -356,7 +356,6 @@ def _phases(before: dict, after: dict, wall: float) -> dict:
     }
 
 
-# How the throughput and serve modes derive max_model_len from their flags (said when it is refused).
 WORKLOAD_PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.3)
 
 
@@ -371,6 +370,7 @@ def workload_params(output_lens, *, penalties: bool = False) -> list:
     ]
 
 
+# How the throughput and serve modes derive max_model_len from their flags (said when it is refused).
 RANGES_MAX_MODEL_LEN = "the largest of --prompt-len-range plus that of --output-len-range, plus 1"
 
 
@@ -388,7 +388,7 @@ def _sized_by(**how: str):
         raise
 
 
-def _throughput(args, model_dir, LLM, SamplingParams) -> dict:
+def _throughput(args, model_dir, LLM) -> dict:
     """Offline throughput: N mixed requests through one continuous batch vs one at a time."""
     lo_p, hi_p = (args.prompt_len_range + args.prompt_len_range)[:2]
     lo_o, hi_o = (args.output_len_range + args.output_len_range)[:2]

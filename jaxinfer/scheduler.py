@@ -133,8 +133,9 @@ class Sequence:
         """Whether some prompt position still needs a call that returns its log-probabilities: one
         neither filed nor computed by a call already dispatched (a step run ahead files them when
         it is read)."""
-        done = max(len(self.prompt_logprobs), self.num_computed) if self.prompt_logprobs is not None else 0
-        return self.prompt_logprobs is not None and done < self.prompt_len - 1
+        if self.prompt_logprobs is None:
+            return False
+        return max(len(self.prompt_logprobs), self.num_computed) < self.prompt_len - 1
 
     @property
     def pages(self) -> list[int]:
