@@ -1362,24 +1362,39 @@ def test_bench_timers_on_a_made_up_clock(monkeypatch, llm):
 
 
 def test_bench_mbu_is_the_bytes_a_step_reads_over_the_read_ceiling(monkeypatch, capsys):
-    """MBU on a made-up ceiling and step time, against the bytes counted by hand for llama-tiny
+    """MBU on made-up ceilings and step times, against the bytes counted by hand for llama-tiny
     (float32, untied): every weight but the embedding table, plus each row's K and V at the decode
-    window's mean context, read once per step."""
+    window's mean context, read once per step. Each run is divided by the ceiling measured right
+    before it (the median of those ratios), and the median run by the run's best ceiling."""
     from jaxinfer import bench
 
-    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda *a, **k: {"reduce": 1e9, "matvec": 2e9})
-    monkeypatch.setattr(bench, "_decode_once", lambda *a: (0.01, 1.0, 1.5))  # step s, total s, rows per step
+    # Before the decode runs; before the first and the second run; after them. Per kind of read.
+    ceilings = iter([(1e9, 2e9), (2e9, 1e9), (4e9, 3e9), (3e9, 1e9)])
+
+    class Ceiling:
+        def measure(self, repeats=5):
+            reduce, matvec = next(ceilings)
+            return {"reduce": reduce, "matvec": matvec}
+
+    runs = iter([(0.01, 1.0, 1.5), (0.02, 1.0, 1.5)])  # step s, total s, rows per step
+    monkeypatch.setattr(bench, "ReadCeiling", Ceiling)
+    monkeypatch.setattr(bench, "_decode_once", lambda *a: next(runs))
     args = ["--preset", "llama-tiny", "--prompt-lens", "8", "--batch-sizes", "2", "--new-tokens", "4"]
-    report = bench.run(_bench_args(args + ["--context", "8", "--repeats", "1"]))
+    report = bench.run(_bench_args(args + ["--context", "8", "--repeats", "2"]))
     d, f, v, layers = 128, 384, 512, 2
     per_layer = d * d * 2 + d * 64 * 2 + 3 * d * f + 2 * d  # q, o; k, v (2 KV heads of 32); MLP; 2 norms
     weights = 4 * (2 * v * d + layers * per_layer + d)  # embedding, LM head, layers, final norm
     kv_per_token = 2 * layers * 64 * 4  # K and V, all layers
     step_bytes = (weights - 4 * v * d) + 1.5 * kv_per_token * (8 + 4 / 2)
     (row,) = report["decode"]
-    assert row["GBps"] == pytest.approx(step_bytes / 0.01 / 1e9, rel=1e-12)
-    assert row["mbu"] == pytest.approx(step_bytes / 0.01 / 2e9, rel=1e-12)  # against the better of the two
-    assert row["tokens_per_s"] == pytest.approx(1.5 / 0.01)
+    assert row["step_s"] == pytest.approx(0.015)
+    assert row["GBps"] == pytest.approx(step_bytes / 0.015 / 1e9, rel=1e-12)
+    # Run 1 against the better of (2, 1) GB/s, run 2 against the better of (4, 3).
+    assert row["mbu"] == pytest.approx((step_bytes / 0.01 / 2e9 + step_bytes / 0.02 / 4e9) / 2, rel=1e-12)
+    assert row["paired_ceiling_GBps"] == pytest.approx(3.0)
+    assert row["mbu_vs_best"] == pytest.approx(step_bytes / 0.015 / 4e9, rel=1e-12)
+    assert report["read_bandwidth_GBps"] == {"reduce": 4.0, "matvec": 3.0}
+    assert row["tokens_per_s"] == pytest.approx(1.5 / 0.015)
 
 
 def test_bench_throughput_runs_and_reports(capsys):
