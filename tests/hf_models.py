@@ -204,3 +204,68 @@ def make_hf_gemma(family: str, **overrides):
             if "norm" in name:  # Gemma norms scale by (1 + w) and start at w = 0
                 p.normal_(0, 0.3)
     return model
+
+
+def random_hf_model(seed: int):
+    """A random configuration of one of the four headline families, its weights random too, and the
+    engine settings to run it under: (family, model, LLM keyword arguments). The draws mix what the
+    fixed FAMILIES above hold one at a time (group sizes 1-8, head sizes set apart from hidden / heads,
+    tied heads, q/k/v and o biases, RoPE scalings, sliding windows shorter than the prompts) with the
+    engine's page sizes, step budgets (chunked prefill), batch limits and attention backends."""
+    import random
+
+    rng = random.Random(seed)
+    family = rng.choice(["llama", "mistral", "qwen2", "qwen3"])
+    kv_heads, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4, 8])
+    config = dict(
+        TINY,
+        vocab_size=rng.choice([97, 128, 256]),
+        hidden_size=kv_heads * group * rng.choice([8, 12, 16]),  # Llama's config wants whole heads
+        intermediate_size=rng.choice([40, 64, 160]),
+        num_hidden_layers=rng.choice([1, 2, 3]),
+        num_attention_heads=kv_heads * group,
+        num_key_value_heads=kv_heads,
+        head_dim=rng.choice([8, 16, 32]),
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=rng.random() < 0.3,
+        rms_norm_eps=rng.choice([1e-5, 1e-6]),
+        rope_theta=rng.choice([1000.0, 10000.0, 500000.0]),
+    )
+    if family == "llama":
+        config["attention_bias"] = rng.random() < 0.4
+        config["rope_scaling"] = rng.choice(
+            [
+                None,
+                dict(rope_type="linear", factor=2.0),
+                dict(
+                    rope_type="llama3",
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=32,
+                ),
+            ]
+        )
+    elif family == "mistral":
+        config["sliding_window"] = rng.choice([None, 5, 8, 16])
+    elif family == "qwen2" and rng.random() < 0.4:
+        config["rope_scaling"] = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    hf_config = getattr(transformers, name + "Config")(**config)
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, name + "ForCausalLM")(hf_config).eval()
+    with torch.no_grad():  # norms start at one and biases at zero: make them matter
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(1, 0.3)
+            elif pname.endswith("bias"):
+                p.normal_(0, 0.5)
+    engine = dict(
+        page_size=rng.choice([2, 4, 8, 16]),
+        max_num_batched_tokens=rng.choice([16, 24, 64]),
+        max_num_seqs=rng.choice([1, 2, 8]),
+        attention_backend=rng.choice(["reference", "xla", "pallas"]),
+    )
+    return family, model, engine
