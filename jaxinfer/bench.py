@@ -618,21 +618,20 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     )
     print(f"{'batch':>6} {'rows':>6} {'step ms':>9} {'tok/s':>9} {'GB/s':>8} {'ceiling':>8} {'MBU':>6}")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    kv_per_row = cfg.kv_bytes_read(args.context + args.new_tokens / 2)  # at the decode window's mean context
     for b in args.batch_sizes:
         prompts = [rng.integers(low, cfg.vocab_size, args.context).tolist() for _ in range(b)]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)  # compile every bucket on the way
-        mean_ctx = args.context + args.new_tokens / 2
-        runs, paired = [], []
+        runs, paired = [], []  # paired: (bytes/s of the run, the ceiling measured just before it)
         for _ in range(args.repeats):
             now = reader.measure(repeats=3)
             bw = {k: max(v, now[k]) for k, v in bw.items()}
-            runs.append(_decode_once(llm, prompts, params))
-            step_i, _, rows_i = runs[-1]
-            paired.append(((streamed_bytes + rows_i * cfg.kv_bytes_read(mean_ctx)) / step_i, max(now.values())))
+            step_i, total_i, rows_i = _decode_once(llm, prompts, params)
+            runs.append((step_i, total_i, rows_i))
+            paired.append(((streamed_bytes + rows_i * kv_per_row) / step_i, max(now.values())))
         step = statistics.median(r[0] for r in runs)
         rows = statistics.median(r[2] for r in runs)
-        step_bytes = streamed_bytes + rows * cfg.kv_bytes_read(mean_ctx)
-        achieved = step_bytes / step
+        achieved = (streamed_bytes + rows * kv_per_row) / step
         row = {
             "batch": b,
             "rows_per_step": rows,
