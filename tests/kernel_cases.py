@@ -163,8 +163,9 @@ def check_kernel_against_reference(
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row} {blocks}")
 
 
-def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool) -> None:
-    """`kernel` under shard_map over the `model` axis of a 1 x model_axis mesh == the kernel unsharded."""
+def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool, *, interpret: bool | None = True) -> None:
+    """`kernel` under shard_map over the `model` axis of a 1 x model_axis mesh == the kernel unsharded
+    (`interpret` passed on unless None: the C++ kernel has no such argument)."""
     from jax.sharding import Mesh
 
     from pallas_kernels.sharded import kv_head_sharded
@@ -173,9 +174,11 @@ def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool) ->
     rng = np.random.default_rng(model_axis)
     st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8)
     q, k, v, table, kv, ql = random_batch(rng, st)
-    k, v, scales = kernel_args(k, v)
-    single = kernel(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
-    sharded = kv_head_sharded(kernel, mesh)(q, k, v, table, kv, ql, scale=0.125, window=6, interpret=True, **scales)
+    k, v, kwargs = kernel_args(k, v)
+    if interpret is not None:
+        kwargs["interpret"] = interpret
+    single = kernel(q, k, v, table, kv, ql, scale=0.125, window=6, **kwargs)
+    sharded = kv_head_sharded(kernel, mesh)(q, k, v, table, kv, ql, scale=0.125, window=6, **kwargs)
     for row in range(q.shape[0]):
         n = int(ql[row])
         np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
