@@ -1,9 +1,9 @@
 """Paged attention: writing new K/V into their pages, and attending over a sequence's pages.
 
 `paged_attention` is the single dispatch point: the plain pure-JAX reference below (the oracle every
-other implementation is tested against), its tiled pure-JAX form (the fast one on CPU), or the Pallas
-ragged paged-attention kernel (pallas_kernels/), behind one signature, so the model never knows which
-ran. `resolve_backend` decides what "auto" means on this platform.
+other implementation is tested against), its tiled pure-JAX form, the C++ CPU kernel (jaxinfer.native,
+the fast one on CPU), or the Pallas ragged paged-attention kernel (pallas_kernels/), behind one
+signature, so the model never knows which ran. `resolve_backend` decides what "auto" means on this platform.
 """
 
 from __future__ import annotations
@@ -314,7 +314,8 @@ MIN_GPU_KERNEL_CAPABILITY = (8, 0)
 
 def resolve_backend(backend: str, platform: str | None = None, *, compute_capability: str | None = None) -> str:
     """ "auto" -> "pallas" on TPU (the Mosaic kernel) and GPU (the Triton-lowered kernel) from
-    Ampere on, "xla" on CPU (the tiled pure-JAX attention), "reference" elsewhere (older GPUs too).
+    Ampere on, "native" on CPU (the C++ kernel of jaxinfer.native; "xla", the tiled pure-JAX
+    attention, where it cannot be built), "reference" elsewhere (older GPUs too).
 
     The GPU kernel is the GPU default since it was checked and timed on an H100 (WORKSPACE.md,
     2026-11-23: same tokens as the reference end to end; decode attention 2.1-3.5x faster than the
@@ -330,7 +331,35 @@ def resolve_backend(backend: str, platform: str | None = None, *, compute_capabi
             compute_capability = getattr(jax.devices()[0], "compute_capability", None)
         if compute_capability is not None and _capability(compute_capability) < MIN_GPU_KERNEL_CAPABILITY:
             return "reference"
-    return {"tpu": "pallas", "gpu": "pallas", "cpu": "xla"}.get(platform, "reference")
+    if platform == "cpu":
+        from jaxinfer import native
+
+        return "native" if native.available() else "xla"
+    return {"tpu": "pallas", "gpu": "pallas"}.get(platform, "reference")
+
+
+def _native_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, kind, soft_cap):
+    """The C++ CPU kernel (jaxinfer.native), per device under shard_map inside a mesh. It places each
+    row's queries at the end of its context, as the engine's batches do (`Batch.positions`)."""
+    from jaxinfer import native
+
+    if jax.default_backend() != "cpu":
+        raise ValueError(f'attention_backend="native" is the CPU kernel; this platform is {jax.default_backend()}')
+    if q_lens is None:
+        q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    kernel = native.paged_attention
+    if (mesh := context_mesh()) is not None:
+        from pallas_kernels.sharded import kv_head_sharded
+
+        kernel = kv_head_sharded(kernel, mesh)
+    scales = {}
+    if isinstance(k_pages, QuantizedPages):
+        scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
+        k_pages, v_pages = k_pages.values, v_pages.values
+    window = kind.window if isinstance(kind, SlidingWindow) else None
+    return kernel(
+        q, k_pages, v_pages, page_table, kv_lens, q_lens, scale=scale, window=window, soft_cap=soft_cap, **scales
+    )
 
 
 def _capability(text: str) -> tuple[int, int]:
@@ -372,6 +401,10 @@ def paged_attention(
     if resolved in ("reference", "xla"):
         fn = reference_paged_attention if resolved == "reference" else tiled_paged_attention
         return fn(q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap)
+    if resolved == "native":
+        return _native_paged_attention(
+            q, k_pages, v_pages, page_table, kv_lens, q_lens, scale=scale, kind=kind, soft_cap=soft_cap
+        )
     from pallas_kernels import ragged_paged_attention_gpu as gpu
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 

@@ -63,7 +63,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         help=(
             "paged attention: auto = the Pallas kernel on TPU and on GPUs from compute capability 8.0 on "
-            "(the reference on older GPUs), the tiled pure-JAX 'xla' on CPU; or forced"
+            "(the reference on older GPUs), the C++ 'native' kernel on CPU (the tiled pure-JAX 'xla' where it "
+            "cannot be built); or forced"
         ),
     )
     e.add_argument(

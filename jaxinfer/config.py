@@ -92,7 +92,7 @@ def _check_positive(field: str, value, limit: str = "must be a positive number")
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "native", "pallas")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -137,8 +137,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # compute and parameter dtype
     # How paged attention runs (a serving choice, kept here because the jitted steps are specialised
-    # on it): "auto" picks per platform, "reference" and "xla" are pure JAX (plain; tiled), "pallas"
-    # the kernels (interpreted on CPU). See jaxinfer.attention.resolve_backend.
+    # on it): "auto" picks per platform, "reference" and "xla" are pure JAX (plain; tiled), "native"
+    # the C++ CPU kernel, "pallas" the kernels (interpreted on CPU). See attention.resolve_backend.
     attention_backend: str = "auto"
     # How K/V are stored (same reason for living here): "auto" in `dtype`; "int8" as int8 with one
     # float32 scale per token and KV head (about half the bytes of bfloat16). See jaxinfer.kv_cache.

@@ -270,11 +270,12 @@ class LLM:
         max_num_batched_tokens: tokens computed per step (decode rows + prompt chunks).
         enable_prefix_caching: share the KV pages of common prompt prefixes between requests.
         attention_backend: "auto" (the Pallas kernel on TPU and on GPUs from compute capability 8.0
-            on, "xla" on CPU; on GPU the reference before Ampere and where the kernel cannot tile
-            the shape: page size or head_dim not a power of two),
-            "reference" (plain pure JAX: the oracle), "xla" (pure JAX in cache-sized tiles that stop
-            at each row group's length: the fast one on CPU), or "pallas" (the kernel; on CPU in
-            interpret mode: slow, for checking).
+            on, "native" on CPU, or "xla" where it cannot be built; on GPU the reference before
+            Ampere and where the kernel cannot tile the shape: page size or head_dim not a power of
+            two), "reference" (plain pure JAX: the oracle), "xla" (pure JAX in cache-sized tiles that
+            stop at each row group's length), "native" (the C++ CPU kernel of jaxinfer.native, built
+            with the machine's compiler on first use: the fast one on CPU), or "pallas" (the kernel;
+            on CPU in interpret mode: slow, for checking).
         kv_cache_dtype: "auto" (the model dtype) or "int8" (int8 K/V with one float32 scale per token
             and KV head: (H + 4) / (2H) of bfloat16's bytes, so about twice the tokens fit).
         mesh: shard over devices: "data=2,model=4" (or {"data": 2, "model": 4}) uses the first 8
@@ -329,6 +330,15 @@ class LLM:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
             )
+        if attention_backend == "native":
+            from jaxinfer import native
+
+            if jax.default_backend() != "cpu":
+                raise InvalidRequestError(
+                    f'attention_backend="native" is the CPU kernel; this platform is {jax.default_backend()}'
+                )
+            if not native.available():
+                raise InvalidRequestError(f'attention_backend="native" cannot run here: {native.why_unavailable()}')
         if generation_config not in GENERATION_CONFIG_CHOICES:
             raise InvalidRequestError(
                 f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}"

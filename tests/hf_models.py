@@ -266,6 +266,6 @@ def random_hf_model(seed: int):
         page_size=rng.choice([2, 4, 8, 16]),
         max_num_batched_tokens=rng.choice([16, 24, 64]),
         max_num_seqs=rng.choice([1, 2, 8]),
-        attention_backend=rng.choice(["reference", "xla", "pallas"]),
+        attention_backend=rng.choice(["reference", "xla", "native", "pallas"]),
     )
     return family, model, engine

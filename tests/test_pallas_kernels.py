@@ -238,7 +238,7 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
 
 def test_backend_resolution():
     assert resolve_backend("auto", "tpu") == "pallas"
-    assert resolve_backend("auto", "cpu") == "xla"
+    assert resolve_backend("auto", "cpu") in ("native", "xla")  # "native" where it builds: test_native.py
     assert resolve_backend("auto", "gpu") == "pallas"
     assert resolve_backend("auto", "gpu", compute_capability="9.0") == "pallas"
     assert resolve_backend("auto", "gpu", compute_capability="8.0") == "pallas"
