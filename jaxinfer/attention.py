@@ -347,7 +347,23 @@ def _native_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *,
         raise ValueError(f'attention_backend="native" is the CPU kernel; this platform is {jax.default_backend()}')
     if q_lens is None:
         q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-    kernel = native.paged_attention
+    return _call_kernel(
+        native.paged_attention,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        q_lens,
+        scale=scale,
+        kind=kind,
+        soft_cap=soft_cap,
+    )
+
+
+def _call_kernel(kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, kind, soft_cap, **extra):
+    """Calls a kernel of the Pallas kernels' signature: per device under shard_map over KV heads
+    inside a mesh, an int8 pool's scales as arguments of their own, the window from `kind`."""
     if (mesh := context_mesh()) is not None:
         from pallas_kernels.sharded import kv_head_sharded
 
@@ -358,7 +374,17 @@ def _native_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *,
         k_pages, v_pages = k_pages.values, v_pages.values
     window = kind.window if isinstance(kind, SlidingWindow) else None
     return kernel(
-        q, k_pages, v_pages, page_table, kv_lens, q_lens, scale=scale, window=window, soft_cap=soft_cap, **scales
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        q_lens,
+        scale=scale,
+        window=window,
+        soft_cap=soft_cap,
+        **scales,
+        **extra,
     )
 
 
@@ -418,15 +444,8 @@ def paged_attention(
     if q_lens is None:
         raise ValueError("the Pallas backend needs q_lens")
     kernel = gpu.ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
-    if (mesh := context_mesh()) is not None:
-        from pallas_kernels.sharded import kv_head_sharded
-
-        kernel = kv_head_sharded(kernel, mesh)
-    scales = {}
-    if isinstance(k_pages, QuantizedPages):
-        scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
-        k_pages, v_pages = k_pages.values, v_pages.values
-    return kernel(
+    return _call_kernel(
+        kernel,
         q,
         k_pages,
         v_pages,
@@ -434,8 +453,7 @@ def paged_attention(
         kv_lens,
         q_lens,
         scale=scale,
-        window=kind.window if isinstance(kind, SlidingWindow) else None,
+        kind=kind,
         soft_cap=soft_cap,
         interpret=jax.default_backend() == "cpu",
-        **scales,
     )

@@ -1,6 +1,7 @@
 """Test setup: CPU only, 8 virtual devices (for sharding tests), set before JAX is imported."""
 
 import os
+import signal
 
 import pytest
 
@@ -18,6 +19,12 @@ if "xla_force_host_platform_device_count" not in flags:
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in flags:
     os.environ["XLA_FLAGS"] = flags + " --xla_backend_optimization_level=0"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A shell without job control starts a background command with SIGINT ignored (`(pytest &)`), and
+# Python then installs no KeyboardInterrupt handler: the Ctrl-C tests (test_llm.py, which raise a
+# real SIGINT) would fail for the way the suite was launched, not for the code. Each process of the
+# run (the xdist workers import this file too) gets the handler a terminal's Python has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Every process the tests start (servers, multi-host jobs, notebook kernels, the CLI) imports this
 # checkout, whatever else is installed: a stale installed copy must not be what gets tested (and
 # notebooks in an environment without jaxinfer would otherwise pip-install one from their first cell).

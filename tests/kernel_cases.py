@@ -1,4 +1,5 @@
-"""Random ragged paged-attention batches shared by the kernel tests (test_pallas_kernels*.py).
+"""Random ragged paged-attention batches shared by the kernel tests (test_pallas_kernels*.py,
+test_native.py), and the end-to-end engine run they compare backends on.
 
 Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row)
 compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one past a
@@ -182,3 +183,31 @@ def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool, *,
     for row in range(q.shape[0]):
         n = int(ql[row])
         np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
+
+
+def engine_outputs_by_backend(backends: tuple[str, ...]) -> tuple[dict, dict]:
+    """Greedy tokens and log-probabilities (prompt, then generated) of three prompts run through an
+    Engine with each attention backend: chunked prefill (prompts longer than the 16-token chunks),
+    decode, a sliding-window layer and a soft cap. Weights are 6x the usual init, so that attention
+    logits are O(1) and both the cap and the window move the logprobs (greedy tokens alone did not
+    see either left out of a kernel call). Returns ({backend: tokens}, {backend: logprobs})."""
+    from jaxinfer import SamplingParams, default_model
+    from jaxinfer.engine import Engine
+    from jaxinfer.model import init_params
+
+    base = dataclasses.replace(
+        default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()), attn_logit_softcap=2.0
+    )
+    weights = jax.tree.map(lambda x: 6 * x, init_params(base, 0))
+    prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    outs, lps = {}, {}
+    for backend in backends:
+        cfg = dataclasses.replace(base, attention_backend=backend)
+        engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        outs[backend] = [r.seqs[0].output_ids for r in reqs]
+        lps[backend] = [[lp.logprob for lp in r.seqs[0].prompt_logprobs + r.seqs[0].logprobs] for r in reqs]
+    return outs, lps

@@ -4,7 +4,6 @@ under shard_map, in the model end to end, and its fallback where it cannot be bu
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -13,11 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import STATICS, Static, check_kernel_against_reference, check_under_shard_map, random_batch, static_id
+from kernel_cases import (
+    STATICS,
+    Static,
+    check_kernel_against_reference,
+    check_under_shard_map,
+    engine_outputs_by_backend,
+    random_batch,
+    static_id,
+)
 
-from jaxinfer import SamplingParams, native
+from jaxinfer import native
 from jaxinfer.attention import resolve_backend
-from jaxinfer.config import GlobalAttention, SlidingWindow
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable (no C++ compiler?): {native.why_unavailable()}"
@@ -83,25 +89,7 @@ def test_model_with_the_native_backend_matches_reference():
     """End to end: greedy tokens and log-probabilities with the C++ kernel == with the reference,
     through chunked prefill (prompts longer than the 16-token chunks), decode, a sliding-window layer
     and a soft cap (weights scaled so both move the logprobs)."""
-    from jaxinfer import default_model
-    from jaxinfer.engine import Engine
-    from jaxinfer.model import init_params
-
-    base = dataclasses.replace(
-        default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()), attn_logit_softcap=2.0
-    )
-    weights = jax.tree.map(lambda x: 6 * x, init_params(base, 0))
-    prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    outs, lps = {}, {}
-    for backend in ("reference", "native"):
-        cfg = dataclasses.replace(base, attention_backend=backend)
-        engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
-        reqs = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        outs[backend] = [r.seqs[0].output_ids for r in reqs]
-        lps[backend] = [[lp.logprob for lp in r.seqs[0].prompt_logprobs + r.seqs[0].logprobs] for r in reqs]
+    outs, lps = engine_outputs_by_backend(("reference", "native"))
     assert outs["native"] == outs["reference"]
     assert len({tuple(t) for t in outs["reference"]}) == 3  # distinct, so agreement means something
     for a, b in zip(lps["native"], lps["reference"], strict=True):

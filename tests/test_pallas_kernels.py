@@ -7,7 +7,6 @@ random ragged batches both use are in kernel_cases.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import zlib
 
 import jax
@@ -23,12 +22,13 @@ from kernel_cases import (
     Static,
     check_kernel_against_reference,
     check_under_shard_map,
+    engine_outputs_by_backend,
     kernel_args,
     random_batch,
     static_id,
 )
 
-from jaxinfer import LLM, InvalidRequestError, SamplingParams
+from jaxinfer import LLM, InvalidRequestError
 from jaxinfer.attention import (
     paged_attention,
     reference_paged_attention,
@@ -252,30 +252,10 @@ def test_backend_resolution():
 
 
 def test_model_with_the_pallas_backend_matches_reference():
-    """End to end: greedy tokens with the kernel == with the reference, through chunked prefill
-    (prompts longer than the 16-token chunks), decode, and a sliding-window layer. (The "xla"
-    backend, the CPU default, meets transformers itself end to end in test_hf_parity.py.)"""
-    from jaxinfer import default_model
-    from jaxinfer.engine import Engine
-    from jaxinfer.model import init_params
-
-    # A soft cap too; weights 6x the usual init, so that attention logits are O(1) and both the cap
-    # and the window move the logprobs (greedy tokens alone did not see either left out of the call).
-    base = dataclasses.replace(
-        default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()), attn_logit_softcap=2.0
-    )
-    weights = jax.tree.map(lambda x: 6 * x, init_params(base, 0))
-    prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    outs, lps = {}, {}
-    for backend in ("reference", "pallas"):
-        cfg = dataclasses.replace(base, attention_backend=backend)
-        engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
-        reqs = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        outs[backend] = [r.seqs[0].output_ids for r in reqs]
-        lps[backend] = [[lp.logprob for lp in r.seqs[0].prompt_logprobs + r.seqs[0].logprobs] for r in reqs]
+    """End to end: greedy tokens and log-probabilities with the kernel == with the reference,
+    through chunked prefill, decode, a sliding-window layer and a soft cap. (The backends meet
+    transformers itself in test_hf_parity.py's random configurations, each drawing its backend.)"""
+    outs, lps = engine_outputs_by_backend(("reference", "pallas"))
     assert outs["pallas"] == outs["reference"]
     assert all(len(t) == 6 for t in outs["pallas"])
     assert len({tuple(t) for t in outs["reference"]}) == 3  # distinct, so agreement means something
