@@ -338,29 +338,6 @@ def resolve_backend(backend: str, platform: str | None = None, *, compute_capabi
     return {"tpu": "pallas", "gpu": "pallas"}.get(platform, "reference")
 
 
-def _native_paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, kind, soft_cap):
-    """The C++ CPU kernel (jaxinfer.native), per device under shard_map inside a mesh. It places each
-    row's queries at the end of its context, as the engine's batches do (`Batch.positions`)."""
-    from jaxinfer import native
-
-    if jax.default_backend() != "cpu":
-        raise ValueError(f'attention_backend="native" is the CPU kernel; this platform is {jax.default_backend()}')
-    if q_lens is None:
-        q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-    return _call_kernel(
-        native.paged_attention,
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        kv_lens,
-        q_lens,
-        scale=scale,
-        kind=kind,
-        soft_cap=soft_cap,
-    )
-
-
 def _call_kernel(kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, kind, soft_cap, **extra):
     """Calls a kernel of the Pallas kernels' signature: per device under shard_map over KV heads
     inside a mesh, an int8 pool's scales as arguments of their own, the window from `kind`."""
@@ -427,9 +404,24 @@ def paged_attention(
     if resolved in ("reference", "xla"):
         fn = reference_paged_attention if resolved == "reference" else tiled_paged_attention
         return fn(q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap)
-    if resolved == "native":
-        return _native_paged_attention(
-            q, k_pages, v_pages, page_table, kv_lens, q_lens, scale=scale, kind=kind, soft_cap=soft_cap
+    if resolved == "native":  # the C++ CPU kernel; queries sit at the end of each row's context
+        from jaxinfer import native
+
+        if jax.default_backend() != "cpu":
+            raise ValueError(f'attention_backend="native" is the CPU kernel; this platform is {jax.default_backend()}')
+        if q_lens is None:
+            q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+        return _call_kernel(
+            native.paged_attention,
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            kv_lens,
+            q_lens,
+            scale=scale,
+            kind=kind,
+            soft_cap=soft_cap,
         )
     from pallas_kernels import ragged_paged_attention_gpu as gpu
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
