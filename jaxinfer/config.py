@@ -121,6 +121,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False  # a bias on the attention output projection (Llama's attention_bias does both)
+    mlp_bias: bool = False  # biases on the MLP's gate, up and down projections (Llama's mlp_bias)
     qk_norm: bool = False
     # One entry per layer; () means "all global".
     layer_attention: tuple[AttentionKind, ...] = ()
@@ -188,6 +189,7 @@ class ModelConfig:
             "tie_word_embeddings",
             "qkv_bias",
             "o_bias",
+            "mlp_bias",
             "qk_norm",
             "embed_scale",
             "norm_unit_offset",
@@ -292,7 +294,8 @@ class ModelConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * h
-        per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
+        mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
@@ -727,8 +730,6 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
             "float32 weights (int8 applies to the KV cache only)"
         )
     activation = _activation(hf, family)
-    if _bool_field(hf, "mlp_bias", False):
-        raise UnsupportedModelError("mlp_bias=true is not supported")
     if _float_field(hf, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
 
@@ -750,6 +751,8 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
     # `attention_bias` key, as transformers does; the other families put it on all four projections.
     attention_bias = family not in ("qwen2", "mistral") and _bool_field(hf, "attention_bias", False)
     qkv_bias = family == "qwen2" or attention_bias
+    # Only Llama's MLP reads `mlp_bias`; transformers builds every other family's without biases.
+    mlp_bias = family == "llama" and _bool_field(hf, "mlp_bias", False)
     fields = dict(
         name=name,
         family=family,
@@ -767,6 +770,7 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
         tie_word_embeddings=_bool_field(hf, "tie_word_embeddings", family in _GEMMA),
         qkv_bias=qkv_bias,
         o_bias=attention_bias,
+        mlp_bias=mlp_bias,
         qk_norm=family == "qwen3",
         layer_attention=_layer_attention(hf, family, num_layers),
         bos_token_id=hf.get("bos_token_id"),

@@ -261,6 +261,12 @@ def _transpose(x, shape):
     return x.T
 
 
+def _gate_up_bias(gate, up, shape):  # two HF [F] -> our [2, F] (gate, up)
+    if gate.shape != up.shape or (2, *gate.shape) != tuple(shape):
+        raise ValueError("shape")
+    return np.stack([gate, up])
+
+
 class _GateUp:
     """gate_proj and up_proj (two HF [F, D]) seen as our merged [D, 2, F], without stacking them."""
 
@@ -302,6 +308,9 @@ def _hf_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], tuple[str, ..
             yield (pre + "self_attn.k_norm.weight",), (ours, "attn", "k_norm", "scale"), _same
         yield (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), (ours, "mlp", "w_gate_up"), _GateUp
         yield (pre + "mlp.down_proj.weight",), (ours, "mlp", "w_down"), _transpose
+        if cfg.mlp_bias:
+            yield (pre + "mlp.gate_proj.bias", pre + "mlp.up_proj.bias"), (ours, "mlp", "b_gate_up"), _gate_up_bias
+            yield (pre + "mlp.down_proj.bias",), (ours, "mlp", "b_down"), _same
 
 
 # Tensors checkpoints carry that hold no parameters of ours.

@@ -161,9 +161,13 @@ class MLP(nn.Module):
     def __call__(self, x):
         d, f = self.cfg.hidden_size, self.cfg.intermediate_size
         w_gate_up = _param(self, "w_gate_up", (d, 2, f), ("embed", None, "mlp"))
-        gate_up = jnp.einsum("BTD,DCF->BTCF", x, w_gate_up)  # C = 2: gate, up
+        b_gate_up = b_down = None
+        if self.cfg.mlp_bias:
+            b_gate_up = _param(self, "b_gate_up", (2, f), (None, "mlp"), nn.initializers.zeros)
+            b_down = _param(self, "b_down", (d,), ("embed",), nn.initializers.zeros)
+        gate_up = _project("BTD,DCF->BTCF", x, w_gate_up, b_gate_up)  # C = 2: gate, up
         h = _ACTIVATIONS[self.cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return jnp.einsum("BTF,FD->BTD", h, _param(self, "w_down", (f, d), ("mlp", "embed")))
+        return _project("BTF,FD->BTD", h, _param(self, "w_down", (f, d), ("mlp", "embed")), b_down)
 
 
 class DecoderLayer(nn.Module):

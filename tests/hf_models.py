@@ -50,7 +50,7 @@ FAMILIES = {
     "llama-bias-linear-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(attention_bias=True, rope_scaling=dict(rope_type="linear", factor=4.0)),
+        dict(attention_bias=True, mlp_bias=True, rope_scaling=dict(rope_type="linear", factor=4.0)),
     ),
     # YaRN (Qwen2.5 / Qwen3 long-context configs): the ramp between kept and interpolated pairs falls
     # inside the 8 pairs of these heads, and the test sequence outruns the "original" context.
@@ -96,6 +96,9 @@ def make_hf_model(family: str, **overrides):
                     layer.self_attn.k_proj,
                     layer.self_attn.v_proj,
                     layer.self_attn.o_proj,
+                    layer.mlp.gate_proj,
+                    layer.mlp.up_proj,
+                    layer.mlp.down_proj,
                 ):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
@@ -210,7 +213,7 @@ def random_hf_model(seed: int):
     """A random configuration of one of the four headline families, its weights random too, and the
     engine settings to run it under: (family, model, LLM keyword arguments). The draws mix what the
     fixed FAMILIES above hold one at a time (group sizes 1-8, head sizes set apart from hidden / heads,
-    tied heads, q/k/v and o biases, RoPE scalings, sliding windows shorter than the prompts) with the
+    tied heads, q/k/v, o and MLP biases, RoPE scalings, sliding windows shorter than the prompts) with the
     engine's page sizes, step budgets (chunked prefill), batch limits and attention backends."""
     import random
 
@@ -234,6 +237,7 @@ def random_hf_model(seed: int):
     )
     if family == "llama":
         config["attention_bias"] = rng.random() < 0.4
+        config["mlp_bias"] = rng.random() < 0.4
         config["rope_scaling"] = rng.choice(
             [
                 None,

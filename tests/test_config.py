@@ -177,7 +177,7 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         ),
         (dict(architectures=None, model_type=["llama"]), "'model_type' must be a string"),
         (dict(vocab_size=2**31), "'vocab_size' must be below 2\\*\\*31"),
-        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(mlp_bias="true"), "'mlp_bias' must be true or false, got 'true'"),
         # A GPTQ checkpoint has qweight/scales instead of weights: said up front, not as a missing tensor.
         (dict(quantization_config=dict(quant_method="gptq", bits=4)), "quantization_config.*'gptq'"),
         (dict(num_key_value_heads=3), "multiple"),

@@ -316,7 +316,6 @@ def test_num_params_counts_the_real_tree(family):
         ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "longrope", "factor": 2.0}}), "longrope"),
         ("gemma3_text", dict(architectures=["Gemma3ForConditionalGeneration"]), "Gemma3ForConditionalGeneration"),
         ("gemma3_text", dict(architectures=None, model_type="gemma3"), "gemma3"),
-        ("gemma2", dict(mlp_bias=True), "mlp_bias"),
         ("gemma2", dict(query_pre_attn_scalar=None), "'query_pre_attn_scalar' must be a number, got None"),
         ("gemma2", dict(final_logit_softcapping="30"), "'final_logit_softcapping' must be a number, got '30'"),
         # A flat object: transformers would silently drop it and run unscaled RoPE.

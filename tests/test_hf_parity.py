@@ -156,6 +156,8 @@ EDITED_CONFIGS = {
     # Qwen 2 always has q/k/v biases and no o bias; Mistral none: both ignore attention_bias.
     "qwen2+attention_bias": ("qwen2", dict(attention_bias=True)),
     "mistral+attention_bias": ("mistral-swa", dict(attention_bias=True)),
+    # Only Llama's MLP reads mlp_bias: transformers builds the others' without biases whatever it says.
+    "qwen3+mlp_bias": ("qwen3", dict(mlp_bias=True)),
 }
 
 
