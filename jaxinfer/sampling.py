@@ -160,7 +160,7 @@ class SamplingParams:
                 bad(field, v, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
 
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", self.max_tokens, "must be an integer >= 1, or None for up to the model's length limit")
+            bad("max_tokens", self.max_tokens, "must be an integer >= 1, or unset (None) for the model's length limit")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens < 2**31:
             bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
