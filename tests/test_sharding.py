@@ -135,6 +135,29 @@ def test_every_mesh_gives_the_single_device_tokens(params, single, spec, options
         assert mem["kv_cache_bytes_per_device"] == one["kv_cache_bytes_per_device"] // 2
 
 
+def test_biases_shard_with_their_weights_and_give_the_single_device_tokens():
+    """q/k/v, o and MLP biases (Qwen 2, Llama's attention_bias and mlp_bias), all non-zero: each
+    split along its weight's output axis (or replicated with it), and the tokens as on one device."""
+    cfg = dataclasses.replace(CFG, qkv_bias=True, o_bias=True, mlp_bias=True)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(init_params(cfg, 3))
+    keys = jax.random.split(jax.random.key(5), len(leaves))
+    biased = [
+        x + jax.random.normal(k, x.shape, x.dtype) * 0.5 if str(path[-1].key).startswith("b") else x
+        for (path, x), k in zip(leaves, keys)
+    ]
+    params = jax.tree_util.tree_unflatten(treedef, biased)
+    want, _ = _run(cfg, params, None, 3)
+    out, e = _run(cfg, params, make_mesh("data=2,model=4"), 3)
+    assert out == want
+    layer = e.params["layer_0"]
+    assert layer["mlp"]["b_gate_up"].sharding.spec == P(None, "model")
+    assert layer["mlp"]["b_down"].sharding.spec == P(None)
+    assert layer["attn"]["bq"].sharding.spec == P("model", None)
+    assert layer["attn"]["bo"].sharding.spec == P(None)
+    unbiased = jax.tree_util.tree_unflatten(treedef, [x for _, x in leaves])
+    assert _run(cfg, unbiased, None, 3)[0] != want  # the biases change the tokens: the check bites
+
+
 @pytest.mark.parametrize("mesh, copies", [("data=2,model=4", 4), ("data=4,model=2", 4), ("data=8,model=1", 8)])
 def test_kv_cache_bytes_count_every_copy_the_mesh_holds(params, mesh, copies):
     """kv_cache_bytes: device memory held, every device's share and copy counted (2x4 and 4x2 both
