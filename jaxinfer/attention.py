@@ -404,6 +404,7 @@ def paged_attention(
     if resolved in ("reference", "xla"):
         fn = reference_paged_attention if resolved == "reference" else tiled_paged_attention
         return fn(q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap)
+    extra = {}
     if resolved == "native":  # the C++ CPU kernel; queries sit at the end of each row's context
         from jaxinfer import native
 
@@ -411,41 +412,22 @@ def paged_attention(
             raise ValueError(f'attention_backend="native" is the CPU kernel; this platform is {jax.default_backend()}')
         if q_lens is None:
             q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-        return _call_kernel(
-            native.paged_attention,
-            q,
-            k_pages,
-            v_pages,
-            page_table,
-            kv_lens,
-            q_lens,
-            scale=scale,
-            kind=kind,
-            soft_cap=soft_cap,
-        )
-    from pallas_kernels import ragged_paged_attention_gpu as gpu
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        kernel = native.paged_attention
+    else:
+        from pallas_kernels import ragged_paged_attention_gpu as gpu
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-    on_gpu = jax.default_backend() == "gpu"
-    pool = k_pages.values if isinstance(k_pages, QuantizedPages) else k_pages
-    page_size, head_dim = pool.shape[-2], pool.shape[-1]
-    if on_gpu and backend == "auto" and not gpu.supports(page_size=page_size, head_dim=head_dim):
-        return reference_paged_attention(
-            q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap
-        )
-    if q_lens is None:
-        raise ValueError("the Pallas backend needs q_lens")
-    kernel = gpu.ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
+        on_gpu = jax.default_backend() == "gpu"
+        pool = k_pages.values if isinstance(k_pages, QuantizedPages) else k_pages
+        page_size, head_dim = pool.shape[-2], pool.shape[-1]
+        if on_gpu and backend == "auto" and not gpu.supports(page_size=page_size, head_dim=head_dim):
+            return reference_paged_attention(
+                q, k_pages, v_pages, page_table, q_positions, kv_lens, scale=scale, kind=kind, soft_cap=soft_cap
+            )
+        if q_lens is None:
+            raise ValueError("the Pallas backend needs q_lens")
+        kernel = gpu.ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
+        extra = dict(interpret=jax.default_backend() == "cpu")
     return _call_kernel(
-        kernel,
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        kv_lens,
-        q_lens,
-        scale=scale,
-        kind=kind,
-        soft_cap=soft_cap,
-        interpret=jax.default_backend() == "cpu",
+        kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, scale=scale, kind=kind, soft_cap=soft_cap, **extra
     )
