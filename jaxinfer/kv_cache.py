@@ -189,7 +189,8 @@ def check_cache_salt(cache_salt, field: str = "cache_salt") -> None:
         raise InvalidRequestError(f"{field} must be a string, got {type(cache_salt).__name__}")
     if not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError(
-            f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
+            f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+            f"got {len(cache_salt)} characters"
         )
     require_unicode(cache_salt, field)
 

@@ -143,9 +143,12 @@ def _token_ids(p, field: str) -> list[int]:
         isinstance(p, (str, bytes))
         or not isinstance(p, Sequence | np.ndarray)
         or (isinstance(p, np.ndarray) and p.ndim != 1)
-        or not all(is_int(t) for t in p)
     ):
-        raise InvalidRequestError(f"{field} must be a list of integers")
+        raise InvalidRequestError(f"{field} must be a list of integers, got {type(p).__name__}")
+    for i, t in enumerate(p):
+        if not is_int(t):
+            got = f"{t!r:.40} ({type(t).__name__})"
+            raise InvalidRequestError(f"{field} must be a list of integers, but [{i}] is {got}")
     return [int(t) for t in p]
 
 

@@ -805,7 +805,7 @@ BAD = [
     (dict(text="hi", sampling_params=pb.SamplingParams(allowed_token_ids=[-3])), "SamplingParams.allowed_token_ids"),
     (dict(text="hi", sampling_params=pb.SamplingParams(allowed_token_ids=[4, 10**6])), "1000000 is outside"),
     (dict(text="hi", sampling_params=pb.SamplingParams(bad_words=["ok", ""])), "SamplingParams.bad_words must hold"),
-    (dict(text="hi", cache_salt=""), "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
+    (dict(text="hi", cache_salt=""), "at most 1024 characters, got 0 characters"),
     (dict(text="hi", cache_salt="s" * 1025), "cache_salt must be a non-empty string of at most 1024"),
     (dict(text="hi", cache_salt="tenant"), None),
     (dict(text="hi", request_id="r" * 257), "request_id must be at most 256 characters, got 257"),
