@@ -853,6 +853,129 @@ def test_invalid_utf8_is_named(server):
         assert c.generate("fine", SamplingParams(max_tokens=2)).outputs[0].token_ids
 
 
+# What a random request may get back: an answer, a named refusal, or the end its client asked for.
+_FUZZ_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _fuzz_request(rng: np.random.Generator, vocab: int) -> pb.GenerateRequest:
+    """A request whose fields are now and then (one time in twenty or ten) set to a value inside or just
+    past its limits."""
+    edges = {
+        "max_tokens": [1, 4, 12, 0, -1, 2**31 - 1],
+        "temperature": [0.0, 0.7, 1.5, -1.0, float("nan"), float("inf")],
+        "top_k": [0, -1, 1, 5, -2, 2**31 - 1],
+        "top_p": [0.5, 1.0, 0.0, 1.5, float("nan")],
+        "min_p": [0.0, 0.2, 1.0, -0.1, 2.0],
+        "presence_penalty": [0.5, -2.0, 2.0, 2.5, float("-inf")],
+        "frequency_penalty": [0.5, -2.0, 2.0, -2.5, float("nan")],
+        "repetition_penalty": [1.2, 2.0, 0.0, 2.01, -1.0],
+        "seed": [0, 7, 2**32 - 1],
+        "logprobs": [0, 3, 20, 21, -1],
+        "prompt_logprobs": [0, 2, 20, 21, -1],
+        "n": [1, 2, 3, 0, -1, 65],
+        "min_tokens": [0, 2, 5, 1000, -1],
+        "truncate_prompt_tokens": [-1, 1, 8, 0, -2, 10**6],
+    }
+    sp = pb.SamplingParams()
+    for field, values in edges.items():
+        if rng.random() < 0.05:
+            setattr(sp, field, values[rng.integers(len(values))])
+    for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if rng.random() < 0.1:
+            setattr(sp, field, bool(rng.integers(2)))
+    if rng.random() < 0.08:
+        sp.stop.extend([["a"], ["the", " "], [""], ["x" * 1025]][rng.integers(4)])
+    if rng.random() < 0.08:
+        sp.stop_token_ids.extend([[3], [vocab - 1, 4], [vocab], [-1]][rng.integers(4)])
+    if rng.random() < 0.05:
+        sp.logit_bias[int([3, vocab - 1, vocab, -5][rng.integers(4)])] = [5.0, -100.0, 101.0, float("nan")][
+            rng.integers(4)
+        ]
+    if rng.random() < 0.05:
+        sp.allowed_token_ids.extend([[3, 4, 5], [vocab], [-1], [7] * 4097][rng.integers(4)])
+    if rng.random() < 0.05:
+        sp.bad_words.extend([["the"], [""], ["y" * 257]][rng.integers(3)])
+    req = pb.GenerateRequest(sampling_params=sp)
+    if rng.random() < 0.5:
+        req.text = ["to be or not", "once upon a time", "", " ", "é" * 40, "\x00", "abc " * 40][rng.integers(7)]
+    else:
+        length = int(rng.choice([1, 5, 40, 127, 0, 128, 300], p=[0.25, 0.25, 0.2, 0.1, 0.1, 0.05, 0.05]))
+        odd = [vocab, -1, 2**31 - 1] if rng.random() < 0.05 else []
+        req.token_ids.ids.extend(int(t) for t in rng.choice([1, 5, 17, 33, vocab - 1, *odd], size=length))
+    if rng.random() < 0.05:
+        req.request_id = ["r", "\n", "r" * 257][rng.integers(3)]
+    if rng.random() < 0.05:
+        req.cache_salt = ["", "tenant", "s" * 1025][rng.integers(3)]
+    return req
+
+
+def test_random_requests_never_hurt_the_server(server):
+    """200 seeded random requests, in and just past every limit, 16 at a time over every RPC (unary,
+    stream cancelled part-way or read to the end, JetStream Decode, Tokenize), some under deadlines
+    shorter than a step: each gets an answer, a refusal naming what was wrong, or the end its client
+    asked for; nothing else. Afterwards no page is held and the server answers as before."""
+    with grpc.insecure_channel(server.address) as ch:
+        stub, js_stub = pb_grpc.InferenceServiceStub(ch), js_grpc.OrchestratorStub(ch)
+        vocab = stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+        rng = np.random.default_rng(37)
+        calls = []
+        for _ in range(200):
+            kind, req = rng.choice(["unary", "stream", "jetstream", "tokenize"], p=[0.4, 0.4, 0.1, 0.1]), None
+            if kind == "jetstream":
+                req = js.DecodeRequest(max_tokens=int(rng.choice([0, 1, 5, -1])))
+                if rng.random() < 0.5:
+                    req.text_content.text = str(rng.choice(["hi", "", "é"]))
+                else:
+                    req.token_content.token_ids.extend(
+                        int(t) for t in rng.choice([1, 2, vocab, -1], size=rng.integers(4))
+                    )
+            elif kind == "tokenize":
+                req = pb.TokenizeRequest(text=str(rng.choice(["", "x", "é" * 500, "a " * 200])))
+            else:
+                req = _fuzz_request(rng, vocab)
+            calls.append((kind, req, float(rng.choice([0.02, 60.0], p=[0.1, 0.9])), int(rng.integers(-4, 4))))
+
+        def run(call) -> tuple[grpc.StatusCode, str]:
+            kind, req, timeout, cancel_after = call
+            try:
+                if kind == "unary":
+                    stub.Generate(req, timeout=timeout)
+                elif kind == "tokenize":
+                    stub.Tokenize(req, timeout=timeout)
+                else:
+                    stream = (
+                        stub.GenerateStream(req, timeout=timeout)
+                        if kind == "stream"
+                        else js_stub.Decode(req, timeout=timeout)
+                    )
+                    for i, _ in enumerate(stream):
+                        if i == cancel_after:  # negative: read to the end
+                            stream.cancel()
+                            break
+                return grpc.StatusCode.OK, ""
+            except grpc.RpcError as e:
+                return e.code(), e.details() or ""
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(run, calls))
+    codes = [code for code, _ in outcomes]
+    assert set(codes) <= _FUZZ_CODES, [(c, d) for c, d in outcomes if c not in _FUZZ_CODES]
+    assert codes.count(grpc.StatusCode.OK) >= 50 and codes.count(grpc.StatusCode.INVALID_ARGUMENT) >= 50, codes
+    for code, details in outcomes:
+        if code == grpc.StatusCode.INVALID_ARGUMENT:  # names a field or the prompt, never a traceback
+            assert re.search(r"[a-z_]+", details) and "Traceback" not in details, details
+    server.wait_idle()
+    with Client(server.address) as c:
+        assert c.health() == "SERVING"
+        assert c.generate("still fine", SamplingParams(max_tokens=2, ignore_eos=True)).outputs[0].token_ids
+
+
 def test_malformed_health_requests_get_invalid_argument(server, caplog):
     """Health checks parse like every other RPC: bad bytes are INVALID_ARGUMENT naming the problem,
     not UNKNOWN with a DecodeError traceback in the server's log."""
