@@ -1,6 +1,7 @@
 """Incremental detokenization and streaming: UTF-8, leading spaces, stop strings, cancellation."""
 
 import dataclasses
+import random
 import time
 
 import pytest
@@ -195,6 +196,56 @@ def test_long_byte_runs_of_valid_text_stream_whole(tmp_path, source):
         ids = tok.encode(text)[1:]
         deltas, d = feed(tok, prompt, ids)
         assert "".join(deltas) == d.text == tok.decode(prompt + ids)[len(tok.decode(prompt)) :], text
+
+
+def _substring(rng: random.Random, text: str, longest: int) -> str:
+    start = rng.randrange(len(text))
+    return text[start : start + rng.randrange(1, longest + 1)]
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece", "bytes"])
+def test_stop_strings_cut_random_outputs_at_their_first_occurrence(tmp_path, kind):
+    """400 random outputs (words, multibyte characters, now and then random ids) with one or two stop
+    strings drawn from the output's own text: the text ends right before (or, with include_stop,
+    right after) the first occurrence of the stop string reported, no later than where the first
+    stop string to complete begins, and the deltas join to the text."""
+    from test_tokenizer import _bpe_dir, _spm_dir
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    if kind == "byte-level BPE":
+        tok = load_tokenizer(str(_bpe_dir(tmp_path)))
+    elif kind == "SentencePiece":
+        tok = load_tokenizer(str(_spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})))
+    else:
+        tok = ByteTokenizer()
+    rng = random.Random(0)
+    prompt = tok.encode("the quick")
+    words = ["the", " quick", " fox", "é", "日本語", "😀", " ", "\n", "ab", "Ω"]
+    checked = 0
+    for _ in range(400):
+        ids = tok.encode("".join(rng.choice(words) for _ in range(rng.randrange(1, 12))), add_special_tokens=False)
+        if rng.random() < 0.3:
+            ids += [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 6))]
+        full = tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+        whole = full.replace("\ufffd", "")  # stop strings are real text
+        if not whole:
+            continue
+        drawn = [_substring(rng, whole, 4)] + ([_substring(rng, whole, 3)] if rng.random() < 0.5 else [])
+        stops = tuple(s for s in dict.fromkeys(drawn) if s in full)
+        if not stops:
+            continue
+        include = rng.random() < 0.3
+        deltas, d = feed(tok, prompt, ids, stop=stops, include_stop=include)
+        assert d.stopped and d.stop_string in stops, (full, stops)
+        at = full.find(d.stop_string)
+        assert d.text == full[: at + len(d.stop_string) * include] == "".join(deltas), (full, stops, include)
+        # Found as soon as the token that completes one arrives: no later than where the stop string
+        # completed first begins (earlier when another one, completed by the same token, began before).
+        first_done = min(stops, key=lambda s: full.find(s) + len(s))
+        assert at <= full.find(first_done), (full, stops)
+        checked += 1
+    assert checked > 300
 
 
 class _PieceTokenizer:
