@@ -202,6 +202,35 @@ def test_mixed_seeded_sampling_is_batch_invariant_through_preemption(params, mix
         assert stats["prefix_cache_hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_aborts_leave_the_other_requests_as_they_are_alone(params, mixed_alone, async_scheduling):
+    """Ten requests of the mixed workload aborted at random steps (waiting, mid-prompt, decoding,
+    preempted) under a budget that preempts and a prefix cache that shares: every other request gives
+    what it gives alone, an aborted one a prefix of that, and every page comes back."""
+    prompts, sps = _mixed_sampling_workload()
+    rng = np.random.default_rng(7)
+    e = make_engine(params, num_kv_pages=20, async_scheduling=async_scheduling)
+    reqs = [e.add_request(p, sp) for p, sp in zip(prompts, sps)]
+    abort_at = {int(i): int(rng.integers(0, 40)) for i in rng.choice(len(reqs), 10, replace=False)}
+    step = 0
+    while e.has_unfinished():
+        for i, at in abort_at.items():
+            if at == step:
+                e.abort(reqs[i].request_id)
+        e.step()
+        step += 1
+    got = _samples(reqs)
+    for i, (mine, alone) in enumerate(zip(got, mixed_alone)):
+        if i not in abort_at:
+            assert _without_values([mine]) == _without_values([alone]), i
+            continue
+        for (ids, why, _), (alone_ids, alone_why, _) in zip(mine, alone):
+            assert (ids, why) == (alone_ids, alone_why) or (why == "abort" and ids == alone_ids[: len(ids)]), i
+    assert sum(any(s.finish_reason == "abort" for s in reqs[i].seqs) for i in abort_at) >= 5
+    stats = e.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 @pytest.fixture(scope="module")
 def mixed_alone(params):
     prompts, sps = _mixed_sampling_workload()
