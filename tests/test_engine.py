@@ -65,14 +65,19 @@ def workload(n=48, seed=0):
     return prompts, params
 
 
+def each_alone(params, prompts, params_list):
+    """Each request run by itself on a fresh engine without prefix caching: its finished Request."""
+    reqs = []
+    for p, sp in zip(prompts, params_list):
+        e = make_engine(params, enable_prefix_caching=False, max_num_batched_tokens=256)
+        reqs.extend(run(e, [p], [sp])[1])
+    return reqs
+
+
 @pytest.fixture(scope="module")
 def alone(params):
-    """Every workload request run by itself on a fresh engine without prefix caching."""
-    prompts, sps = workload()
-    out = []
-    for p, sp in zip(prompts, sps):
-        e = make_engine(params, enable_prefix_caching=False, max_num_batched_tokens=256)
-        out.append(run(e, [p], [sp])[0][0])
+    """Every workload request's tokens, run by itself."""
+    out = [r.seqs[0].output_ids for r in each_alone(params, *workload())]
     assert len({tuple(o) for o in out}) > 40  # the model really is varied
     return out
 
@@ -177,6 +182,18 @@ def _values(samples):
     return [v for r in samples for _, _, lps in r for _, v, _ in lps or ()]
 
 
+@pytest.fixture(scope="module")
+def mixed_alone(params):
+    """Every mixed-workload request's samples, run by itself."""
+    prompts, sps = _mixed_sampling_workload()
+    out = _samples(each_alone(params, prompts, sps))
+    # Varied enough to mean something: different outputs, sampled rows, some logprobs, several samples.
+    assert len({tuple(s[0][0]) for s in out}) > 28
+    assert sum(sp.temperature > 0 for sp in sps) > 16 and sum(sp.n > 1 for sp in sps) > 3
+    assert sum(sp.logprobs is not None for sp in sps) > 4
+    return out
+
+
 @pytest.mark.parametrize(
     "kw",
     [dict(), dict(num_kv_pages=15, enable_prefix_caching=False), dict(num_kv_pages=20)],
@@ -229,20 +246,6 @@ def test_random_aborts_leave_the_other_requests_as_they_are_alone(params, mixed_
     assert sum(any(s.finish_reason == "abort" for s in reqs[i].seqs) for i in abort_at) >= 5
     stats = e.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
-
-
-@pytest.fixture(scope="module")
-def mixed_alone(params):
-    prompts, sps = _mixed_sampling_workload()
-    out = []
-    for p, sp in zip(prompts, sps):
-        e = make_engine(params, enable_prefix_caching=False, max_num_batched_tokens=256)
-        out.extend(_samples(run(e, [p], [sp])[1]))
-    # Varied enough to mean something: different outputs, sampled rows, some logprobs, several samples.
-    assert len({tuple(s[0][0]) for s in out}) > 28
-    assert sum(sp.temperature > 0 for sp in sps) > 16 and sum(sp.n > 1 for sp in sps) > 3
-    assert sum(sp.logprobs is not None for sp in sps) > 4
-    return out
 
 
 def _prompt_logprobs_alone(params, prompt, n):
