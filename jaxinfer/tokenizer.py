@@ -589,16 +589,34 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
     return out
 
 
-def _require_unicode_everywhere(value, where: str) -> None:
+# How deep the lists and dicts of a message, tool or document may nest. Real ones nest a few levels
+# (content parts, a JSON schema's properties); past this, and in one that contains itself, the walks
+# below would end in Python's RecursionError.
+MAX_CHAT_DATA_DEPTH = 64
+
+
+def _check_depth(depth: int, top: str) -> None:
+    """Refuses a list or dict `depth` levels inside what is walked; `top` names the field it is in
+    (the path one level down, e.g. messages[0].content: the full path would repeat itself)."""
+    if depth > MAX_CHAT_DATA_DEPTH:
+        raise InvalidRequestError(
+            f"{top} nests lists and dicts more than {MAX_CHAT_DATA_DEPTH} deep (does it contain itself?)"
+        )
+
+
+def _require_unicode_everywhere(value, where: str, depth: int = 0, top: str = "") -> None:
     """require_unicode on every string in a message (role, content, content parts, names, ...)."""
+    top = where if depth <= 1 else top
     if isinstance(value, str):
         require_unicode(value, where)
     elif isinstance(value, dict):
+        _check_depth(depth, top)
         for k, v in value.items():
-            _require_unicode_everywhere(v, f"{where}.{k}")
+            _require_unicode_everywhere(v, f"{where}.{k}", depth + 1, top)
     elif isinstance(value, (list, tuple)):
+        _check_depth(depth, top)
         for i, v in enumerate(value):
-            _require_unicode_everywhere(v, f"{where}[{i}]")
+            _require_unicode_everywhere(v, f"{where}[{i}]", depth + 1, top)
 
 
 def _jinja_environment():
@@ -766,23 +784,26 @@ def check_documents(documents) -> list[dict] | None:
     return out
 
 
-def _json_data(value, where: str):
+def _json_data(value, where: str, depth: int = 0, top: str = ""):
     """`value` as plain JSON data for a template (which writes it with `tojson` or prints it): the
     subclasses of str / int / float (enum members, ...) as their base values, as transformers hands
     them over; anything with no JSON form is refused by its path."""
+    top = where if depth <= 1 else top
     if value is None or type(value) in (str, int, float, bool):
         return value
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # a NumPy scalar
-        return _json_data(value.item(), where)
+        return _json_data(value.item(), where, depth, top)
     for base in (bool, str, int, float):
         if isinstance(value, base):
             return base(value) if base is not str else str.__str__(value)
     if isinstance(value, Mapping):
+        _check_depth(depth, top)
         if bad := [k for k in value if not isinstance(k, str)]:
             raise InvalidRequestError(f"{where} has a key that is not a string: {bad[0]!r}")
-        return {str.__str__(k): _json_data(v, f"{where}.{k}") for k, v in value.items()}
+        return {str.__str__(k): _json_data(v, f"{where}.{k}", depth + 1, top) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_json_data(v, f"{where}[{j}]") for j, v in enumerate(value)]
+        _check_depth(depth, top)
+        items = [_json_data(v, f"{where}[{j}]", depth + 1, top) for j, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     raise InvalidRequestError(
         f"{where} is a {type(value).__name__}, which has no JSON form (strings, numbers, booleans, None, lists, dicts)"

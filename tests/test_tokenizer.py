@@ -633,6 +633,34 @@ def test_llm_chat_continues_the_final_message(chat_llm):
     assert chat_llm.chat(conv, params, continue_final_message=True)[0].prompt_token_ids == ids
 
 
+def _nested(depth: int) -> list:
+    """A string inside `depth` lists."""
+    value = "a"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _contains_itself() -> dict:
+    """A dict one of whose values is the dict itself (what a bug in a caller's code can build)."""
+    d = {"type": "object"}
+    d["properties"] = d
+    return d
+
+
+_TOO_DEEP = "nests lists and dicts more than 64 deep"
+
+
+def test_chat_data_may_nest_64_deep_and_no_deeper():
+    """The limit counts from the message (tool, document): its content may hold 64 lists, not 65."""
+    from jaxinfer.tokenizer import check_documents, validate_messages
+
+    assert validate_messages([{"role": "user", "content": _nested(64)}])[0]["content"] == _nested(64)
+    assert check_documents([{"text": _nested(64)}]) == [{"text": _nested(64)}]
+    with pytest.raises(InvalidRequestError, match=r"^messages\[0\]\.content nests"):
+        validate_messages([{"role": "user", "content": _nested(65)}])
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -642,6 +670,8 @@ def test_llm_chat_continues_the_final_message(chat_llm):
         (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
         (dict(chat_template_kwargs={"documents": [], "x": 1}), r"may not set \['documents'\]: pass them as chat"),
         (dict(chat_template_kwargs={"date_string": b"x"}), r"chat_template_kwargs\.date_string is a bytes"),
+        # Were RecursionError tracebacks:
+        (dict(chat_template_kwargs={"x": _nested(5000)}), rf"^chat_template_kwargs\.x {_TOO_DEEP}"),
     ],
 )
 def test_llm_chat_refuses_bad_options(chat_llm, kwargs, message):
@@ -668,6 +698,8 @@ def test_continue_final_message_needs_the_text_in_the_rendering(chat_llm):
         ([{"role": "user", "content": "a"}, {"role": "assistant"}], r"messages\[1\]\.content is missing"),
         ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string"),
         ([{"role": 7, "content": "x"}], r"messages\[0\]\.role must be a non-empty string"),
+        ([{"role": "user", "content": _nested(5000)}], rf"^messages\[0\]\.content {_TOO_DEEP}"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a", "meta": _contains_itself()}]}], _TOO_DEEP),
         ([[{"role": "user", "content": "a"}], [{"role": "user"}]], r"messages\[1\]\[0\]\.content is missing"),
         # The template's own raise_exception reaches the caller as a request error.
         ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], r"roles must alternate"),
@@ -994,6 +1026,10 @@ def _one_tuple(x: tuple[int]):
         ([{"name": "x\udcff"}], r"tools\[0\]\.name"),
         ([{"function": {"tags": {"a"}}}], r"tools\[0\]\.function\.tags is a set, which has no JSON form"),
         ([{1: "x"}], r"tools\[0\] has a key that is not a string: 1"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": _contains_itself()}}],
+            rf"^tools\[0\]\.function {_TOO_DEEP}",
+        ),
     ],
 )
 def test_bad_tools_are_refused_by_field(chat_llm, tools, message):
@@ -1006,6 +1042,7 @@ def test_bad_tools_are_refused_by_field(chat_llm, tools, message):
     [
         ("text", r"documents must be a list of dicts"),
         ([{"title": "a", "text": "b"}, "c"], r"documents\[1\] must be a dict"),
+        ([{"title": "a", "text": _nested(65)}], rf"^documents\[0\]\.text {_TOO_DEEP}"),
     ],
 )
 def test_bad_documents_are_refused_by_field(chat_llm, documents, message):
