@@ -75,7 +75,8 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = N
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     total = math.prod(sizes.values())
     if total > num_devices:
-        raise InvalidRequestError(f"mesh {format_mesh(sizes)} has {total} devices; only {num_devices} are available")
+        available = f"only {num_devices} is" if num_devices == 1 else f"only {num_devices} are"
+        raise InvalidRequestError(f"mesh {format_mesh(sizes)} has {total} devices; {available} available")
     if total != num_devices and jax.process_count() > 1:
         raise InvalidRequestError(
             f"mesh {format_mesh(sizes)} has {total} devices; a multi-process mesh must span all {num_devices} "
