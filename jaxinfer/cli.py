@@ -409,7 +409,9 @@ def _prompt_named_as_given(message: str, args) -> str:
 
 
 def _generate_remote(args, params_over) -> int:
-    from jaxinfer.client import Client, _request
+    import grpc
+
+    from jaxinfer.client import Client, ServerError, _request
 
     # Every request is checked as the client will send it before the first RPC.
     checked = params_over({})
@@ -420,7 +422,15 @@ def _generate_remote(args, params_over) -> int:
     with Client(args.server, timeout=args.timeout) as client:
         # The model info says what the served model recommends for the flags left out, and whether it
         # has a tokenizer: without one, its token ids are printed, as locally.
-        info = client.model_info()
+        try:
+            info = client.model_info()
+        except ServerError as e:
+            if e.code == "UNAVAILABLE" and client.health() == "UNREACHABLE":
+                raise ServerError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"--server {args.server}: nothing answers there (is `jaxinfer serve` running?)",
+                ) from None
+            raise
         params = params_over(info["default_sampling_overrides"])
         salt = args.cache_salt
         if args.stream:
