@@ -375,7 +375,11 @@ class Scheduler:
         for seq in order:
             if seq.status is not SeqStatus.RUNNING or budget <= 0 or seq in hold:
                 continue
-            n = self._chunk_length(min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill)
+            n = self._chunk_length(
+                min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens),
+                prefill,
+                prompt_call=seq.pending_prompt_logprobs,
+            )
             if n == 0:
                 continue  # its next chunk runs next step
             self._drop_out_of_window(seq)
@@ -399,7 +403,9 @@ class Scheduler:
                 self._reuse_prefix(seq)
                 self._drop_out_of_window(seq)
             remaining = len(seq.tokens) - seq.num_computed
-            n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill)
+            n = self._chunk_length(
+                min(remaining, budget, self.max_prefill_tokens), prefill, prompt_call=seq.pending_prompt_logprobs
+            )
             if n == 0 or not self._grow(seq, seq.num_computed + n):
                 # Not admitted this step: a waiting sequence holds no pages, or preemption could not
                 # reclaim them (it only sees running ones) and the engine could wedge. The prefix
@@ -421,8 +427,10 @@ class Scheduler:
         prefill = [c for c in prefill if c.seq.status is SeqStatus.RUNNING]
         return StepPlan(prefill=prefill, decode=decode)
 
-    def _chunk_length(self, n: int, prefill: list[Chunk]) -> int:
+    def _chunk_length(self, n: int, prefill: list[Chunk], *, prompt_call: bool = False) -> int:
         """How many of a sequence's next n prompt tokens to compute this step (0: none this step).
+        `prompt_call`: the chunk joins the prompt-chunk call even at one token (its prompt logprobs
+        are pending), so it has to fit that call's shape like any other.
 
         A prompt-chunk call costs its padded shape (rows and length rounded up to powers of two), so
         chunks are cut to fit the shape instead of the shape growing around them. The first chunk of
@@ -431,8 +439,8 @@ class Scheduler:
         chunk takes at most the first one's bucket, and joins only if the call stays at least 3/4
         real tokens.
         """
-        if n <= 1:
-            return n
+        if n == 0 or (n == 1 and not prompt_call):
+            return n  # a single token goes to the decode call
         if not prefill:
             if bucket(n, minimum=16) - n > _MAX_CHUNK_PADDING:
                 n = pow2_floor(n)

@@ -464,6 +464,21 @@ def test_no_compilation_after_warmup(params, placed):
     assert e.stats()["num_compiles"] == before
 
 
+def test_a_one_token_chunk_with_pending_prompt_logprobs_fits_a_warmed_shape(params):
+    """A 63-token prompt leaves one token of the step's 64 for a prompt whose log-probabilities are
+    pending. Such a chunk runs in the prompt-chunk call, so it has to fit that call's shapes: it
+    used to join as a second row, a (2, 64) call past max_prefill_tokens (64), compiled mid-run
+    (tests/test_scheduler.py found it)."""
+    e = make_engine(params, num_kv_pages=40, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    e.warmup(prompt_logprobs=True)
+    before = num_compiles()
+    prompts = [list(range(3, 66)), [5, 6, 7, 8, 9]]
+    sps = [SamplingParams(max_tokens=2, temperature=0.0), SamplingParams(max_tokens=2, prompt_logprobs=1)]
+    _, reqs = run(e, prompts, sps)
+    assert num_compiles() == before
+    assert [x.token_id for x in reqs[1].seqs[0].prompt_logprobs] == prompts[1][1:]
+
+
 def test_prompt_logprobs_programs_compile_in_the_warmup_when_asked(params):
     e = make_engine(params, num_kv_pages=40, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
     e.warmup(prompt_logprobs=True)
