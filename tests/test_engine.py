@@ -219,6 +219,23 @@ def test_mixed_seeded_sampling_is_batch_invariant_through_preemption(params, mix
         assert stats["prefix_cache_hit_tokens"] > 0
 
 
+def _run_aborting(engine, reqs, abort_at: dict[int, int]) -> None:
+    """Steps the engine to the end, aborting request i before step abort_at[i]."""
+    step = 0
+    while engine.has_unfinished():
+        for i, at in abort_at.items():
+            if at == step:
+                engine.abort(reqs[i].request_id)
+        engine.step()
+        step += 1
+
+
+def _assert_alone_or_cut(mine, alone, what) -> None:
+    """Each sample of an aborted request: what it gives alone, or aborted on a prefix of that."""
+    for (ids, why, _), (alone_ids, alone_why, _) in zip(mine, alone):
+        assert (ids, why) == (alone_ids, alone_why) or (why == "abort" and ids == alone_ids[: len(ids)]), what
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_random_aborts_leave_the_other_requests_as_they_are_alone(params, mixed_alone, async_scheduling):
     """Ten requests of the mixed workload aborted at random steps (waiting, mid-prompt, decoding,
@@ -229,20 +246,13 @@ def test_random_aborts_leave_the_other_requests_as_they_are_alone(params, mixed_
     e = make_engine(params, num_kv_pages=20, async_scheduling=async_scheduling)
     reqs = [e.add_request(p, sp) for p, sp in zip(prompts, sps)]
     abort_at = {int(i): int(rng.integers(0, 40)) for i in rng.choice(len(reqs), 10, replace=False)}
-    step = 0
-    while e.has_unfinished():
-        for i, at in abort_at.items():
-            if at == step:
-                e.abort(reqs[i].request_id)
-        e.step()
-        step += 1
+    _run_aborting(e, reqs, abort_at)
     got = _samples(reqs)
     for i, (mine, alone) in enumerate(zip(got, mixed_alone)):
-        if i not in abort_at:
+        if i in abort_at:
+            _assert_alone_or_cut(mine, alone, i)
+        else:
             assert _without_values([mine]) == _without_values([alone]), i
-            continue
-        for (ids, why, _), (alone_ids, alone_why, _) in zip(mine, alone):
-            assert (ids, why) == (alone_ids, alone_why) or (why == "abort" and ids == alone_ids[: len(ids)]), i
     assert sum(any(s.finish_reason == "abort" for s in reqs[i].seqs) for i in abort_at) >= 5
     stats = e.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
@@ -272,18 +282,11 @@ def test_random_capacities_give_each_request_what_it_gives_alone(params, seed):
         e = make_engine(params, poison_reused_pages=True, **kw)
         reqs = [e.add_request(p, sp) for p, sp in zip(prompts, sps)]
         abort_at = {int(i): int(rng.integers(0, 60)) for i in rng.choice(len(reqs), 4, replace=False)}
-        step = 0
-        while e.has_unfinished():
-            for i, at in abort_at.items():
-                if at == step:
-                    e.abort(reqs[i].request_id)
-            e.step()
-            step += 1
+        _run_aborting(e, reqs, abort_at)
         for i, (mine, ref) in enumerate(zip(reqs, alone)):
             got, want = _samples([mine]), _samples([ref])
             if i in abort_at:
-                for (ids, why, _), (ref_ids, ref_why, _) in zip(got[0], want[0]):
-                    assert (ids, why) == (ref_ids, ref_why) or (why == "abort" and ids == ref_ids[: len(ids)]), (kw, i)
+                _assert_alone_or_cut(got[0], want[0], (kw, i))
                 continue
             assert _without_values(got) == _without_values(want), (kw, i)
             np.testing.assert_allclose(_values(got), _values(want), rtol=1e-5, atol=1e-5)
