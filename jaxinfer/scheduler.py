@@ -375,10 +375,9 @@ class Scheduler:
         for seq in order:
             if seq.status is not SeqStatus.RUNNING or budget <= 0 or seq in hold:
                 continue
+            owes = seq.pending_prompt_logprobs  # then even one token runs in the prompt-chunk call
             n = self._chunk_length(
-                min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens),
-                prefill,
-                prompt_call=seq.pending_prompt_logprobs,
+                min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_tokens), prefill, prompt_call=owes
             )
             if n == 0:
                 continue  # its next chunk runs next step
@@ -391,7 +390,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            (prefill if n > 1 or seq.pending_prompt_logprobs else decode).append(Chunk(seq, seq.num_computed, n))
+            (prefill if n > 1 or owes else decode).append(Chunk(seq, seq.num_computed, n))
             budget -= n
 
         # Waiting sequences, first come first served; none in a step that had to preempt.
@@ -403,9 +402,8 @@ class Scheduler:
                 self._reuse_prefix(seq)
                 self._drop_out_of_window(seq)
             remaining = len(seq.tokens) - seq.num_computed
-            n = self._chunk_length(
-                min(remaining, budget, self.max_prefill_tokens), prefill, prompt_call=seq.pending_prompt_logprobs
-            )
+            owes = seq.pending_prompt_logprobs
+            n = self._chunk_length(min(remaining, budget, self.max_prefill_tokens), prefill, prompt_call=owes)
             if n == 0 or not self._grow(seq, seq.num_computed + n):
                 # Not admitted this step: a waiting sequence holds no pages, or preemption could not
                 # reclaim them (it only sees running ones) and the engine could wedge. The prefix
@@ -419,7 +417,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
-            (prefill if n > 1 or seq.pending_prompt_logprobs else decode).append(Chunk(seq, seq.num_computed, n))
+            (prefill if n > 1 or owes else decode).append(Chunk(seq, seq.num_computed, n))
             budget -= n
 
         # A preempted sequence may have been scheduled before it was chosen as a victim.
@@ -427,7 +425,7 @@ class Scheduler:
         prefill = [c for c in prefill if c.seq.status is SeqStatus.RUNNING]
         return StepPlan(prefill=prefill, decode=decode)
 
-    def _chunk_length(self, n: int, prefill: list[Chunk], *, prompt_call: bool = False) -> int:
+    def _chunk_length(self, n: int, prefill: list[Chunk], *, prompt_call: bool) -> int:
         """How many of a sequence's next n prompt tokens to compute this step (0: none this step).
         `prompt_call`: the chunk joins the prompt-chunk call even at one token (its prompt logprobs
         are pending), so it has to fit that call's shape like any other.

@@ -58,7 +58,7 @@ class Driver:
     """Runs a scheduler's plans as the engine would (synchronously: no step runs ahead), checking
     every read and write of the cache and the page accounting."""
 
-    def __init__(self, setup: Setup, rng: np.random.Generator):
+    def __init__(self, setup: Setup, rng: np.random.Generator, scheduler: type[Scheduler] = Scheduler):
         self.setup, self.rng = setup, rng
         s = setup
         window_all = None if s.hybrid else s.window
@@ -67,7 +67,7 @@ class Driver:
             pool = PagePool(s.num_window_pages, enable_prefix_cache=s.prefix_cache)
             self.groups.append(PageGroup(pool, window=s.window))
         self.max_prefill_tokens = prefill_token_limit(s.max_num_batched_tokens, s.max_model_len)
-        self.sched = Scheduler(
+        self.sched = scheduler(
             groups=self.groups,
             page_size=s.page_size,
             max_num_seqs=s.max_num_seqs,
@@ -287,9 +287,7 @@ def test_the_checks_catch_a_shared_page_written_into():
                 seq.num_keyed -= 1
                 seq.num_computed -= self.page_size
 
-    setup = SETUPS["roomy"]
-    d = Driver(setup, np.random.default_rng(0))
-    d.sched.__class__ = Leaky
+    d = Driver(SETUPS["roomy"], np.random.default_rng(0), scheduler=Leaky)
     stems = [[5] * 40]
     with pytest.raises(AssertionError, match="writes a page"):
         for _ in range(200):
