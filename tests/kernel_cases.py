@@ -1,9 +1,9 @@
 """Random ragged paged-attention batches shared by the kernel tests (test_pallas_kernels*.py,
 test_native.py), and the end-to-end engine run they compare backends on.
 
-Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row)
-compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one past a
-page boundary, full tables, page tables wider than needed, padding rows, and NaN in every page a
+Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row,
+page size) compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one
+past a page boundary, full tables, page tables wider than needed, padding rows, and NaN in every page a
 row does not own (so masking, not luck, keeps them out), including page 0, where a windowed row's
 table points for the pages wholly before its window (the engine gives those back). Only each row's real query tokens are
 compared; the rest is don't-care.
@@ -39,6 +39,7 @@ class Static:
     kv_heads: int = 2
     int8: bool = False  # int8 pools with per-token-per-head scales (q and output stay in dtype)
     scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    page_size: int = PAGE
 
     @property
     def softmax_scale(self) -> float:
@@ -59,41 +60,48 @@ STATICS = [
     # bfloat16 before its dots and was 5x further from a float64 oracle than the kernels.
     Static(group=2, head_dim=64, t=4, dtype="bfloat16", int8=True, scale=1.0),
 ]
+# Pages of other sizes than PAGE: the engine's default (16), tiny ones a window spans many of, and
+# pages as long as most rows (the kernels take the page size from the pools' shape).
+PAGE_STATICS = [
+    Static(group=4, head_dim=64, t=1, page_size=16),
+    Static(group=2, head_dim=128, t=5, window=9, int8=True, page_size=2),
+    Static(group=1, head_dim=64, t=3, soft_cap=20.0, dtype="bfloat16", page_size=32),
+]
 CASES_PER_STATIC = 16
 
 
-def lengths(rng, t: int) -> tuple[list[int], list[int]]:
+def lengths(rng, t: int, page: int = PAGE) -> tuple[list[int], list[int]]:
     """kv_lens and q_lens of one batch of 4 rows, biased toward the edge cases."""
-    edges = [0, 1, PAGE, PAGE + 1, 2 * PAGE, WIDTH * PAGE - 1, WIDTH * PAGE]
+    edges = [0, 1, page, page + 1, 2 * page, WIDTH * page - 1, WIDTH * page]
     kv, q = [], []
     for _ in range(4):
-        n = int(rng.choice(edges)) if rng.random() < 0.6 else int(rng.integers(0, WIDTH * PAGE + 1))
+        n = int(rng.choice(edges)) if rng.random() < 0.6 else int(rng.integers(0, WIDTH * page + 1))
         kv.append(n)
         q.append(0 if n == 0 else int(rng.integers(1, min(n, t) + 1)) if rng.random() < 0.8 else min(n, t))
     return kv, q
 
 
 def random_batch(rng, st: Static):
-    b, nk = 4, st.kv_heads
+    b, nk, page = 4, st.kv_heads, st.page_size
     n = nk * st.group
     dtype = jnp.dtype(st.dtype)
-    kv, ql = lengths(rng, st.t)
+    kv, ql = lengths(rng, st.t, page)
     owned = rng.permutation(np.arange(1, POOL))[: b * WIDTH].reshape(b, WIDTH)
     if st.window:  # pages wholly before a row's window are given back, as the engine does: scratch (NaN)
         for i in range(b):
-            owned[i, : max(kv[i] - ql[i] - st.window + 1, 0) // PAGE] = 0
-    k = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
-    v = rng.standard_normal((nk, POOL, PAGE, st.head_dim)).astype(np.float32)
-    used = {int(owned[i, j]) for i in range(b) for j in range(-(-kv[i] // PAGE))} - {0}
+            owned[i, : max(kv[i] - ql[i] - st.window + 1, 0) // page] = 0
+    k = rng.standard_normal((nk, POOL, page, st.head_dim)).astype(np.float32)
+    v = rng.standard_normal((nk, POOL, page, st.head_dim)).astype(np.float32)
+    used = {int(owned[i, j]) for i in range(b) for j in range(-(-kv[i] // page))} - {0}
     stale = [p for p in range(POOL) if p not in used]
     k[:, stale] = np.nan
     v[:, stale] = np.nan
     # Slots past a row's length inside its last page are stale too.
     for i in range(b):
-        if kv[i] % PAGE:
-            last = owned[i, kv[i] // PAGE]
-            k[:, last, kv[i] % PAGE :] = np.nan
-            v[:, last, kv[i] % PAGE :] = np.nan
+        if kv[i] % page:
+            last = owned[i, kv[i] // page]
+            k[:, last, kv[i] % page :] = np.nan
+            v[:, last, kv[i] % page :] = np.nan
     q = rng.standard_normal((b, st.t, n, st.head_dim)).astype(np.float32)
     if st.int8:
         k, v = np_quantized(rng, k), np_quantized(rng, v)
@@ -128,7 +136,8 @@ def kernel_args(k, v) -> tuple:
 
 def static_id(s: Static) -> str:
     scale = "" if s.scale is None else f"-s{s.scale}"
-    return f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}{scale}"
+    page = "" if s.page_size == PAGE else f"-p{s.page_size}"
+    return f"g{s.group}-h{s.head_dim}-t{s.t}-w{s.window}-c{s.soft_cap}-{s.dtype}{'-int8' * s.int8}{scale}{page}"
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kind", "soft_cap"))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_cases import (
+    PAGE_STATICS,
     STATICS,
     Static,
     check_kernel_against_reference,
@@ -29,9 +30,11 @@ pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable (no C++ compiler?): {native.why_unavailable()}"
 )
 
-# STATICS, plus the shapes that take the vectorised inner loops (head sizes 64/128/256 with groups of
+# STATICS and PAGE_STATICS, plus the shapes that take the vectorised inner loops (head sizes 64/128/256 with groups of
 # 1, 2, 4 or 8) in decode, bfloat16 and int8, and head sizes that take the generic ones.
-NATIVE_STATICS = STATICS + [
+NATIVE_STATICS = [
+    *STATICS,
+    *PAGE_STATICS,
     Static(group=8, head_dim=128, t=1, kv_heads=1),
     Static(group=4, head_dim=64, t=1, dtype="bfloat16", window=6, soft_cap=20.0),
     Static(group=2, head_dim=256, t=2, int8=True, window=10),

@@ -16,6 +16,7 @@ import pytest
 from kernel_cases import (
     CASES_PER_STATIC,
     PAGE,
+    PAGE_STATICS,
     POOL,
     STATICS,
     WIDTH,
@@ -42,7 +43,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
 
-@pytest.mark.parametrize("st", STATICS, ids=static_id)
+@pytest.mark.parametrize("st", STATICS + PAGE_STATICS, ids=static_id)
 def test_kernel_matches_reference(st):
     """The TPU kernel under the strict TPU simulation. Block sizes: the table's choice, one page per
     block, and a block that straddles the table's end."""
@@ -58,7 +59,9 @@ _tiled = jax.jit(
 
 # Decode (t = 1) takes its own path in the tiled attention (multiply-and-sum contractions, inputs
 # widened to float32): also in bfloat16, plain and with int8 pools, which STATICS cover at t > 1 only.
-TILED_STATICS = STATICS + [
+TILED_STATICS = [
+    *STATICS,
+    *PAGE_STATICS,
     Static(group=4, head_dim=64, t=1, dtype="bfloat16", window=6, soft_cap=20.0),
     Static(group=2, head_dim=128, t=1, dtype="bfloat16", int8=True),
 ]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_cases import (
+    PAGE_STATICS,
     STATICS,
     Static,
     check_kernel_against_reference,
@@ -40,7 +41,7 @@ INTERPRET_BLOCKS = [
 ]
 
 
-@pytest.mark.parametrize("st", STATICS, ids=static_id)
+@pytest.mark.parametrize("st", STATICS + PAGE_STATICS, ids=static_id)
 def test_kernel_matches_reference(st):
     check_kernel_against_reference(ragged_paged_attention_gpu, st, INTERPRET_BLOCKS, interpret=True)
 
