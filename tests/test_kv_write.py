@@ -20,29 +20,29 @@ from pallas_kernels.kv_write import kv_write
 NK, POOL, PAGE, H = 2, 20, 4, 16
 
 
-def _batch(rng, rows: int, t: int):
+def _batch(rng, rows: int, t: int, page: int = PAGE):
     """slots [rows, t] like Batch.slots(): each row's new tokens in its own pages, padding -> page 0."""
     owned = rng.permutation(np.arange(1, POOL))[: rows * 4].reshape(rows, 4)
     slots = np.zeros((rows, t), np.int64)
     for r in range(rows):
         q_len = int(rng.integers(0, t + 1))
-        start = int(rng.integers(0, 4 * PAGE - q_len + 1))  # a chunk may start mid-page
+        start = int(rng.integers(0, 4 * page - q_len + 1))  # a chunk may start mid-page
         for i in range(q_len):
             pos = start + i
-            slots[r, i] = owned[r, pos // PAGE] * PAGE + pos % PAGE
+            slots[r, i] = owned[r, pos // page] * page + pos % page
     return jnp.asarray(slots, jnp.int32)
 
 
-def _pools(rng, kind: str):
+def _pools(rng, kind: str, page: int = PAGE):
     if kind == "int8":
         return tuple(
             QuantizedPages(
-                values=jnp.asarray(rng.integers(-127, 128, (NK, POOL, PAGE, H)), jnp.int8),
-                scales=jnp.asarray(rng.uniform(0.01, 1, (NK, POOL, PAGE)), jnp.float32),
+                values=jnp.asarray(rng.integers(-127, 128, (NK, POOL, page, H)), jnp.int8),
+                scales=jnp.asarray(rng.uniform(0.01, 1, (NK, POOL, page)), jnp.float32),
             )
             for _ in range(2)
         )
-    return tuple(jnp.asarray(rng.standard_normal((NK, POOL, PAGE, H)), kind) for _ in range(2))
+    return tuple(jnp.asarray(rng.standard_normal((NK, POOL, page, H)), kind) for _ in range(2))
 
 
 def _leaves(pools):
@@ -53,16 +53,16 @@ def _leaves(pools):
 @pytest.mark.parametrize("interpret", [True, "tpu"], ids=["generic", "tpu-interpret"])
 def test_kv_write_matches_the_scatter(kind, interpret):
     """int8 pools take float32 K/V, or bfloat16 (a bfloat16 model's), quantized in float32 as the
-    reference does."""
+    reference does. Pages of 4 tokens, and of 16 (the engine's default) with a chunk longer than one."""
     kind, _, source = kind.partition("-from-")
     rng = np.random.default_rng(len(kind) + len(source))
-    for rows, t in [(1, 1), (4, 1), (3, 7), (2, 12)]:
-        k_pages, v_pages = _pools(rng, kind)
+    for rows, t, page in [(1, 1, 4), (4, 1, 4), (3, 7, 4), (2, 12, 4), (3, 1, 16), (2, 21, 16)]:
+        k_pages, v_pages = _pools(rng, kind, page)
         dtype = source or (jnp.float32 if kind == "int8" else kind)
         k = jnp.asarray(rng.standard_normal((rows, t, NK, H)) * 3, dtype)
         v = jnp.asarray(rng.standard_normal((rows, t, NK, H)), dtype)
         k = k.at[0, 0, 1].set(0.0)  # an all-zero vector: scale 0
-        slots = _batch(rng, rows, t)
+        slots = _batch(rng, rows, t, page)
         want = write_kv(k_pages, v_pages, k, v, slots)
         if kind == "int8":
             args = (k_pages.values, v_pages.values, k, v, slots)
@@ -72,7 +72,7 @@ def test_kv_write_matches_the_scatter(kind, interpret):
             got = kv_write(k_pages, v_pages, k, v, slots, interpret=interpret)
         jax.block_until_ready(got)
         for g, w in zip(_leaves(got), _leaves(want), strict=True):
-            np.testing.assert_array_equal(g, w, err_msg=f"rows {rows} t {t}")
+            np.testing.assert_array_equal(g, w, err_msg=f"rows {rows} t {t} page {page}")
 
 
 def test_kv_write_refuses_mismatched_inputs():
