@@ -65,6 +65,8 @@ def test_stop_string_never_leaks_into_the_stream():
     deltas, d = feed(tok, [1], tok.encode("abc END tail")[1:], stop=("END", "zz"))
     assert d.stopped and d.text == "abc "
     assert "".join(deltas) == "abc " and not any("E" in x for x in deltas)
+    # Held back: the last len("END") - 1 = 2 characters, no more (each could begin a stop string).
+    assert deltas[:4] == ["", "", "a", "b"]
 
 
 def test_include_stop_str_in_output_ends_the_text_after_it_and_holds_nothing_back():
