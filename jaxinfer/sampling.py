@@ -162,7 +162,7 @@ class SamplingParams:
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "must be an integer >= 1, or unset (None) for the model's length limit")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens < 2**31:
-            bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+            bad("min_tokens", self.min_tokens, "must be an integer in [0, 2**31)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must be at most max_tokens ({self.max_tokens})")
         if not is_finite_number(self.temperature) or self.temperature < 0:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import sampling as sp
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingBatch, SamplingParams, keep_mask, sample
 
@@ -193,8 +194,9 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
         (dict(stop_token_ids=[2**31]), r"stop_token_ids must be a list of integers in \[0, 2\*\*31\)"),
         # A lone surrogate (invalid UTF-8 from a command line) has no UTF-8 form to match against.
         (dict(stop=["ok", "bad\udcff"]), r"SamplingParams.stop\[1\] is not valid Unicode"),
-        (dict(min_tokens=-1), r"SamplingParams.min_tokens must be an integer >= 0"),
-        (dict(min_tokens=True), r"SamplingParams.min_tokens must be an integer >= 0"),
+        (dict(min_tokens=-1), r"SamplingParams.min_tokens must be an integer in \[0, 2\*\*31\)"),
+        (dict(min_tokens=True), r"SamplingParams.min_tokens must be an integer in \[0, 2\*\*31\)"),
+        (dict(min_tokens=2**31, max_tokens=None), r"SamplingParams.min_tokens must be an integer in \[0, 2\*\*31\)"),
         (dict(min_tokens=17), r"SamplingParams.min_tokens must be at most max_tokens \(16\), got 17"),
         # Ints past a double's range: math.isfinite raised OverflowError.
         (dict(temperature=10**400), r"SamplingParams.temperature must be a finite number >= 0"),
@@ -217,6 +219,50 @@ def test_draws_across_vocabulary_blocks_have_the_right_frequencies():
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_tokens=1),
+        dict(max_tokens=5, min_tokens=5),
+        dict(min_tokens=2**31 - 1, max_tokens=None),
+        dict(temperature=0.0),
+        dict(top_k=-1),
+        dict(top_k=0),
+        dict(top_k=2**31 - 1),
+        dict(top_p=1.0),
+        dict(min_p=0.0),
+        dict(min_p=1.0),
+        dict(presence_penalty=-2.0, frequency_penalty=2.0),
+        dict(repetition_penalty=2.0),
+        dict(seed=0),
+        dict(seed=2**32 - 1),
+        dict(stop=["x" * sp.MAX_STOP_STRING_CHARS] * sp.MAX_STOP_STRINGS),
+        dict(stop_token_ids=[0, 2**31 - 1]),
+        dict(stop_token_ids=list(range(sp.MAX_STOP_TOKEN_IDS))),
+        dict(logprobs=0, prompt_logprobs=0),
+        dict(logprobs=sp.MAX_LOGPROBS, prompt_logprobs=sp.MAX_LOGPROBS),
+        dict(n=sp.MAX_N),
+        dict(truncate_prompt_tokens=-1),
+        dict(truncate_prompt_tokens=1),
+        dict(truncate_prompt_tokens=2**31 - 1),
+        dict(logit_bias={0: -sp.LOGIT_BIAS_LIMIT, 2**31 - 1: sp.LOGIT_BIAS_LIMIT}),
+        dict(logit_bias=dict.fromkeys(range(sp.MAX_LOGIT_BIAS), 1.0)),
+        dict(allowed_token_ids=[0, 2**31 - 1]),
+        dict(allowed_token_ids=list(range(sp.MAX_ALLOWED_TOKEN_IDS))),
+        dict(bad_words=["y" * sp.MAX_BAD_WORD_CHARS] * sp.MAX_BAD_WORDS),
+    ],
+    ids=lambda kw: ",".join(kw),
+)
+def test_values_at_each_limit_are_accepted(kw):
+    """Every documented limit is inclusive where its message says so: the value at the limit itself
+    is taken as given (the refusals just past them are above)."""
+    params = SamplingParams(**kw)
+    for field, value in kw.items():
+        got = getattr(params, field)
+        want = tuple(value) if isinstance(value, list) else value
+        assert got == want, field  # (allowed_token_ids come back sorted: these are)
 
 
 def test_penalties_match_numpy():
@@ -374,6 +420,18 @@ def test_logprobs_are_raw_whatever_the_penalties_bias_and_temperature():
         (dict(stop=["a"] * 65), "stop must hold at most 64"),
         (dict(stop=["x" * 1025]), "stop must hold at most 64 strings of at most 1024 characters"),
         (dict(stop_token_ids=[1] * 257), "stop_token_ids must hold at most 256"),
+        # Just past the limits that test_values_at_each_limit_are_accepted takes.
+        (dict(seed=2**32), r"seed must be an integer in \[0, 2\*\*32\)"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None, -1"),
+        (dict(truncate_prompt_tokens=2**31), "truncate_prompt_tokens must be None, -1"),
+        (dict(truncate_prompt_tokens=1.5), "truncate_prompt_tokens must be None, -1"),
+        (dict(bad_words="the"), "bad_words must be a list of strings"),
+        (dict(bad_words=["ok", 3]), "bad_words must be a list of strings"),
+        (dict(bad_words=["ok", " "]), "bad_words must hold at most 64 non-blank strings"),
+        (dict(bad_words=["ok"] * 65), "bad_words must hold at most 64 non-blank strings"),
+        (dict(bad_words=["y" * 257]), "bad_words must hold at most 64 non-blank strings of at most 256 characters"),
+        (dict(allowed_token_ids=[2**31]), r"allowed_token_ids must be None or a list of integers in \[0, 2\*\*31\)"),
+        (dict(logit_bias={2**31: 1.0}), r"logit_bias keys must be token ids, integers in \[0, 2\*\*31\)"),
     ],
 )
 def test_bad_engine_sampling_values_name_the_field(kw, field):
