@@ -365,6 +365,10 @@ def test_a_placeholder_at_the_end_of_a_history_is_penalised_as_the_token_given_f
     want = penalised([[5, 6, top[1], top[0]], [5, 6, top[1], top[2]]])
     np.testing.assert_array_equal(filled, want)
     assert not np.array_equal(filled[0], penalised([[5, 6, top[1]], [5]])[0])
+    # A history as long as the width: the placeholder is its last slot, not one past it.
+    full = [5, 6, 9, 10, 11, 12, top[1]]
+    filled = penalised([[*full, -1], [*full, top[2]]], last)
+    np.testing.assert_array_equal(filled, penalised([[*full, top[0]], [*full, top[2]]]))
 
 
 def test_a_ban_if_last_applies_only_after_that_token():
