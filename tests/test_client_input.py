@@ -14,6 +14,7 @@ import socket
 
 import numpy as np
 import pytest
+from test_sampling import AT_THE_LIMITS
 
 from jaxinfer.client import AsyncClient, Client, ClientClosedError, ServerError
 from jaxinfer.errors import InvalidRequestError
@@ -87,6 +88,10 @@ BAD_GENERATE = {
     "stop_not_a_list": (
         {"prompt": "x", "sampling_params": _forced(SamplingParams(), stop="end")},
         r"sampling_params\.stop must be a list, got str 'end'",
+    ),
+    "stop_ids_not_a_list": (
+        {"prompt": "x", "sampling_params": _forced(SamplingParams(), stop_token_ids=5)},
+        r"sampling_params\.stop_token_ids must be a list, got int 5",
     ),
     "sampling_params_dict": (
         {"prompt": "x", "sampling_params": {"max_tokens": 4}},
@@ -272,6 +277,18 @@ def test_bad_constructor_and_health_arguments(address):
                 await c.health(5)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("kw", AT_THE_LIMITS, ids=lambda kw: ",".join(kw))
+def test_sampling_params_at_their_limits_cross_the_wire_unchanged(kw):
+    """Each SamplingParams value at its documented limit passes the client's wire checks and comes
+    out of the server's conversion as it went in (max_tokens=None travels as int32's largest)."""
+    from jaxinfer.client import INT32_MAX, _params
+    from serving.wire import sampling_params
+
+    p = SamplingParams(**kw)
+    sent = p if p.max_tokens is not None else dataclasses.replace(p, max_tokens=INT32_MAX)
+    assert sampling_params(_params(p)) == sent
 
 
 def test_valid_input_reaches_the_wire(address):

@@ -221,43 +221,43 @@ def test_bad_values_name_the_field(kw, field):
         SamplingParams(**kw)
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(max_tokens=1),
-        dict(max_tokens=5, min_tokens=5),
-        dict(min_tokens=2**31 - 1, max_tokens=None),
-        dict(temperature=0.0),
-        dict(top_k=-1),
-        dict(top_k=0),
-        dict(top_k=2**31 - 1),
-        dict(top_p=1.0),
-        dict(min_p=0.0),
-        dict(min_p=1.0),
-        dict(presence_penalty=-2.0, frequency_penalty=2.0),
-        dict(repetition_penalty=2.0),
-        dict(seed=0),
-        dict(seed=2**32 - 1),
-        dict(stop=["x" * sp.MAX_STOP_STRING_CHARS] * sp.MAX_STOP_STRINGS),
-        dict(stop_token_ids=[0, 2**31 - 1]),
-        dict(stop_token_ids=list(range(sp.MAX_STOP_TOKEN_IDS))),
-        dict(logprobs=0, prompt_logprobs=0),
-        dict(logprobs=sp.MAX_LOGPROBS, prompt_logprobs=sp.MAX_LOGPROBS),
-        dict(n=sp.MAX_N),
-        dict(truncate_prompt_tokens=-1),
-        dict(truncate_prompt_tokens=1),
-        dict(truncate_prompt_tokens=2**31 - 1),
-        dict(logit_bias={0: -sp.LOGIT_BIAS_LIMIT, 2**31 - 1: sp.LOGIT_BIAS_LIMIT}),
-        dict(logit_bias=dict.fromkeys(range(sp.MAX_LOGIT_BIAS), 1.0)),
-        dict(allowed_token_ids=[0, 2**31 - 1]),
-        dict(allowed_token_ids=list(range(sp.MAX_ALLOWED_TOKEN_IDS))),
-        dict(bad_words=["y" * sp.MAX_BAD_WORD_CHARS] * sp.MAX_BAD_WORDS),
-    ],
-    ids=lambda kw: ",".join(kw),
-)
+# A value at each documented limit (test_client_input.py sends them over the wire too).
+AT_THE_LIMITS = [
+    dict(max_tokens=1),
+    dict(max_tokens=5, min_tokens=5),
+    dict(min_tokens=2**31 - 1, max_tokens=None),
+    dict(temperature=0.0),
+    dict(top_k=-1),
+    dict(top_k=0),
+    dict(top_k=2**31 - 1),
+    dict(top_p=1.0),
+    dict(min_p=0.0),
+    dict(min_p=1.0),
+    dict(presence_penalty=-2.0, frequency_penalty=2.0),
+    dict(repetition_penalty=2.0),
+    dict(seed=0),
+    dict(seed=2**32 - 1),
+    dict(stop=["x" * sp.MAX_STOP_STRING_CHARS] * sp.MAX_STOP_STRINGS),
+    dict(stop_token_ids=[0, 2**31 - 1]),
+    dict(stop_token_ids=list(range(sp.MAX_STOP_TOKEN_IDS))),
+    dict(logprobs=0, prompt_logprobs=0),
+    dict(logprobs=sp.MAX_LOGPROBS, prompt_logprobs=sp.MAX_LOGPROBS),
+    dict(n=sp.MAX_N),
+    dict(truncate_prompt_tokens=-1),
+    dict(truncate_prompt_tokens=1),
+    dict(truncate_prompt_tokens=2**31 - 1),
+    dict(logit_bias={0: -sp.LOGIT_BIAS_LIMIT, 2**31 - 1: sp.LOGIT_BIAS_LIMIT}),
+    dict(logit_bias=dict.fromkeys(range(sp.MAX_LOGIT_BIAS), 1.0)),
+    dict(allowed_token_ids=[0, 2**31 - 1]),
+    dict(allowed_token_ids=list(range(sp.MAX_ALLOWED_TOKEN_IDS))),
+    dict(bad_words=["y" * sp.MAX_BAD_WORD_CHARS] * sp.MAX_BAD_WORDS),
+]
+
+
+@pytest.mark.parametrize("kw", AT_THE_LIMITS, ids=lambda kw: ",".join(kw))
 def test_values_at_each_limit_are_accepted(kw):
     """Every documented limit is inclusive where its message says so: the value at the limit itself
-    is taken as given (the refusals just past them are above)."""
+    is taken as given (the refusals just past them are in the bad-value tests)."""
     params = SamplingParams(**kw)
     for field, value in kw.items():
         got = getattr(params, field)
