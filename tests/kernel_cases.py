@@ -3,10 +3,10 @@ test_native.py), and the end-to-end engine run they compare backends on.
 
 Each static configuration (group size, head dim, window, soft cap, dtype, query tokens per row,
 page size) compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one
-past a page boundary, full tables, page tables wider than needed, padding rows, and NaN in every page a
-row does not own (so masking, not luck, keeps them out), including page 0, where a windowed row's
-table points for the pages wholly before its window (the engine gives those back). Only each row's real query tokens are
-compared; the rest is don't-care.
+past a page boundary, full tables, page tables wider than needed, padding rows, and NaN in every
+page a row does not own (so masking, not luck, keeps them out), including page 0, where a windowed
+row's table points for the pages wholly before its window (the engine gives those back). Only each
+row's real query tokens are compared; the rest is don't-care.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import pytest
 from jaxinfer import InvalidRequestError, SamplingParams
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, num_compiles
+from jaxinfer.kv_cache import pages_needed
 from jaxinfer.model import init_params
 from jaxinfer.scheduler import decode_bucket
 
@@ -276,7 +277,7 @@ def test_random_capacities_give_each_request_what_it_gives_alone(params, seed, p
     for _ in range(3):
         kw = dict(
             page_size=page_size,
-            num_kv_pages=-(-int(rng.integers(12, 45)) * 8 // page_size),  # 96-352 tokens
+            num_kv_pages=pages_needed(8 * int(rng.integers(12, 45)), page_size),  # 96-352 tokens
             max_num_batched_tokens=int(rng.choice([16, 32, 64])),
             max_num_seqs=int(rng.choice([4, 8, 16])),
             async_scheduling=bool(rng.integers(2)),

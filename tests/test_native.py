@@ -30,8 +30,9 @@ pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable (no C++ compiler?): {native.why_unavailable()}"
 )
 
-# STATICS and PAGE_STATICS, plus the shapes that take the vectorised inner loops (head sizes 64/128/256 with groups of
-# 1, 2, 4 or 8) in decode, bfloat16 and int8, and head sizes that take the generic ones.
+# STATICS and PAGE_STATICS, plus the shapes that take the vectorised inner loops (head sizes
+# 64/128/256 with groups of 1, 2, 4 or 8) in decode, bfloat16 and int8, and head sizes that take the
+# generic ones.
 NATIVE_STATICS = [
     *STATICS,
     *PAGE_STATICS,
