@@ -314,6 +314,42 @@ def _assert_same_prompt_logprobs(got, ref):
     assert [list(x.top) for x in got] == [list(x.top) for x in ref]
 
 
+def test_prompt_logprobs_are_filed_once_each_in_order_whatever_chunk_runs():
+    """`Engine._add_prompt_logprobs`: a chunk files the prompt positions it computes that are not
+    filed yet, position p scoring token p + 1, the top n in order. A sequence with every position
+    filed files nothing more: recomputing after a preemption, its chunks may start past its prompt
+    in a call where another row's prompt positions are still wanted. A gap is an error."""
+    from jaxinfer.engine import Logprob
+    from jaxinfer.scheduler import Chunk, Sequence
+
+    tokens = list(range(3, 13)) + [20, 21]  # a 10-token prompt, two tokens generated
+    sp = SamplingParams(prompt_logprobs=2)
+    seq = Sequence(seq_id=0, request_id="r", index=0, params=sp, seed=0, tokens=tokens, prompt_len=10)
+    seq.prompt_logprobs = []
+    t = 8  # the call's chunk width
+    chosen = np.arange(2 * t, dtype=np.float32).reshape(2, t) / -10  # row 1 is this sequence's
+    top_ids = np.arange(2 * t * 3).reshape(2, t, 3)
+    top_lps = -top_ids.astype(np.float32)
+    plp = (chosen, top_ids, top_lps)
+    for start, length in [(0, 4), (2, 5), (7, 5)]:  # the second one recomputes positions 2 and 3
+        before = list(seq.prompt_logprobs)
+        Engine._add_prompt_logprobs(seq, Chunk(seq, start, length), plp, 1)
+        filed = seq.prompt_logprobs
+        assert len(filed) == min(start + length, 9) and filed[: len(before)] == before
+        for p in range(len(before), len(filed)):
+            j = p - start
+            assert filed[p] == Logprob(
+                tokens[p + 1], float(chosen[1, j]), dict(zip(top_ids[1, j, :2].tolist(), top_lps[1, j, :2].tolist()))
+            )
+    done = list(seq.prompt_logprobs)
+    for start, length in [(0, 8), (8, 4), (9, 3), (10, 2), (11, 1)]:
+        Engine._add_prompt_logprobs(seq, Chunk(seq, start, length), plp, 1)
+        assert seq.prompt_logprobs == done
+    seq.prompt_logprobs = done[:4]
+    with pytest.raises(RuntimeError, match="prompt positions 4..5 were skipped"):
+        Engine._add_prompt_logprobs(seq, Chunk(seq, 6, 2), plp, 1)
+
+
 def test_prompt_logprobs_advance_through_one_token_budgets(params):
     """15 sequences decoding under a 16-token budget leave one token a step. A prompt whose logprobs
     are asked for takes it, in a prompt-chunk call (the decode call returns no logprobs of its
@@ -562,6 +598,9 @@ def test_abort_frees_pages_within_a_step(params):
     victim = e.add_request([9, 10, 11] * 7, sp)
     for _ in range(4):
         e.step()
+    e.release(keep.request_id)  # running: its owner still reads it, so it is kept
+    e.release("no-such-request")  # unknown ids are ignored
+    assert set(e.requests) == {keep.request_id, victim.request_id}
     used = e.stats()["kv_pages_total"] - e.stats()["kv_pages_free"]
     (update,) = e.abort(victim.request_id)
     assert update.finish_reason == "abort" and victim.seqs[0].finish_reason == "abort"
@@ -572,6 +611,8 @@ def test_abort_frees_pages_within_a_step(params):
     e.abort(keep.request_id)
     assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
     assert not e.has_unfinished()
+    e.release(victim.request_id)
+    assert set(e.requests) == {keep.request_id}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -834,6 +875,18 @@ def test_latency_metrics_measure_what_they_name(params):
     assert itl.count == len(out) - 1
     assert itl.sum == pytest.approx(seq.last_token_time - seq.first_token_time, rel=1e-9)
     assert ttft.count == 1 and ttft.sum == pytest.approx(seq.first_token_time - seq.arrival_time, rel=1e-9)
+    # TTFT splits into time queued (arrival to first schedule) and prefill (first schedule to first
+    # token): with room for one sequence, the second request queues while the first one runs.
+    e = make_engine(params, max_num_seqs=1)
+    _, reqs = run(e, [[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)] * 2)
+    a, b = (r.seqs[0] for r in reqs)
+    assert b.first_scheduled_time > a.last_token_time > a.first_scheduled_time >= a.arrival_time
+    m = e.metrics
+    assert m.queue_time.count == m.prefill_time.count == 2
+    assert m.queue_time.sum == pytest.approx(sum(s.first_scheduled_time - s.arrival_time for s in (a, b)), rel=1e-9)
+    assert m.prefill_time.sum == pytest.approx(
+        sum(s.first_token_time - s.first_scheduled_time for s in (a, b)), rel=1e-9
+    )
 
     class Prom:
         def observe(self, value):
@@ -1320,6 +1373,10 @@ def test_bad_words_run_ahead_banned_by_the_token_on_the_device(params):
         "two": ((a[2], a[3]),),
         "three": ((b[3], b[4], b[5]), near_miss),
         "prompt": ((7, 8, a[0]),),  # the prompt's last tokens, then the first one drawn
+        # Words as long as everything before the token they ban: the whole prompt then the first
+        # token drawn; then the second too, drawn (run ahead) while the first is on the device.
+        "whole": ((5, 6, 7, 8, a[0]),),
+        "whole-ahead": ((5, 6, 7, 8, a[0], a[1]),),
     }
     for kind, bad in words.items():
         got = {}
@@ -1338,7 +1395,8 @@ def test_bad_words_run_ahead_banned_by_the_token_on_the_device(params):
         for w in bad:
             for p, out in zip(prompts, got[True]):
                 seq = p + out
-                assert not any(seq[i : i + len(w)] == list(w) for i in range(len(p), len(seq))), kind
+                ends = range(len(p) + 1, len(seq) + 1)  # every word that ends past the prompt
+                assert not any(seq[max(0, j - len(w)) : j] == list(w) for j in ends), kind
         if kind == "three":  # the near miss changed nothing: prompt 0's tokens are the free ones
             assert got[True][0] == a
 

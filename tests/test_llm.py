@@ -224,7 +224,7 @@ def test_generation_stops_at_max_model_len(llm):
         (lambda m: m.generate([""]), r"prompts\[0\] is empty"),
         (lambda m: m.generate(prompt_token_ids=[[]]), "empty"),
         (lambda m: m.generate(prompt_token_ids=[[1] * 64]), r"64 tokens.*max_model_len - 1 = 63"),
-        (lambda m: m.generate(prompt_token_ids=[[1, 999]]), r"999 is outside the vocabulary \[0, 259\)"),
+        (lambda m: m.generate(prompt_token_ids=[[1, 259]]), r"259 is outside the vocabulary \[0, 259\)"),
         (lambda m: m.generate(prompt_token_ids=[[1, -1]]), "outside the vocabulary"),
         (lambda m: m.generate(prompt_token_ids=[["a"]]), r"list of integers, but \[0\] is 'a' \(str\)"),
         (lambda m: m.generate(prompt_token_ids=[[1, True]]), r"prompt_token_ids\[0\] .* but \[1\] is True \(bool\)"),
@@ -273,6 +273,12 @@ def test_generation_stops_at_max_model_len(llm):
             lambda m: m.generate(["a"], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2)),
             r"SamplingParams.allowed_token_ids holds only ids that end the output .* min_tokens \(2\) forbids",
         ),
+        (  # the same with ignore_eos: the stop ids are exactly the allowed ones
+            lambda m: m.generate(
+                ["a"], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=1, ignore_eos=True)
+            ),
+            r"SamplingParams.allowed_token_ids holds only ids that end the output .* min_tokens \(1\) forbids",
+        ),
         (lambda m: validate_messages([{"role": "us\udcffer", "content": "hi"}]), r"messages\[0\]\.role is not valid"),
         (
             lambda m: validate_messages([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
@@ -283,6 +289,17 @@ def test_generation_stops_at_max_model_len(llm):
 def test_bad_requests_are_refused_clearly(llm, call, match):
     with pytest.raises(InvalidRequestError, match=match):
         call(llm)
+
+
+def test_token_ids_at_the_vocabularys_edges_are_accepted(llm):
+    """Ids 0 and vocab_size - 1 in a prompt and in every id-holding field; the draws keep to the
+    allowed ids, and the stop id (held back by min_tokens at first) is never shown."""
+    last = llm.engine.cfg.vocab_size - 1
+    sp = dataclasses.replace(
+        GREEDY, stop_token_ids=[last], logit_bias={0: 0.5, last: -0.5}, allowed_token_ids=[0, last], min_tokens=3
+    )
+    out = llm.generate(prompt_token_ids=[[0, last]], sampling_params=sp)[0]
+    assert out.token_ids[:3] == [0, 0, 0] and set(out.token_ids) == {0}
 
 
 def test_bad_request_loses_nothing(llm):
@@ -1005,6 +1022,9 @@ def test_bad_words_look_back_into_the_prompt_and_never_appear(llm):
     assert out[:at] == free[:at] and out[at] != free[at] and word not in "xy" + out
     with pytest.raises(InvalidRequestError, match="SamplingParams.bad_words must hold at most 64 non-blank"):
         SamplingParams(bad_words=["ok", " \n"])
+    # Each word alone and after a space, leading whitespace dropped first; each encoding once.
+    enc = [tuple(llm.tokenizer.encode(w, add_special_tokens=False)) for w in ("ab", " ab")]
+    assert llm.engine.bad_word_ids(("ab", "  ab", "ab")) == tuple(enc) and enc[0] != enc[1]
 
 
 def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
