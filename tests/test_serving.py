@@ -2010,6 +2010,13 @@ def test_every_sampling_param_crosses_the_wire_as_sent():
     assert [f.name for f in dataclasses.fields(p) if getattr(p, f.name) == getattr(defaults, f.name)] == []
     assert wire.sampling_params(_params(p)) == p
     assert wire.sampling_params(_params(defaults)) == defaults
+    # ModelInfo.default_sampling_params: just the fields given (the checkpoint's generation_config).
+    given = {
+        f: getattr(p, f) for f in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "top_k")
+    }
+    msg = wire.sampling_fields_proto(given)
+    assert {f.name for f, _ in msg.ListFields()} == set(given)
+    assert wire.sampling_params(msg) == dataclasses.replace(defaults, **given)
 
 
 def test_warmup_prompt_logprobs_leaves_nothing_to_compile():
