@@ -244,6 +244,24 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+def _step_arrays(batch: Batch, targets: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """A step's inputs as broadcast: tokens, q_lens, kv_lens, the page table(s), the targets if any."""
+    tables = (batch.page_table,) if batch.window_page_table is None else (batch.page_table, batch.window_page_table)
+    extra = () if targets is None else (targets,)
+    return tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, *tables, *extra))
+
+
+def warm_step_broadcast(batch: Batch, targets: np.ndarray | None) -> None:
+    """Every process, in the warm-up, for each step shape in the same order: broadcasts a step of
+    this shape once. JAX compiles a broadcast per set of array shapes; left to the first step of
+    each shape in service, every process would compile there, between a request's tokens."""
+    from jax.experimental import multihost_utils
+
+    with peer_wait():
+        multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32))  # one program, compiled the first time
+        multihost_utils.broadcast_one_to_all(tuple(np.zeros_like(x) for x in _step_arrays(batch, targets)))
+
+
 class StepChannel:
     """The leader's step inputs, broadcast to every process (see the module docstring)."""
 
@@ -271,10 +289,9 @@ class StepChannel:
     def send_step(self, batch: Batch, t: int, targets: np.ndarray | None = None) -> None:
         """A step's Batch, and the targets [B, t] of a prompt-logprobs step (see Engine._run_step)."""
         b, mp = batch.page_table.shape
-        tables = (batch.page_table,) if batch.window_page_table is None else (batch.page_table, batch.window_page_table)
-        extra = () if targets is None else (targets,)
-        arrays = tuple(np.asarray(x, np.int32) for x in (batch.tokens, batch.q_lens, batch.kv_lens, *tables, *extra))
-        self._send([OP_STEP, b, t, mp, len(tables), len(extra)], arrays)
+        arrays = _step_arrays(batch, targets)
+        num_tables = 1 if batch.window_page_table is None else 2
+        self._send([OP_STEP, b, t, mp, num_tables, int(targets is not None)], arrays)
 
     def send_poison(self, pages: np.ndarray, group: int) -> None:
         self._send([OP_POISON, len(pages), group], (np.asarray(pages, np.int32),))

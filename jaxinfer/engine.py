@@ -448,6 +448,10 @@ class Engine:
                 window_page_table=None if self.window_pool is None else table.copy(),
             )
             targets = np.zeros((b, t), np.int32) if with_targets else None
+            if jax.process_count() > 1:  # the leader's broadcast of a step's inputs: a program per shape
+                from jaxinfer.distributed import warm_step_broadcast
+
+                warm_step_broadcast(batch, targets)
             step_logits[b], _ = self._run_step(batch, t, targets=targets, multi_process_warmup=jax.process_count() > 1)
         if not sampler:
             return num_compiles() - before

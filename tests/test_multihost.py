@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import jax
 import numpy as np
@@ -48,7 +49,9 @@ def _free_port() -> int:
 class Job:
     """Leader + follower subprocesses; logs to files under tmp_path; always killed at the end."""
 
-    def __init__(self, tmp_path, model: str, mesh: str, *extra: str, follower_extra=(), wait: bool = True):
+    def __init__(
+        self, tmp_path, model: str, mesh: str, *extra: str, leader_extra=(), follower_extra=(), wait: bool = True
+    ):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
         coordinator = f"127.0.0.1:{_free_port()}"
@@ -60,7 +63,7 @@ class Job:
             out = open(tmp_path / f"{role}.out", "w+")
             err = open(tmp_path / f"{role}.err", "w+")
             self.logs[role] = (out, err)
-            own = ["--port", "0"] if pid == 0 else list(follower_extra)
+            own = ["--port", "0", *leader_extra] if pid == 0 else list(follower_extra)
             self.procs[role] = subprocess.Popen(
                 [*common, "--process-id", str(pid), *own], stdout=out, stderr=err, env=env, cwd=tmp_path
             )
@@ -126,6 +129,11 @@ def reference_prompt_logprobs(model_dir):
     return llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=PROMPT_LOGPROBS)[0].prompt_logprobs
 
 
+def _leader_compilations(metrics_port: int) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return float(re.search(r"^jaxinfer_xla_compilations (\S+)$", body, re.M).group(1))
+
+
 def _stream_until_error(client: Client, after_tokens: int, act) -> tuple[int, float, ServerError | None]:
     """Streams a long request; after `after_tokens` deltas calls act(); returns (deltas seen, seconds
     from act() to the error, the error)."""
@@ -146,8 +154,10 @@ def _stream_until_error(client: Client, after_tokens: int, act) -> tuple[int, fl
 def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(
     tmp_path, model_dir, reference, reference_prompt_logprobs
 ):
-    job = Job(tmp_path, model_dir, "data=1,model=8", "--num-kv-pages", "48")
+    job = Job(tmp_path, model_dir, "data=1,model=8", "--num-kv-pages", "48", leader_extra=["--metrics-port", "0"])
     try:
+        metrics_port = int(re.search(r"metrics on 127\.0\.0\.1:(\d+)", job.log("leader", 0)).group(1))
+        compiled_in_warmup = _leader_compilations(metrics_port)
         client = Client(job.address)
         info = client.model_info()
         assert info["mesh"] == "data=1,model=8 over 8 cpu devices"
@@ -175,6 +185,9 @@ def test_two_processes_serve_like_one_and_a_dead_follower_fails_fast(
         np.testing.assert_allclose([x.logprob for x in got[1:]], [x.logprob for x in ref[1:]], atol=1e-4)
         for a, b in zip(got[1:], ref[1:]):
             np.testing.assert_allclose(list(a.top.values()), list(b.top.values()), atol=1e-4)
+        # Nothing compiled in service on the leader: a compile there stalls every process's next
+        # collective (the sampler too: warmed on the very device it samples on).
+        assert _leader_compilations(metrics_port) == compiled_in_warmup
 
         # Kill the follower mid-stream: the leader's next collective fails; the request ends UNAVAILABLE.
         seen, waited, err = _stream_until_error(client, 3, lambda: job.procs["follower"].send_signal(signal.SIGKILL))
