@@ -271,7 +271,10 @@ class Server:
                 log.info(json.dumps({"event": "warmup", "compilations": n, "seconds": time.perf_counter() - t0}))
                 loop.call_soon_threadsafe(settle, llm)
             except BaseException as e:  # reported by the health check and the log
-                loop.call_soon_threadsafe(settle, None, e)
+                # A future refuses StopIteration (set_exception raised TypeError in the callback, and
+                # the server stayed "loading" for good): it goes over as a RuntimeError naming it.
+                error = RuntimeError(f"StopIteration: {e}") if isinstance(e, StopIteration) else e
+                loop.call_soon_threadsafe(settle, None, error)
 
         async def watch_peers():  # multi-host: a process that hung while loading would block us forever
             from jaxinfer.distributed import PeerFailureError, peer_wait

@@ -69,8 +69,12 @@ class Job:
             )
         if not wait:
             return
-        self.port = self._wait_for(r"listening on 127\.0\.0\.1:(\d+)", 120)
-        self._wait_for(r"ready \(", READY_TIMEOUT)
+        try:
+            self.port = self._wait_for(r"listening on 127\.0\.0\.1:(\d+)", 120)
+            self._wait_for(r"ready \(", READY_TIMEOUT)
+        except BaseException:
+            self.close()  # a job that never came up leaves no process behind
+            raise
         self.address = f"127.0.0.1:{self.port}"
 
     def log(self, role: str, stream: int = 1) -> str:

@@ -123,6 +123,17 @@ def test_health_reflection_and_model_info(server):
     with Client(server.address) as c:
         assert c.health() == "SERVING" and c.health("no.such.Service") == "NOT_FOUND"
 
+    async def async_twin():
+        c = AsyncClient(server.address, timeout=30)
+        await c.wait_ready(timeout=10)  # SERVING already: returns at once
+        answers = await c.health(), await c.health("no.such.Service")
+        await c.close()
+        return answers, c._channel.get_state()
+
+    answers, state = asyncio.run(async_twin())
+    assert answers == ("SERVING", "NOT_FOUND")
+    assert state == grpc.ChannelConnectivity.SHUTDOWN  # close() closed the channel
+
     # A reflection client (the one grpcurl-like tools build on) sees every service and its methods.
     db = ProtoReflectionDescriptorDatabase(channel)
     services = set(db.get_services())
@@ -1843,6 +1854,33 @@ def test_serve_load_failure_is_one_error_line_in_flag_names():
     assert errors == ["error: --max-model-len must be in [2, 1024 for this model], got 5000"], err
     (logged,) = [json.loads(x) for x in err.splitlines() if x.startswith('{"event": "load_failed"')]
     assert logged["error"] == "InvalidRequestError: max_model_len must be in [2, 1024 for this model], got 5000"
+
+
+def test_a_load_failing_on_stopiteration_fails_the_server_instead_of_hanging_it(monkeypatch):
+    """The load thread hands its error to the event loop in a future, and a future refuses
+    StopIteration (a stray `next()` raises it): the server stayed "loading" for good, answering
+    every call UNAVAILABLE "retry soon" (found when a mutated sampling-device lookup raised it in a
+    multi-host leader, which then waited 35 minutes until killed)."""
+    llm = LLM(**ENGINE)
+
+    def warmup(**kw):
+        raise StopIteration("no device of this process in the mesh")
+
+    monkeypatch.setattr(llm.engine, "warmup", warmup)
+    server = Server(ServerConfig(port=0), llm=llm)
+
+    async def go():
+        await server.start()
+        await asyncio.wait_for(server.ready.wait(), 30)
+        async with AsyncClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+            health = await c.health()
+            with pytest.raises(ServerError, match="UNAVAILABLE: the server cannot serve: StopIteration: no device"):
+                await c.generate("hi")
+        await server.stop()
+        return health
+
+    assert asyncio.run(go()) == "NOT_SERVING"
+    assert server.state == "stopped"
 
 
 JETSTREAM_CLIENT = """
