@@ -235,6 +235,7 @@ def test_the_restored_model_serves_without_compiling_after_warmup():
 
     llm = LLM(max_model_len=64, num_kv_pages=24, max_num_seqs=4, max_num_batched_tokens=32, warmup=True)
     before = num_compiles()
+    warmed = set(llm.engine._compiled_shapes)  # its own record: blind to what other tests compiled
     params = [
         SamplingParams(max_tokens=6, temperature=0.0),
         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1),
@@ -242,5 +243,6 @@ def test_the_restored_model_serves_without_compiling_after_warmup():
     ]
     outs = llm.generate(PROMPTS[:3], params)
     assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
+    assert llm.engine._compiled_shapes == warmed
     assert num_compiles() == before
     assert llm.stats()["num_compiles"] == before
