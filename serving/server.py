@@ -292,6 +292,17 @@ class Server:
             self._load_watch = asyncio.ensure_future(watch_peers())
         try:
             self.llm = await done
+            if self.state != "loading":  # stop() came first
+                return
+            # Starting the engine's thread fails the load too when it fails (the server would
+            # otherwise stay "loading" for good, the task's error unseen).
+            async_engine = AsyncEngine(
+                self.llm.engine,
+                max_queued=self.config.max_queued_requests,
+                peer_timeout=self.config.peer_timeout if jax.process_count() > 1 else None,
+                on_broken=self._on_broken,
+            )
+            async_engine.start()
         except asyncio.CancelledError:
             return  # stop() during loading
         except BaseException as e:
@@ -300,15 +311,7 @@ class Server:
             self.state = "failed"
             self.ready.set()
             return
-        if self.state != "loading":  # stop() came first
-            return
-        self.async_engine = AsyncEngine(
-            self.llm.engine,
-            max_queued=self.config.max_queued_requests,
-            peer_timeout=self.config.peer_timeout if jax.process_count() > 1 else None,
-            on_broken=self._on_broken,
-        )
-        self.async_engine.start()
+        self.async_engine = async_engine
         self.state = "serving"
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -1856,17 +1856,28 @@ def test_serve_load_failure_is_one_error_line_in_flag_names():
     assert logged["error"] == "InvalidRequestError: max_model_len must be in [2, 1024 for this model], got 5000"
 
 
-def test_a_load_failing_on_stopiteration_fails_the_server_instead_of_hanging_it(monkeypatch):
-    """The load thread hands its error to the event loop in a future, and a future refuses
-    StopIteration (a stray `next()` raises it): the server stayed "loading" for good, answering
-    every call UNAVAILABLE "retry soon" (found when a mutated sampling-device lookup raised it in a
-    multi-host leader, which then waited 35 minutes until killed)."""
+@pytest.mark.parametrize("where", ["warmup", "engine thread"])
+def test_a_load_that_fails_late_fails_the_server_instead_of_hanging_it(monkeypatch, where):
+    """Two ways the server stayed "loading" for good, answering every call UNAVAILABLE "retry soon":
+    - the load thread hands its error to the event loop in a future, and a future refuses
+      StopIteration (a stray `next()` raises it; found when a mutated sampling-device lookup raised
+      it in a multi-host leader, which then waited 35 minutes until killed);
+    - starting the engine's thread after the load raised in the loading task, whose error nobody saw.
+    """
+    from serving import async_engine
+
     llm = LLM(**ENGINE)
 
-    def warmup(**kw):
+    def fail(*args, **kw):
         raise StopIteration("no device of this process in the mesh")
 
-    monkeypatch.setattr(llm.engine, "warmup", warmup)
+    if where == "warmup":
+        monkeypatch.setattr(llm.engine, "warmup", fail)
+        message = "StopIteration: no device"
+    else:
+        monkeypatch.setattr(llm.engine, "warmup", lambda **kw: 0)  # nothing to wait for
+        monkeypatch.setattr(async_engine.AsyncEngine, "start", lambda self: fail())
+        message = "no device"
     server = Server(ServerConfig(port=0), llm=llm)
 
     async def go():
@@ -1874,7 +1885,7 @@ def test_a_load_failing_on_stopiteration_fails_the_server_instead_of_hanging_it(
         await asyncio.wait_for(server.ready.wait(), 30)
         async with AsyncClient(f"127.0.0.1:{server.port}", timeout=10) as c:
             health = await c.health()
-            with pytest.raises(ServerError, match="UNAVAILABLE: the server cannot serve: StopIteration: no device"):
+            with pytest.raises(ServerError, match=f"UNAVAILABLE: the server cannot serve: {message}"):
                 await c.generate("hi")
         await server.stop()
         return health
