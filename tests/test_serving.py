@@ -1345,6 +1345,41 @@ def test_metrics_endpoint_and_stream_interval(llm):
         s.stop()
 
 
+def test_stream_interval_holds_each_samples_tokens_until_it_has_enough():
+    """`RequestStream._offer` alone (the server test above allows for a handler that lags, so it
+    cannot tell a stream held back to one message from a prompt one): with interval 4, each sample's
+    first token goes at once, then messages of 4, and the end with whatever is left; a delta with no
+    token before the first is passed on and does not count as the start; samples do not mix."""
+    from jaxinfer.llm import StreamDelta
+    from serving.async_engine import RequestStream
+
+    stream = RequestStream(
+        request_id="r", prompt_ids=[1], params=SamplingParams(n=2), arrival=0.0, queue=asyncio.Queue(), interval=4
+    )
+    offered = [StreamDelta(token_ids=[], text="", index=1)]
+    for i in range(11):
+        offered.append(StreamDelta(token_ids=[i], text=f"{i} ", finish_reason="length" if i == 10 else None))
+        if i < 3:
+            offered.append(
+                StreamDelta(token_ids=[100 + i], text="x", index=1, finish_reason="stop" if i == 2 else None)
+            )
+    for d in offered:
+        stream._offer(d)
+    sent = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    got = [(d.index, d.token_ids, d.finish_reason) for d in sent]
+    assert got == [
+        (1, [], None),
+        (0, [0], None),
+        (1, [100], None),
+        (1, [101, 102], "stop"),
+        (0, [1, 2, 3, 4], None),
+        (0, [5, 6, 7, 8], None),
+        (0, [9, 10], "length"),
+    ]
+    assert "".join(d.text for d in sent if d.index == 0) == "".join(f"{i} " for i in range(11))
+    assert stream.held == {}
+
+
 def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
     """The serve bench's figures against hand counts on made-up outcomes (its smoke run can only
     check signs): TTFT from arrival, TPOT over the gaps after the first token, errors by code,
