@@ -1682,6 +1682,9 @@ def test_drain_timeout_ends_what_is_left_with_abort(caplog):
         assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
         lines = [json.loads(r.message) for r in caplog.records if r.message.startswith("{")]
         assert sorted((x["completion_tokens"], x["ttft_s"] is None) for x in lines) == [(0, True), (made, False)]
+        assert "drain time (0.3 s) is up: aborting 2 requests" in caplog.text
+        with Client(s.address) as c:
+            assert c.health() == "UNREACHABLE"  # stop() closed the port
     finally:
         s.loop.call_soon_threadsafe(s.loop.stop)
 
