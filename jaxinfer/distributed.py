@@ -259,7 +259,7 @@ def warm_step_broadcast(batch: Batch, targets: np.ndarray | None) -> None:
 
     with peer_wait():
         multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32))  # one program, compiled the first time
-        multihost_utils.broadcast_one_to_all(tuple(np.zeros_like(x) for x in _step_arrays(batch, targets)))
+        multihost_utils.broadcast_one_to_all(_step_arrays(batch, targets))
 
 
 class StepChannel:

@@ -258,8 +258,12 @@ class Server:
         done = loop.create_future()
 
         def settle(result=None, error=None):  # on the loop; the watchdog may have failed the load first
-            if not done.done():
-                done.set_result(result) if error is None else done.set_exception(error)
+            if done.done():
+                return
+            # A future refuses StopIteration (set_exception raises TypeError; the load never settled).
+            if isinstance(error, StopIteration):
+                error = RuntimeError(f"StopIteration: {error}")
+            done.set_result(result) if error is None else done.set_exception(error)
 
         def load():  # a daemon thread: a SIGTERM during loading must not wait for it
             try:
@@ -271,10 +275,7 @@ class Server:
                 log.info(json.dumps({"event": "warmup", "compilations": n, "seconds": time.perf_counter() - t0}))
                 loop.call_soon_threadsafe(settle, llm)
             except BaseException as e:  # reported by the health check and the log
-                # A future refuses StopIteration (set_exception raised TypeError in the callback, and
-                # the server stayed "loading" for good): it goes over as a RuntimeError naming it.
-                error = RuntimeError(f"StopIteration: {e}") if isinstance(e, StopIteration) else e
-                loop.call_soon_threadsafe(settle, None, error)
+                loop.call_soon_threadsafe(settle, None, e)
 
         async def watch_peers():  # multi-host: a process that hung while loading would block us forever
             from jaxinfer.distributed import PeerFailureError, peer_wait
