@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 
 import numpy as np
 
@@ -152,7 +153,8 @@ def serve_argv(args, model_dir, max_model_len: int) -> list[str]:
     return argv
 
 
-def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen, str]:
+def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen, str, typing.IO[str]]:
+    """The started server, its address, and the file its stderr goes to (the caller closes it)."""
     cmd = [sys.executable, "-m", "jaxinfer.cli", *serve_argv(args, model_dir, max_model_len)]
     errors = tempfile.TemporaryFile("w+")  # the server's stderr: why it failed to start, if it does
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
@@ -160,7 +162,9 @@ def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen
     if "listening on" not in line:
         proc.kill()
         proc.wait()
-        raise SystemExit(f"error: the server did not start: {line.strip() or 'no output'}{_why(errors)}")
+        why = _why(errors)
+        errors.close()
+        raise SystemExit(f"error: the server did not start: {line.strip() or 'no output'}{why}")
     address = line.split("listening on ", 1)[1].split(",")[0].split(";")[0].strip()
     return proc, address, errors
 

@@ -1393,12 +1393,13 @@ def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
     outcomes = [
         Outcome(sent=1.0, arrival=0.0, first=2.0, done=6.0, tokens=[5] * 5),
         Outcome(sent=0.0, arrival=0.0, first=1.0, done=3.0, tokens=[5] * 3),
+        Outcome(sent=0.0, arrival=0.0, first=0.5, done=0.5, tokens=[5]),  # one token: no gap, no TPOT
         Outcome(sent=0.5, code="RESOURCE_EXHAUSTED"),
         Outcome(sent=float("nan"), code="NOT SENT"),
     ]
     got = loadgen.summarize(outcomes, wall=10.0)
-    assert (got["requests_ok"], got["output_tokens"], got["output_tokens_per_s"]) == (2, 8, 0.8)
-    assert (got["ttft_p50_s"], got["tpot_p50_s"], got["tpot_p99_s"]) == (1.5, 1.0, 1.0)
+    assert (got["requests_ok"], got["output_tokens"], got["output_tokens_per_s"]) == (3, 9, 0.9)
+    assert (got["ttft_p50_s"], got["tpot_p50_s"], got["tpot_p99_s"]) == (1.0, 1.0, 1.0)
     assert got["errors"] == {"RESOURCE_EXHAUSTED": 1, "NOT SENT": 1}
 
     args = argparse.Namespace(
@@ -1410,14 +1411,17 @@ def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
 
     served_rates = iter([10.0, 30.0, 20.0])  # warm-up, round 1, round 2; offline 10 each time
     wrong_round = 1  # one output differs from offline in round 1 only
+    order = []
 
     def serve_round(prompts, params, arrivals):
+        order.append("served")
         served = {"output_tokens_per_s": next(served_rates), "errors": {}}
         return [Outcome(sent=0.0, tokens=[1]) for _ in prompts], served
 
     rounds = iter(range(3))
 
     def offline_run(llm, prompts, params):
+        order.append("offline")
         r = next(rounds)
         ids = [[2] if r == wrong_round and i == 0 else [1] for i in range(len(prompts))]
         return {"output_tokens_per_s": 10.0, "token_ids": ids}
@@ -1434,6 +1438,7 @@ def test_load_generator_figures_on_fixed_outcomes(monkeypatch):
     report, _ = loadgen._compare(args, 100, serve_round, llm=None)
     assert report["ratio"] == 2.5 and report["warmup_ratio"] == 1.0  # median of 3.0 and 2.0
     assert report["identical_outputs"] == 2
+    assert order == ["served", "offline", "offline", "served", "served", "offline"]  # who goes first alternates
 
 
 def _bench_args(argv):
@@ -1510,6 +1515,51 @@ def test_load_generator_keeps_to_its_concurrency_and_counts_errors_by_code(serve
     waited = max(outcomes[:4], key=lambda o: o.sent)  # sent only when an earlier one finished
     assert waited.sent - start > 0.1 and waited.first - waited.arrival > waited.sent - waited.arrival
     assert loadgen.summarize(outcomes, wall)["errors"] == {"INVALID_ARGUMENT": 1}
+    stats = server.wait_idle()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_load_generator_times_the_first_token_at_its_first_message(server, monkeypatch):
+    """TTFT ends at the first message that carries tokens, not a later one. A clock that ticks once per
+    reading makes the readings countable: the first token message is read once, then the end; a later
+    message read again would push `first` past the first token (the engine is slowed so that each
+    token is a message of its own)."""
+    from serving import loadgen
+
+    class Ticks:
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            cls.now += 1.0
+            return cls.now
+
+    monkeypatch.setattr(loadgen, "time", Ticks)
+    engine = server.server.llm.engine
+    real_step = engine.step
+    engine.step = lambda: (time.sleep(0.02), real_step())[1]
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outcomes, _ = asyncio.run(
+            loadgen.drive(server.address, [[5, 6]], [params], [0.0], concurrency=1, duration_limit=60)
+        )
+        (o,) = outcomes
+    finally:
+        del engine.step
+    assert o.code == "OK" and len(o.tokens) == 6
+    assert (o.first - o.sent, o.done - o.first) == (1.0, 1.0)
+
+
+def test_bench_serve_drives_a_given_server(server, capsys):
+    """`bench serve --server` at a server that is already SERVING: it drives it, starts none of its own."""
+    from jaxinfer import cli
+
+    args = ["bench", "serve", "--server", server.address, "--num-requests", "5", "--concurrency", "2"]
+    args += ["--prompt-len-range", "3,9", "--output-len-range", "2,5", "--json"]
+    assert cli.main(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["served"]["requests_ok"] == 5 and report["errors"] == {}
+    assert 2 * 5 <= report["served"]["output_tokens"] <= 5 * 5
     stats = server.wait_idle()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
