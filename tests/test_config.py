@@ -10,6 +10,7 @@ from hf_models import FAMILIES, TINY
 from jaxinfer.config import (
     GlobalAttention,
     Llama3RopeScaling,
+    ModelConfig,
     SlidingWindow,
     YarnRopeScaling,
     from_hf_config,
@@ -89,13 +90,15 @@ def test_yarn_mscale_without_mscale_all_dim_matches_transformers():
 
 def test_yarn_ramp_clamped_at_the_last_pair_matches_transformers():
     """A small base and a long original context put YaRN's slow end past the last frequency pair:
-    the ramp is clamped at head_dim - 1, as transformers clamps it."""
+    the ramp is clamped at head_dim - 1, as transformers clamps it. (Base 10, 1024 positions, head_dim
+    16: the ramp runs from pair 5.66 to 17.70, rounded out to 5 and 18, so the clamp to 15 moves the
+    ramp's slope for pairs 6 and 7. Base 100 and 4096 positions ended at 11.26, and clamped nothing.)"""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096, rope_theta=100.0)
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10.0)
     hf = _hf_config("qwen2-yarn", head_dim=16, rope_scaling=scaling)
     cfg = from_hf_config(hf.to_dict())
-    assert cfg.rope_theta == 100.0
+    assert cfg.rope_theta == 10.0
     rotary = LlamaRotaryEmbedding(hf)
     np.testing.assert_allclose(rope_inv_freq(cfg), rotary.inv_freq.to(torch.float64).numpy(), rtol=1e-6)
 
@@ -156,6 +159,11 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(rope_parameters=dict(rope_type="longrope", factor=2.0, rope_theta=1e4)), "'longrope'"),
         (dict(rope_parameters=dict(rope_type="dynamic", factor=0.5, rope_theta=1e4)), "must be a number >= 1"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor="2", rope_theta=1e4)), "must be a number >= 1"),
+        (
+            dict(rope_parameters=dict(rope_type="yarn", factor=0.0, original_max_position_embeddings=8)),
+            "rope_scaling.factor must be positive, got 0.0",
+        ),
         (
             dict(
                 rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4, original_max_position_embeddings=0)
@@ -209,6 +217,51 @@ def test_unsupported_is_refused_by_name(change, message):
         from_hf_config(hf)
 
 
+def test_dynamic_rope_of_factor_one_is_plain_rope():
+    hf = _hf_config("llama2").to_dict()
+    hf["rope_parameters"] = dict(rope_type="dynamic", factor=1.0, rope_theta=1e4)
+    assert from_hf_config(hf).rope_scaling is None
+
+
+_SMALL = dict(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hidden_size=0), "config field 'hidden_size' must be a positive integer, got 0"),
+        (dict(num_layers=-1), "config field 'num_layers' must be a positive integer, got -1"),
+        (dict(num_heads=2.0), "config field 'num_heads' must be a positive integer, got 2.0"),
+        (dict(query_pre_attn_scalar=0.0), "'query_pre_attn_scalar' must be a positive number or unset, got 0.0"),
+        (dict(attn_logit_softcap=-30.0), "'attn_logit_softcap' must be a positive number or unset, got -30.0"),
+        (
+            dict(layer_attention=(SlidingWindow(0), GlobalAttention())),
+            r"layer_attention\[0\] must be global or a sliding window of a positive integer size",
+        ),
+        (dict(layer_attention=(GlobalAttention(), SlidingWindow(4.0))), r"layer_attention\[1\] must be global"),
+        (dict(eos_token_ids=(2, -1)), "bos/eos token ids must be non-negative integers"),
+        (dict(bos_token_id=-1), "bos/eos token ids must be non-negative integers"),
+    ],
+)
+def test_a_config_built_in_python_is_checked_as_one_read_from_json(change, message):
+    """`ModelConfig` checks its own fields (a config built in Python never passes `from_hf_config`)."""
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig(**{**_SMALL, **change})
+
+
+def test_token_id_zero_is_a_valid_bos_and_eos():
+    cfg = ModelConfig(**_SMALL, bos_token_id=0, eos_token_ids=(0, 1))
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (0, (0, 1))
+
+
 @pytest.mark.parametrize(
     "flags", [dict(), dict(qkv_bias=True, o_bias=True), dict(qk_norm=True, tie_word_embeddings=True)]
 )
@@ -240,5 +293,7 @@ def test_kv_bytes_a_query_reads_count_each_layer_its_window():
     mixed = ModelConfig(num_layers=2, layer_attention=(SlidingWindow(16), GlobalAttention()), **base)
     assert mixed.kv_bytes_read(100) == (16 + 100) * 2 * 2 * 8 * 4  # K and V, 2 KV heads, 8 x float32
     assert mixed.kv_bytes_read(10) == flat.kv_bytes_read(10)  # inside the window: the whole context
-    assert mixed.kv_window is None
-    assert ModelConfig(num_layers=2, layer_attention=(SlidingWindow(16), SlidingWindow(24)), **base).kv_window == 24
+    assert mixed.kv_window is None and mixed.hybrid_window == 16  # the windowed layers get pools of their own
+    all_windowed = ModelConfig(num_layers=2, layer_attention=(SlidingWindow(16), SlidingWindow(24)), **base)
+    assert all_windowed.kv_window == 24 and all_windowed.hybrid_window is None  # one pool, as a global model
+    assert flat.hybrid_window is None

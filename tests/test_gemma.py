@@ -249,13 +249,13 @@ def test_gemma3_old_style_config_keys():
         hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=32,
         rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0,
+        rope_local_base_freq=20_000.0,  # not the default (1e4): read, not defaulted
         rope_scaling={"rope_type": "linear", "factor": 8.0},
         sliding_window=512,
         sliding_window_pattern=3,
     )
     c = from_hf_config(hf)
-    assert (c.rope_theta, c.rope_scaling, c.local_rope_theta) == (1e6, LinearRopeScaling(factor=8.0), 1e4)
+    assert (c.rope_theta, c.rope_scaling, c.local_rope_theta) == (1e6, LinearRopeScaling(factor=8.0), 2e4)
     kinds = [c.attention_kind(i) for i in range(7)]
     assert kinds == [SlidingWindow(512), SlidingWindow(512), GlobalAttention()] * 2 + [SlidingWindow(512)]
     # transformers reads the same dict the same way.
@@ -263,6 +263,8 @@ def test_gemma3_old_style_config_keys():
     assert theirs.layer_types == [
         "sliding_attention" if isinstance(k, SlidingWindow) else "full_attention" for k in kinds
     ]
+    with pytest.raises(UnsupportedModelError, match="'sliding_window_pattern' must be a positive integer, got 0"):
+        from_hf_config({**hf, "sliding_window_pattern": 0})
 
 
 # YaRN on the global layers with truncate=false: transformers reads `truncate` from the outer

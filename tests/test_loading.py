@@ -86,8 +86,10 @@ def test_generation_config_eos_ids_must_be_ids(ckpt, tmp_path):
     refuses it. Entries that are not non-negative integers are now left out."""
     d = _copy(ckpt, tmp_path)
     base = load_hf_checkpoint(str(d))[0].eos_token_ids
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [True, "7", -1, 5]}))
-    assert 5 not in base and load_hf_checkpoint(str(d))[0].eos_token_ids == (*base, 5)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [True, "7", -1, 5, 0]}))
+    assert not {0, 5, 6} & set(base) and load_hf_checkpoint(str(d))[0].eos_token_ids == (*base, 5, 0)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 6}))  # one id, not in a list
+    assert load_hf_checkpoint(str(d))[0].eos_token_ids == (*base, 6)
 
 
 def test_too_many_layers_fail_before_the_model_is_traced(ckpt, tmp_path, monkeypatch):
