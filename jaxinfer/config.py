@@ -527,8 +527,10 @@ def _activation(hf: dict[str, Any], family: str) -> str:
                 "(transformers 5 uses hidden_act, transformers 4 hidden_activation): make them the same"
             )
     elif family in _GEMMA:
+        # Gemma 2/3 in transformers 4 and 5 alike: `hidden_activation` only (a `hidden_act` beside it
+        # is never read; without it, the tanh form).
         key = "hidden_activation"
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
         key = "hidden_act"
         act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))

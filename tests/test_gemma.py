@@ -189,6 +189,10 @@ def test_keys_left_out_take_the_transformers_defaults():
     for family in GEMMA_FAMILIES:
         c, default = without(family, "tie_word_embeddings")
         assert c.tie_word_embeddings is default.tie_word_embeddings is True
+    # Gemma 2/3 run `hidden_activation` (its default: the tanh form) and never read `hidden_act`.
+    for family in ("gemma2", "gemma3_text"):
+        c, default = without(family, "hidden_activation", hidden_act="gelu")
+        assert default.hidden_activation == "gelu_pytorch_tanh" and c.mlp_activation == "gelu_tanh"
     c, default = without("gemma2", "query_pre_attn_scalar")
     assert c.attention_scale == default.query_pre_attn_scalar**-0.5
     # Gemma 3 without layer_types or a pattern: every sixth layer global.
@@ -374,6 +378,23 @@ def test_multimodal_gemma3_text_decoder_matches_transformers(tmp_path, outer_tie
         prompt_token_ids=[PROMPT], sampling_params=SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     )[0]
     assert out.token_ids == hf_tokens
+
+
+def test_multimodal_config_reads_tying_and_token_ids_as_transformers():
+    """The text decoder of a Gemma 3 vision-language config: tied by the outer flag (missing: tied),
+    never the text_config's; BOS/EOS from the text_config, or from the outer config where it has none."""
+    text = {**GEMMA_TINY, **GEMMA_FAMILIES["gemma3_text"][2], "final_logit_softcapping": None}
+    hf = transformers.Gemma3Config(text_config=text, tie_word_embeddings=False).to_dict()
+    assert hf["text_config"]["tie_word_embeddings"] and not from_hf_config(hf).tie_word_embeddings
+    del hf["tie_word_embeddings"]
+    assert from_hf_config(hf).tie_word_embeddings
+    hf["text_config"] = {**hf["text_config"], "bos_token_id": 2, "eos_token_id": 1}
+    hf.update(bos_token_id=5, eos_token_id=[1, 106])
+    c = from_hf_config(hf)
+    assert (c.bos_token_id, c.eos_token_ids) == (2, (1,))
+    del hf["text_config"]["bos_token_id"], hf["text_config"]["eos_token_id"]
+    c = from_hf_config(hf)
+    assert (c.bos_token_id, c.eos_token_ids) == (5, (1, 106))
 
 
 def test_other_multimodal_checkpoints_are_refused(tmp_path):
