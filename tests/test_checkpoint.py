@@ -104,6 +104,8 @@ def hf_dir(tmp_path_factory):
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers 5 writes it
     (path / "additional_chat_templates").mkdir()  # and its named ones
     (path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools | length }}" + CHAT_TEMPLATE)
+    (path / "additional_chat_templates" / "README.md").write_text("not a template")  # left behind
+    (path / "additional_chat_templates" / "old.jinja").mkdir()  # a directory, whatever its name
     gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
     (path / "generation_config.json").write_text(json.dumps(gen))
     return str(path)
@@ -122,6 +124,7 @@ def test_convert_writes_marker_config_params_and_tokenizer(converted, hf_dir):
     assert load_tokenizer(converted).chat_template == CHAT_TEMPLATE  # llm.chat() works on the converted copy
     assert load_tokenizer(converted).chat_templates == load_tokenizer(hf_dir).chat_templates
     assert set(load_tokenizer(converted).chat_templates) == {"default", "tool_use"}
+    assert os.listdir(os.path.join(converted, "additional_chat_templates")) == ["tool_use.jinja"]
     cfg, params = checkpoint.restore(converted)
     hf_cfg, hf_params = load_hf_checkpoint(hf_dir)
     assert cfg == hf_cfg
@@ -326,6 +329,10 @@ def test_corrupt_marker(small_ckpt):
     with open(os.path.join(small_ckpt, checkpoint.MARKER), "w") as f:
         json.dump({"format": checkpoint.FORMAT, "version": checkpoint.VERSION + 1, "params": "params"}, f)
     with pytest.raises(CheckpointError, match=f"expected format .* version {checkpoint.VERSION}, got"):
+        checkpoint.restore(small_ckpt)
+    with open(os.path.join(small_ckpt, checkpoint.MARKER), "w") as f:  # another format of the same version
+        json.dump({"format": "other-orbax", "version": checkpoint.VERSION, "params": "params"}, f)
+    with pytest.raises(CheckpointError, match="expected format 'jaxinfer-orbax'"):
         checkpoint.restore(small_ckpt)
 
 
