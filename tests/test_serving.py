@@ -1551,7 +1551,7 @@ def test_load_generator_times_the_first_token_at_its_first_message(server, monke
 
 
 def test_bench_serve_drives_a_given_server(server, capsys):
-    """`bench serve --server` at a server that is already SERVING: it drives it, starts none of its own."""
+    """`bench serve --server` at a server that is already SERVING drives it (no wait, no refusal)."""
     from jaxinfer import cli
 
     args = ["bench", "serve", "--server", server.address, "--num-requests", "5", "--concurrency", "2"]
