@@ -285,9 +285,7 @@ def test_num_params_counts_the_real_tree(flags):
 
 
 def test_kv_bytes_a_query_reads_count_each_layer_its_window():
-    from jaxinfer.config import GlobalAttention, ModelConfig, SlidingWindow
-
-    base = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8)
+    base = {k: v for k, v in _SMALL.items() if k != "num_layers"}
     flat = ModelConfig(num_layers=2, **base)
     assert flat.kv_bytes_read(100) == 100 * flat.kv_bytes_per_token == 100 * 2 * 2 * 2 * 8 * 4
     mixed = ModelConfig(num_layers=2, layer_attention=(SlidingWindow(16), GlobalAttention()), **base)
