@@ -313,9 +313,10 @@ MIN_GPU_KERNEL_CAPABILITY = (8, 0)
 
 
 def resolve_backend(backend: str, platform: str | None = None, *, compute_capability: str | None = None) -> str:
-    """ "auto" -> "pallas" on TPU (the Mosaic kernel) and GPU (the Triton-lowered kernel) from
-    Ampere on, "native" on CPU (the C++ kernel of jaxinfer.native; "xla", the tiled pure-JAX
-    attention, where it cannot be built), "reference" elsewhere (older GPUs too).
+    """ "auto" -> "pallas" on TPU (the Mosaic kernel) and on GPUs from Ampere on (the Triton-lowered
+    kernel, or its Mosaic GPU variant for Hopper decode steps: `_gpu_kernel`), "native" on CPU (the
+    C++ kernel of jaxinfer.native; "xla", the tiled pure-JAX attention, where it cannot be built),
+    "reference" elsewhere (older GPUs too).
 
     The GPU kernel is the GPU default since it was checked and timed on an H100 (WORKSPACE.md,
     2026-11-23: same tokens as the reference end to end; decode attention 2.1-3.5x faster than the
@@ -363,6 +364,24 @@ def _call_kernel(kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, *, sc
         **scales,
         **extra,
     )
+
+
+def _gpu_kernel(q, pool, int8: bool):
+    """The GPU kernel for this call: the Mosaic GPU (TMA + wgmma) variant for decode steps on Hopper
+    with 16-bit pools and head_dim 128 or 256, where it was measured faster (an H200, 2026-11-29:
+    172 against 192 us per layer at 16k tokens x 8 rows, 175 against 195 at 4k x 32, 51 against 55
+    at 4k x 8 with one wave of KV splits; WORKSPACE.md); the Triton-lowered kernel otherwise: prefill
+    and mixed steps (not timed with the Mosaic kernel yet), head_dim 64 (Triton was faster: 122
+    against 132 us), float32 and int8 pools, other GPUs."""
+    from pallas_kernels import ragged_paged_attention_gpu as gpu
+    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+
+    hopper = getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+    page_size, head_dim = pool.shape[-2], pool.shape[-1]
+    decode = q.shape[1] == 1 and head_dim >= 128 and q.dtype == pool.dtype
+    if hopper and decode and mgpu.supports(dtype=pool.dtype, page_size=page_size, head_dim=head_dim, int8=int8):
+        return mgpu.ragged_paged_attention_mgpu
+    return gpu.ragged_paged_attention_gpu
 
 
 def _capability(text: str) -> tuple[int, int]:
@@ -426,7 +445,7 @@ def paged_attention(
             )
         if q_lens is None:
             raise ValueError("the Pallas backend needs q_lens")
-        kernel = gpu.ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
+        kernel = _gpu_kernel(q, pool, k_pages is not pool) if on_gpu else ragged_paged_attention
         extra = dict(interpret=jax.default_backend() == "cpu")
     return _call_kernel(
         kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, scale=scale, kind=kind, soft_cap=soft_cap, **extra

@@ -26,14 +26,14 @@ Scope: bfloat16 / float16 caches (wgmma's operand types; float32 caches, the che
 pools stay on the Triton kernel), head_dim a multiple of 64, page_size a multiple of 8 dividing
 `keys_per_step`.
 
-Status, honestly: written and tested (tests/test_pallas_kernels_gpu.py) in Pallas' GPU interpret
-mode on CPU, which runs the kernel's TMA copies, barriers and wgmmas against simulated shared
-memory but checks neither the hardware's layout rules nor its timing (it completes each copy at
-once, so a missing barrier wait would pass there too); and lowered for CUDA on CPU,
-which checks those rules (register layouts, wgmma operands, shared-memory transforms) as far as
-Pallas' Mosaic GPU lowering does. It has NOT been compiled to machine code or run on a Hopper GPU:
-no GPU was lent to the session that wrote it (2026-11-24). Nothing dispatches to it until it has
-been; `bash pallas_kernels/gpu_session.sh` compiles, tests and times it beside the Triton kernel.
+Status: tested in Pallas' GPU interpret mode on CPU (tests/test_pallas_kernels_gpu.py), which runs
+the kernel's TMA copies, barriers and wgmmas against simulated shared memory but checks neither the
+hardware's layout rules nor its timing (it completes each copy at once, so a missing barrier wait
+would pass there too); lowered for CUDA on CPU, which checks those rules as far as Pallas' Mosaic GPU
+lowering does; and compiled and run on an H200 (2026-11-29, jax 0.11.2): the same random ragged
+batches as the interpreter's, NaN in stale pages, against the reference. There it moved 2.6-3.1 TB/s
+in decode, ahead of the Triton kernel at 4k-16k tokens (WORKSPACE.md), so the "pallas" backend
+dispatches to it on Hopper GPUs for the pools it supports (jaxinfer.attention).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import _MASKED, check_call
 from pallas_kernels.ragged_paged_attention_gpu import (
-    TARGET_PROGRAMS,
     _merge,
     _query_blocks,
     _query_rows,
@@ -76,6 +75,21 @@ def supports(*, dtype, page_size: int, head_dim: int, int8: bool = False) -> boo
 def smem_bytes(*, keys: int, head_dim: int, itemsize: int) -> int:
     """Shared memory of the loop: the query tile, two K and two V tiles, the probabilities' tile."""
     return (ROWS * head_dim + 4 * keys * head_dim + ROWS * keys) * itemsize
+
+
+def kv_splits_for(*, programs: int, steps: int, keys: int, head_dim: int, itemsize: int, sm_count: int) -> int:
+    """KV splits so that the grid fills the GPU in one wave: as many programs as its multiprocessors
+    hold at once (shared memory bounds that to 1-4 per multiprocessor), never more splits than a row
+    has steps. A second, partial wave leaves most multiprocessors idle while its programs run: on an
+    H200 (132 multiprocessors, two 88 KiB programs each), 4k tokens x 8 rows x 8 KV heads took 51 us
+    per layer at 4 splits (256 programs) and 58-78 us at 8-16 (2026-11-29, WORKSPACE.md)."""
+    per_sm = max(1, SMEM_BYTES // smem_bytes(keys=keys, head_dim=head_dim, itemsize=itemsize))
+    return max(1, min(sm_count * per_sm // programs, steps))
+
+
+def _sm_count() -> int:
+    """Multiprocessors of the first device (132 on an H100 or H200 SXM, also the answer off a GPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def _interpret_params():
@@ -262,7 +276,8 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, so
         ],
         grid=(b, nk, rb * splits),
         grid_names=("b", "k", "j"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Lane semantics (explicit layouts, as written here): jax 0.10's default, no longer 0.11's.
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params() if interpret else None,
     )(int32(page_table), int32(kv_lens), int32(q_lens), qg, k_pages, v_pages)
     return _query_rows(_merge(acc, m, total, q.dtype), t, n)  # merged: [b, nk, rb, 64, h]
@@ -289,7 +304,7 @@ def ragged_paged_attention_mgpu(
     for the pools `supports` accepts. `interpret=True` runs Pallas' GPU interpret mode on the CPU.
 
     `keys_per_step` (64 or 128, a multiple of the page size; default 64) and `kv_splits` (default:
-    enough programs for ~TARGET_PROGRAMS, as the Triton kernel's table) override the defaults.
+    `kv_splits_for`, one wave of programs) override the defaults.
     """
     check_call(
         q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales, window=window, soft_cap=soft_cap
@@ -317,9 +332,14 @@ def ragged_paged_attention_mgpu(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     if kv_splits is None:
-        programs = b * nk * -(-t * (n // nk) // ROWS)
-        steps = -(-page_table.shape[1] * page_size // keys)
-        kv_splits = max(1, min(-(-TARGET_PROGRAMS // programs), steps))
+        kv_splits = kv_splits_for(
+            programs=b * nk * -(-t * (n // nk) // ROWS),
+            steps=-(-page_table.shape[1] * page_size // keys),
+            keys=keys,
+            head_dim=h,
+            itemsize=k_pages.dtype.itemsize,
+            sm_count=_sm_count(),
+        )
     return _call(
         q,
         k_pages,

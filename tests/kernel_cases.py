@@ -173,7 +173,9 @@ def check_kernel_against_reference(
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"case {case} row {row} {blocks}")
 
 
-def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool, *, interpret: bool | None = True) -> None:
+def check_under_shard_map(
+    kernel, model_axis: int, kv_heads: int, int8: bool, *, interpret: bool | None = True, dtype: str = "float32"
+) -> None:
     """`kernel` under shard_map over the `model` axis of a 1 x model_axis mesh == the kernel unsharded
     (`interpret` passed on unless None: the C++ kernel has no such argument)."""
     from jax.sharding import Mesh
@@ -182,7 +184,7 @@ def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool, *,
 
     mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
     rng = np.random.default_rng(model_axis)
-    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8)
+    st = Static(group=2, head_dim=64, t=3, kv_heads=kv_heads, window=6, int8=int8, dtype=dtype)
     q, k, v, table, kv, ql = random_batch(rng, st)
     k, v, kwargs = kernel_args(k, v)
     if interpret is not None:
@@ -194,18 +196,19 @@ def check_under_shard_map(kernel, model_axis: int, kv_heads: int, int8: bool, *,
         np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
 
 
-def engine_outputs_by_backend(backends: tuple[str, ...]) -> tuple[dict, dict]:
+def engine_outputs_by_backend(backends: tuple[str, ...], **config) -> tuple[dict, dict]:
     """Greedy tokens and log-probabilities (prompt, then generated) of three prompts run through an
     Engine with each attention backend: chunked prefill (prompts longer than the 16-token chunks),
     decode, a sliding-window layer and a soft cap. Weights are 6x the usual init, so that attention
     logits are O(1) and both the cap and the window move the logprobs (greedy tokens alone did not
-    see either left out of a kernel call). Returns ({backend: tokens}, {backend: logprobs})."""
+    see either left out of a kernel call). `config`: ModelConfig fields to change (head_dim, dtype).
+    Returns ({backend: tokens}, {backend: logprobs})."""
     from jaxinfer import SamplingParams, default_model
     from jaxinfer.engine import Engine
     from jaxinfer.model import init_params
 
     base = dataclasses.replace(
-        default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()), attn_logit_softcap=2.0
+        default_model.CONFIG, layer_attention=(SlidingWindow(12), GlobalAttention()), attn_logit_softcap=2.0, **config
     )
     weights = jax.tree.map(lambda x: 6 * x, init_params(base, 0))
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
