@@ -368,18 +368,18 @@ def _call_kernel(kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, *, sc
 
 def _gpu_kernel(q, pool, int8: bool):
     """The GPU kernel for this call: the Mosaic GPU (TMA + wgmma) variant for decode steps on Hopper
-    with 16-bit pools and head_dim 128 or 256, where it was measured faster (an H200, 2026-11-29:
-    172 against 192 us per layer at 16k tokens x 8 rows, 175 against 195 at 4k x 32, 51 against 55
-    at 4k x 8 with one wave of KV splits; WORKSPACE.md); the Triton-lowered kernel otherwise: prefill
-    and mixed steps (not timed with the Mosaic kernel yet), head_dim 64 (Triton was faster: 122
-    against 132 us), float32 and int8 pools, other GPUs."""
+    with 16-bit pools at head_dim 128, where it was measured faster (an H200, 2026-11-29: 172 against
+    192 us per layer at 16k tokens x 8 rows, 175 against 195 at 4k x 32, 51 against 55 at 4k x 8 with
+    one wave of KV splits; WORKSPACE.md); the Triton-lowered kernel otherwise: prefill and mixed
+    steps and head_dim 256 (not timed with the Mosaic kernel yet), head_dim 64 (Triton was faster:
+    122 against 132 us), float32 and int8 pools, other GPUs."""
     from pallas_kernels import ragged_paged_attention_gpu as gpu
     from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
     hopper = getattr(jax.devices()[0], "compute_capability", None) == "9.0"
     page_size, head_dim = pool.shape[-2], pool.shape[-1]
-    decode = q.shape[1] == 1 and head_dim >= 128 and q.dtype == pool.dtype
-    if hopper and decode and mgpu.supports(dtype=pool.dtype, page_size=page_size, head_dim=head_dim, int8=int8):
+    measured = q.shape[1] == 1 and head_dim == 128 and q.dtype == pool.dtype
+    if hopper and measured and mgpu.supports(dtype=pool.dtype, page_size=page_size, head_dim=head_dim, int8=int8):
         return mgpu.ragged_paged_attention_mgpu
     return gpu.ragged_paged_attention_gpu
 

@@ -2,7 +2,7 @@
 # One call on a lent GPU machine (the `device` tool): checks, then times, the GPU kernels.
 #   bash pallas_kernels/gpu_session.sh [STEP ...]    steps: tests tune bench e2e (default: tests bench e2e)
 # tests: the Triton and Mosaic GPU kernels compiled, against the reference, upstream, and a model's greedy
-# tokens (~2 min); tune: block search on the decode shapes (~3 min); bench: the kernels against a
+# tokens (~3 min on an H200); tune: block search on three decode shapes (~3 min); bench: the kernels against a
 # copy and upstream (~2 min); e2e: the 150M Llama against transformers on the same GPU (~2 min).
 # Writes logs under $OUT (default ./gpu_out). Never stops early: each step reports, the next runs.
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"

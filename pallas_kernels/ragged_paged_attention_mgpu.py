@@ -31,9 +31,10 @@ the kernel's TMA copies, barriers and wgmmas against simulated shared memory but
 hardware's layout rules nor its timing (it completes each copy at once, so a missing barrier wait
 would pass there too); lowered for CUDA on CPU, which checks those rules as far as Pallas' Mosaic GPU
 lowering does; and compiled and run on an H200 (2026-11-29, jax 0.11.2): the same random ragged
-batches as the interpreter's, NaN in stale pages, against the reference. There it moved 2.6-3.1 TB/s
-in decode, ahead of the Triton kernel at 4k-16k tokens (WORKSPACE.md), so the "pallas" backend
-dispatches to it on Hopper GPUs for the pools it supports (jaxinfer.attention).
+batches as the interpreter's, NaN in stale pages, against the reference. There, in decode, it moved
+2.6-3.1 TB/s at head_dim 128 (16k tokens x 8 rows, 4k x 32, and 4k x 8 with one wave of KV splits),
+ahead of the Triton kernel, and 2.0 TB/s at head_dim 64, behind it (WORKSPACE.md); so the "pallas"
+backend runs Hopper decode steps at head_dim 128 through it (jaxinfer.attention._gpu_kernel).
 """
 
 from __future__ import annotations

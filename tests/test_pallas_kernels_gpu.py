@@ -374,8 +374,9 @@ def test_mosaic_kernel_compiled_in_a_bfloat16_model_matches_the_reference(monkey
     "capability,t,head_dim,dtype,q_dtype,int8,picked",
     [
         ("9.0", 1, 128, "bfloat16", "bfloat16", False, "mosaic"),
-        ("9.0", 1, 256, "float16", "float16", False, "mosaic"),
+        ("9.0", 1, 128, "float16", "float16", False, "mosaic"),
         ("9.0", 1, 64, "bfloat16", "bfloat16", False, "triton"),  # measured slower there
+        ("9.0", 1, 256, "bfloat16", "bfloat16", False, "triton"),  # not timed yet
         ("9.0", 16, 128, "bfloat16", "bfloat16", False, "triton"),  # prefill: not timed yet
         ("9.0", 1, 128, "float32", "float32", False, "triton"),
         ("9.0", 1, 128, "bfloat16", "float32", False, "triton"),
@@ -410,3 +411,20 @@ def test_mosaic_kv_splits_fill_one_wave_of_programs():
     assert splits(programs=1024, steps=64, head_dim=128) == 1
     assert splits(programs=64, steps=64, head_dim=64) == 8  # 48 KiB: four programs per multiprocessor
     assert splits(programs=64, steps=64, head_dim=256) == 2  # 168 KiB: one
+
+
+def test_the_tuner_times_every_setting_on_the_same_answer(capsys):
+    """The sweep a GPU lease runs (`tune_gpu`), here with both kernels interpreted on a tiny shape:
+    every setting it times computes what the table's choice computes, through chained layers."""
+    import argparse
+
+    from pallas_kernels import bench, tune_gpu
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--batch", "2", "--heads", "4,2", "--head-dim", "64", "--layers", "2", "--repeats", "1"])
+    rows = tune_gpu._tune_context(args, 64, 1e9, np.random.default_rng(0), interpret=True, mosaic=True)
+    kernels = [r["kernel"] for r in rows]
+    assert kernels.count("triton") >= 3 and kernels.count("mosaic") >= 2
+    assert all(r["err"] <= 2e-2 for r in rows), rows
+    assert "DIFFERS" not in capsys.readouterr().out
