@@ -406,3 +406,58 @@ def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     assert LLM(str(ckpt), dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
     assert LLM(default_model.TINY_RANDOM, dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "float32"
     assert LLM(dtype="auto", num_kv_pages=16, max_model_len=64).cfg.dtype == "bfloat16"  # the embedded default
+
+
+def test_safetensors_reader_takes_empty_tensors_and_a_file_of_header_only(tmp_path):
+    """Zero-size tensors are valid safetensors (begin == end); a file of only those has no data
+    section, so its header ends where the file does."""
+    from safetensors.numpy import save_file
+
+    from jaxinfer.loading import SafetensorsFile
+
+    save_file(
+        {"empty": np.zeros((0, 4), np.float32), "w": np.arange(6, dtype=np.float32).reshape(2, 3)}, tmp_path / "a"
+    )
+    f = SafetensorsFile(str(tmp_path / "a"))
+    assert f.get("empty").shape == (0, 4)
+    np.testing.assert_array_equal(f.get("w"), np.arange(6).reshape(2, 3))
+    save_file({"empty": np.zeros((0,), np.float32)}, tmp_path / "b")
+    assert SafetensorsFile(str(tmp_path / "b")).get("empty").shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"dtype": "bfloat16"},  # transformers 5
+        {"torch_dtype": "float16"},  # transformers 4
+        {"text_config": {"dtype": "bfloat16"}},  # a multimodal config's text part
+        {"text_config": {"torch_dtype": "bfloat16"}},
+        {"torch_dtype": "bfloat16", "text_config": {"dtype": "float32"}},  # the outer one first
+    ],
+)
+def test_dtype_auto_reads_every_place_a_config_names_its_dtype(tmp_path, config):
+    """No weights here: the config alone answers (a float32 checkpoint would answer float32)."""
+    from jaxinfer.loading import auto_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert auto_dtype(str(tmp_path)) == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "family,name,shape",
+    [
+        ("llama2", "model.layers.0.mlp.up_proj.weight", lambda t: t.T),  # gate right, up transposed
+        ("llama2", "model.layers.0.mlp.gate_proj.weight", lambda t: t[:-1]),
+        ("llama-bias-linear-rope", "model.layers.0.mlp.up_proj.bias", lambda t: t[:-1]),
+        ("llama-bias-linear-rope", "model.layers.0.mlp.gate_proj.bias", lambda t: t[:-1]),
+    ],
+)
+def test_gate_and_up_of_different_shapes_are_refused(tmp_path, family, name, shape):
+    """The MLP's gate and up projections merge into one tensor: either one off its shape is refused
+    by name, not stacked against the other."""
+    d = tmp_path / family
+    save_hf_model(make_hf_model(family), d)
+    _rewrite_safetensors(d, lambda t: t.update({name: np.ascontiguousarray(shape(t[name]))}))
+    stem = re.escape(name.rsplit(".", 2)[0])  # the pair is named together: mlp.gate_proj / mlp.up_proj
+    with pytest.raises(CheckpointError, match=stem):
+        load_hf_checkpoint(str(d))

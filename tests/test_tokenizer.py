@@ -110,7 +110,7 @@ def _bpe_dir(path, specials=(), **tokenizer_kwargs):
     return path
 
 
-def _spm_dir(path, *, dummy_prefix=True, normalization="identity", tokenizer_config=None):
+def _spm_dir(path, *, dummy_prefix=True, normalization="identity", tokenizer_config=None, ids=(0, 1, 2)):
     """A tiny SentencePiece BPE model (byte fallback, as Llama and Gemma use) trained on generated text."""
     import sentencepiece as spm
 
@@ -126,9 +126,9 @@ def _spm_dir(path, *, dummy_prefix=True, normalization="identity", tokenizer_con
         remove_extra_whitespaces=normalization != "identity",
         add_dummy_prefix=dummy_prefix,
         user_defined_symbols=GEMMA_SPECIALS,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
+        unk_id=ids[0],
+        bos_id=ids[1],
+        eos_id=ids[2],
         pad_id=-1,
         minloglevel=2,
     )
@@ -255,7 +255,7 @@ def test_malformed_tokenizer_settings_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="added_tokens_decoder key must be a token id .* got 'x1'"):
         load_tokenizer(str(tmp_path))
     _edit_config(tmp_path, added_tokens_decoder=None)
-    for bad in ("-3", "400.7", "Infinity", "true", '"12a"'):
+    for bad in ("-3", "400.7", "Infinity", "true", '"12a"', str(2**31)):
         (tmp_path / "added_tokens.json").write_text(f'{{"<a>": {bad}}}')
         with pytest.raises(CheckpointError, match="added_tokens.json: the id of '<a>' must be a token id"):
             load_tokenizer(str(tmp_path))
@@ -355,6 +355,25 @@ def test_sentencepiece_decode_skips_unk_and_ids_past_the_model(tmp_path):
     assert ours.decode([*a, ours.vocab_size, ours.vocab_size + 7, *a]) == ours.decode(a + a)
 
 
+@pytest.mark.parametrize("ids", [(0, 1, 2), (2, 0, 1), (1, 2, 0)], ids=["unk0", "bos0", "eos0"])
+def test_a_bare_sentencepiece_model_encodes_as_sentencepiece_does(tmp_path, ids):
+    """A tokenizer.model with no tokenizer_config.json: BOS and EOS are the model's own (id 0 is an
+    id, -1 none), BOS is added, and the model's dummy prefix is kept (no tokenizer class to say
+    otherwise), as sentencepiece itself encodes. (Not for texts that start with a space: there the
+    dummy prefix and the space make one piece, as in transformers' Llama tokenizer, two in
+    sentencepiece's own encode.)"""
+    import sentencepiece as spm
+
+    _spm_dir(tmp_path, ids=ids)
+    (tmp_path / "tokenizer_config.json").unlink()
+    ours = load_tokenizer(str(tmp_path))
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    assert (ours.bos_id, ours.eos_ids) == (ids[1], (ids[2],))
+    for text in (t for t in STRINGS if not t[:1].isspace()):
+        assert ours.encode(text) == [ids[1], *sp.encode(text)], text
+    assert ours._piece_id("<unk>") == ids[0] and ours._piece_id("<not-a-piece>") is None
+
+
 @pytest.mark.parametrize(
     "dummy_prefix, config",
     [
@@ -418,6 +437,7 @@ def test_sentencepiece_added_tokens_have_their_own_ids(tmp_path, source):
             "401": {"content": "<|sp|>", "special": True, **entry},
             "402": {"content": "▁foo", "special": False, **entry},  # decodes through "▁" -> " " too
             "403": {"content": "</s>", "special": True, **entry},  # a piece already: ignored
+            "404": {"content": "<unk>", "special": True, **entry},  # the unknown piece too
         }
     else:
         (tmp_path / "added_tokens.json").write_text(json.dumps({"<tool>": 400, "<|sp|>": 401, "▁foo": 402}))
@@ -1142,3 +1162,53 @@ def test_model_without_chat_template_is_refused(tmp_path):
     llm = LLM(str(tmp_path), num_kv_pages=16, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="chat_template"):
         llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_settings_files_must_hold_objects(tmp_path):
+    _bpe_dir(tmp_path)
+    config = (tmp_path / "tokenizer_config.json").read_text()
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="must hold JSON objects"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    (tmp_path / "special_tokens_map.json").write_text('"<s>"')
+    with pytest.raises(CheckpointError, match="must hold JSON objects"):
+        load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("entry", [{"name": "x", "template": 5}, {"name": 5, "template": "{{ 1 }}"}])
+def test_a_named_chat_template_needs_a_string_name_and_text(tmp_path, entry):
+    _bpe_dir(tmp_path)
+    _edit_config(tmp_path, chat_template=[{"name": "default", "template": "{{ 1 }}"}, entry])
+    with pytest.raises(CheckpointError, match="must be a string with a string name"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_only_jinja_files_of_the_named_template_folder_are_templates(tmp_path):
+    _bpe_dir(tmp_path)
+    extra = tmp_path / "additional_chat_templates"
+    (extra / "folder.jinja").mkdir(parents=True)
+    (extra / "README.md").write_text("not a template")
+    (extra / "rag.jinja").write_text("{{ 2 }}")
+    assert load_tokenizer(str(tmp_path)).chat_templates == {"rag": "{{ 2 }}"}
+
+
+def test_prompt_size_bound_refuses_before_encoding_and_never_a_text_that_fits(monkeypatch):
+    """With one byte per token at most, 8 tokens take 8 ASCII characters; 5 two-byte characters (10
+    bytes) cannot fit, and are refused without running the tokenizer."""
+    from jaxinfer.tokenizer import ByteTokenizer, encode_prompt
+
+    tok = ByteTokenizer()
+    assert len(encode_prompt(tok, "a" * 8, max_tokens=8, field="p", add_special_tokens=False)) == 8
+    monkeypatch.setattr(tok, "encode", lambda *a, **kw: pytest.fail("encoded a text that cannot fit"))
+    for text in ("a" * 9, "é" * 5):
+        with pytest.raises(InvalidRequestError, match="p"):
+            encode_prompt(tok, text, max_tokens=8, field="p")
+
+
+def test_byte_tokenizer_decodes_every_byte_id_and_nothing_else():
+    from jaxinfer.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    assert tok.decode([0, 1, 2, tok.OFFSET, tok.OFFSET + ord("a"), tok.vocab_size, tok.vocab_size + 1]) == "\x00a"
+    assert tok.decode([tok.vocab_size - 1]) == "\ufffd"  # byte 0xff alone is no UTF-8
