@@ -327,6 +327,17 @@ def test_config_weight_mismatch_extra_tensor(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+def test_a_tied_checkpoint_may_store_its_head_but_nothing_else_extra(tmp_path):
+    """A tied model's lm_head.weight (equal to the embedding) is no extra tensor; any other is."""
+    d = tmp_path / "tied"
+    save_hf_model(make_hf_model("llama3.2-tied"), d)
+    _rewrite_safetensors(d, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
+    load_hf_checkpoint(str(d))
+    _rewrite_safetensors(d, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"does not use, e\.g\. 'model\.layers\.0\.mlp\.extra\.weight'"):
+        load_hf_checkpoint(str(d))
+
+
 def _train_bpe(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
