@@ -758,6 +758,41 @@ def test_content_parts_are_joined_for_a_string_template_and_kept_for_a_list_temp
     image = validate_messages([{"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}])
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[2\] is of type 'image_url'"):
         render_chat_template(string_template, image)
+    # A text part whose text is no string is no text part either (a TypeError from the join before).
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\] is of type 'text', not a text part"):
+        render_chat_template(string_template, [{"role": "user", "content": [{"type": "text", "text": 5}]}])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # A filter on the content that is not a loop over parts, with a part key as its argument.
+        "{% for m in messages %}{{ m.content | replace('text', 'TEXT') }}{% endfor %}",
+        # A loop-like filter over something else than the content.
+        "{% for t in (tools or []) | selectattr('type') %}{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    ],
+)
+def test_filters_that_do_not_take_the_parts_apart_leave_the_content_a_string(template):
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    parts = validate_messages([{"role": "user", "content": [{"type": "text", "text": "a text"}]}])
+    assert render_chat_template(template, parts).lower() == "a text"
+
+
+def test_template_data_takes_numpy_scalars_and_none_but_not_arrays():
+    import numpy as np
+
+    from jaxinfer.tokenizer import check_chat_options
+
+    def options(kwargs):
+        return check_chat_options(kwargs, add_generation_prompt=True, continue_final_message=False)
+
+    got = options({"a": None, "b": [np.float32(1.5), np.int64(3), np.bool_(True)]})
+    assert got == {"a": None, "b": [1.5, 3, True]}
+    assert [type(x) for x in got["b"]] == [float, int, bool]
+    with pytest.raises(InvalidRequestError, match=r"chat_template_kwargs\.x is a ndarray, which has no JSON form"):
+        options({"x": np.array([1, 2])})
 
 
 @pytest.mark.parametrize(
