@@ -148,6 +148,14 @@ def test_numpy_numbers_in_sampling_params_act_as_python_ones(llm):
         assert [o.token_ids for o in got[0].outputs] == [o.token_ids for o in want[0].outputs]
 
 
+def test_numpy_prompt_ids_are_taken_when_one_dimensional(llm):
+    want = llm.generate(prompt_token_ids=[[1, 50, 60]], sampling_params=GREEDY)[0].token_ids
+    got = llm.generate(prompt_token_ids=[np.array([1, 50, 60], np.int32)], sampling_params=GREEDY)[0].token_ids
+    assert got == want
+    with pytest.raises(InvalidRequestError, match=r"prompt_token_ids\[0\] must be a list of integers, got ndarray"):
+        llm.generate(prompt_token_ids=[np.array([[1, 50]])], sampling_params=GREEDY)
+
+
 def test_engine_add_request_refuses_what_llm_would(llm):
     e = llm.engine
     for prompt, params, message in [

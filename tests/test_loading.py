@@ -392,6 +392,15 @@ def test_text_prompts_through_llm_with_tokenizer(tmp_path):
     assert out.text == llm.tokenizer.decode(out.token_ids)
 
 
+def test_the_tokenizers_own_eos_stops_the_model_too(tmp_path):
+    """config.json says EOS 2, the tokenizer's eos_token is another id: the engine stops at both."""
+    save_hf_model(make_hf_model("llama2", vocab_size=320), tmp_path)
+    _train_bpe(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    llm = LLM(str(tmp_path), num_kv_pages=32)
+    assert llm.engine.cfg.eos_token_ids == (2, 3) == llm.tokenizer.eos_ids
+
+
 def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     """dtype="auto" (vLLM's default): a bfloat16 or float16 checkpoint computes in bfloat16, a float32
     one in float32, a jaxinfer checkpoint (the embedded default model too) in the dtype it stores, the
