@@ -1222,10 +1222,14 @@ def test_cli_stream_json_python_m_and_ids_without_a_tokenizer(capsys, tmp_path):
     from hf_models import make_hf_model, save_hf_model
 
     argv = ["generate", "--max-tokens", "5", "--ignore-eos", "--max-model-len", "64", "--temperature", "0"]
-    assert main([*argv, "--stream", "--json", "Hi"]) == 0  # one JSON object per delta
-    deltas = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert main([*argv, "--stream", "--json", "Hi"]) == 0  # one JSON object per delta, nothing else
+    out = capsys.readouterr().out
+    deltas = [json.loads(x) for x in out.splitlines()]
+    assert out.endswith("}\n")
     assert main([*argv, "--json", "Hi"]) == 0
     whole = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--stream", "Hi"]) == 0  # the prompt, then the text as it comes, then one newline
+    assert capsys.readouterr().out == "Hi" + whole["text"] + "\n"
     assert "".join(d["text"] for d in deltas) == whole["text"]
     assert sum((d["token_ids"] for d in deltas), []) == whole["token_ids"]
     assert deltas[-1]["finish_reason"] == "length" and all(d["finish_reason"] is None for d in deltas[:-1])
