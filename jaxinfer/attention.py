@@ -314,7 +314,7 @@ MIN_GPU_KERNEL_CAPABILITY = (8, 0)
 
 def resolve_backend(backend: str, platform: str | None = None, *, compute_capability: str | None = None) -> str:
     """ "auto" -> "pallas" on TPU (the Mosaic kernel) and on GPUs from Ampere on (the Triton-lowered
-    kernel, or its Mosaic GPU variant for Hopper decode steps: `_gpu_kernel`), "native" on CPU (the
+    kernel, or its Mosaic GPU variant on Hopper where it is faster: `_gpu_kernel`), "native" on CPU (the
     C++ kernel of jaxinfer.native; "xla", the tiled pure-JAX attention, where it cannot be built),
     "reference" elsewhere (older GPUs too).
 
@@ -367,19 +367,28 @@ def _call_kernel(kernel, q, k_pages, v_pages, page_table, kv_lens, q_lens, *, sc
 
 
 def _gpu_kernel(q, pool, int8: bool):
-    """The GPU kernel for this call: the Mosaic GPU (TMA + wgmma) variant for decode steps on Hopper
-    with 16-bit pools at head_dim 128, where it was measured faster (an H200, 2026-11-29: 172 against
-    192 us per layer at 16k tokens x 8 rows, 175 against 195 at 4k x 32, 51 against 55 at 4k x 8 with
-    one wave of KV splits; WORKSPACE.md); the Triton-lowered kernel otherwise: prefill and mixed
-    steps and head_dim 256 (not timed with the Mosaic kernel yet), head_dim 64 (Triton was faster:
-    122 against 132 us), float32 and int8 pools, other GPUs."""
+    """The GPU kernel for this call: on Hopper with 16-bit pools (and queries in their dtype), the
+    Mosaic GPU (TMA + wgmma) variant where it was measured faster - steps with prefill chunks at
+    head_dim 128 and 256, and decode steps at head_dim 128 - and the Triton-lowered kernel otherwise.
+
+    Timed on an H200 (2026-11-30, interleaved rounds, per layer; WORKSPACE.md): prefill chunks of 64
+    tokens x 8 rows over 4k of context 178 us against Triton's 488, of 512 tokens x 4 rows 592 against
+    1603, at head_dim 256 684 against 1181; decode at head_dim 128 176 against 198 us at 4k tokens x
+    32 rows and level at 8 rows (60 against 60 at 4k, 211 against 204 at 16k); decode at head_dim 256
+    (125 against 110 us at 4k) and head_dim 64 (152 against 132) slower, so those stay on Triton, as
+    do prefill at head_dim 64 (not timed), float32 and int8 pools and other GPUs."""
     from pallas_kernels import ragged_paged_attention_gpu as gpu
     from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
     hopper = getattr(jax.devices()[0], "compute_capability", None) == "9.0"
     page_size, head_dim = pool.shape[-2], pool.shape[-1]
-    measured = q.shape[1] == 1 and head_dim == 128 and q.dtype == pool.dtype
-    if hopper and measured and mgpu.supports(dtype=pool.dtype, page_size=page_size, head_dim=head_dim, int8=int8):
+    faster = head_dim == 128 or (head_dim == 256 and q.shape[1] > 1)
+    if (
+        hopper
+        and faster
+        and q.dtype == pool.dtype
+        and mgpu.supports(dtype=pool.dtype, page_size=page_size, head_dim=head_dim, int8=int8)
+    ):
         return mgpu.ragged_paged_attention_mgpu
     return gpu.ragged_paged_attention_gpu
 

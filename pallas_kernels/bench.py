@@ -6,7 +6,7 @@
 Decode attention reads every cached K/V byte of every row once per step and does ~G FLOPs per byte,
 so its yardstick is memory bandwidth: for each variant we report the median time, the bytes it must
 move (the rows' K/V pages + queries + outputs), the achieved bandwidth, and MBU = achieved / the
-bandwidth of a plain device copy (read + write of a large buffer) timed in the same process.
+bandwidth of a plain device copy (read + write of a 512 MiB buffer) timed in the same rounds.
 
 Variants: `reference` (plain pure JAX, jitted), `xla` (the tiled pure-JAX attention, CPU's default),
 `ours` (on TPU and CPU pallas_kernels.ragged_paged_attention, on GPU
@@ -18,6 +18,8 @@ times are then a simulation's, printed for completeness and marked, never a spee
 
 Timing: each variant is jitted (the kernels' eager input checks run once, outside the clock), and
 when one call is short, several are queued back to back per sample so launch gaps do not count.
+A context's variants and the ceiling's copy are sampled in interleaved rounds (`--repeats` of them,
+medians reported), so a drift of the machine during the run moves them all alike.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ VARIANTS = ("copy", "reference", "xla", "ours", "mosaic", "upstream")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="decode rows")
     p.add_argument("--contexts", type=_ints, default=[1024, 4096], help="tokens of context per row")
+    p.add_argument(
+        "--query-len",
+        type=int,
+        default=1,
+        help="query tokens per row, the last of its context: 1 decodes, more is a chunk of prefill",
+    )
     p.add_argument("--heads", type=_ints, default=[32, 8], help="query heads,KV heads")
     p.add_argument("--head-dim", type=int, default=128, help="dimension of each head")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -97,27 +105,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _time(fn, repeats: int) -> float:
-    """Median seconds per call. A call under ~5 ms is queued several times per sample (up to 50)
-    and the sample divided: an accelerator then runs them back to back, without the host's
-    dispatch gap between them."""
+def _calls_per_sample(fn) -> int:
+    """Compiles and warms `fn`; how many calls one sample queues: a call under ~5 ms is queued
+    several times (up to 50) and the sample divided, so that an accelerator runs them back to back,
+    without the host's dispatch gap between them."""
     jax.block_until_ready(fn())  # compile + warm
     t = time.perf_counter()
     jax.block_until_ready(fn())
-    inner = max(1, min(50, int(5e-3 / max(time.perf_counter() - t, 1e-9))))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready([fn() for _ in range(inner)])
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
+    return max(1, min(50, int(5e-3 / max(time.perf_counter() - t, 1e-9))))
 
 
-def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 10) -> float:
-    """Bytes/s of a device copy (each byte read once and written once, counted twice)."""
+def _time_rounds(calls: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each of `calls` ({name: fn}), sampled in `repeats` rounds: each
+    round times every call once, in an order that rotates from round to round, so that a drift of
+    the clocks or the temperature during the run moves all of them alike. Timed one after another
+    instead, each in a block of its own, the same kernel setting read 165 us first and 175-186 us
+    later in one process on an H200 (2026-11-30, WORKSPACE.md)."""
+    inner = {name: _calls_per_sample(fn) for name, fn in calls.items()}
+    names, times = list(calls), {name: [] for name in calls}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t = time.perf_counter()
+            jax.block_until_ready([calls[name]() for _ in range(inner[name])])
+            times[name].append((time.perf_counter() - t) / inner[name])
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _time(fn, repeats: int) -> float:
+    """Median seconds per call of `fn` alone (see `_time_rounds`)."""
+    return _time_rounds({"fn": fn}, repeats)["fn"]
+
+
+def _copy(nbytes: int):
+    """A jitted copy of an `nbytes` buffer (each byte read once and written once): the ceiling's call."""
     x = jnp.ones((nbytes // 4,), jnp.float32)  # the values do not matter; random ones took seconds on a CPU
     copy = jax.jit(lambda a: a + 1.0)
-    return 2 * x.nbytes / _time(lambda: copy(x), repeats)
+    return lambda: copy(x)
+
+
+CEILING_BYTES = 512 * 2**20
+
+
+def copy_bandwidth(nbytes: int = CEILING_BYTES, repeats: int = 10) -> float:
+    """Bytes/s of a device copy (each byte read once and written once, counted twice)."""
+    return 2 * nbytes / _time(_copy(nbytes), repeats)
 
 
 def _pools(args, ctx: int, rng) -> dict:
@@ -162,14 +193,23 @@ def _check_pools_fit(args) -> None:
 
 
 def decode_bytes(args, ctx: int) -> int:
-    """Bytes one layer's decode attention must move: every row's K and V (int8: + a float32 scale per
-    token and head) read once - with --window only the last W keys - its queries read and outputs
-    written once."""
+    """Bytes one layer's attention must move: every row's K and V (int8: + a float32 scale per token
+    and head) read once - with --window only the last W keys - its queries read and outputs written
+    once (--query-len of each per row)."""
     n, nk = args.heads
     itemsize = jnp.dtype(args.dtype).itemsize
     per_token_head = (args.head_dim + 4) if args.kv_dtype == "int8" else args.head_dim * itemsize
     keys = ctx if args.window is None else min(ctx, args.window)
-    return 2 * args.batch * keys * nk * per_token_head + 2 * args.batch * n * args.head_dim * itemsize
+    queries = args.batch * getattr(args, "query_len", 1)
+    return 2 * args.batch * keys * nk * per_token_head + 2 * queries * n * args.head_dim * itemsize
+
+
+def attention_flops(args, ctx: int) -> int:
+    """Multiply-adds x 2 of one layer's attention (QK^T and PV): each query token against the keys
+    it sees (causal within the chunk, the window's last W with --window)."""
+    n, t = args.heads[0], getattr(args, "query_len", 1)
+    seen = sum(min(ctx - t + 1 + i, args.window or ctx) for i in range(t))
+    return 4 * args.batch * n * args.head_dim * seen
 
 
 def _variants(args, ctx: int, variants: list[str], rng, platform: str):
@@ -191,10 +231,12 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     dtype = jnp.dtype(args.dtype)
     pages_per_row = -(-ctx // s)
     layers = [_pools(args, ctx, rng) for _ in range(args.layers)]
-    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+    t = args.query_len
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
     table = jnp.asarray(1 + rng.permutation(b * pages_per_row).reshape(b, pages_per_row), jnp.int32)
     lens = jnp.full((b,), ctx, jnp.int32)
-    ones = jnp.ones((b,), jnp.int32)
+    ones = jnp.full((b,), t, jnp.int32)  # each row's query tokens
+    positions = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
     scale = float(h**-0.5)
     moved = decode_bytes(args, ctx)
     kind = GlobalAttention() if args.window is None else SlidingWindow(args.window)
@@ -202,14 +244,12 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     if "reference" in variants:
         attn["reference"] = (
             "reference",
-            lambda q, k, v: reference_paged_attention(
-                q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=kind
-            ),
+            lambda q, k, v: reference_paged_attention(q, k, v, table, positions, lens, scale=scale, kind=kind),
         )
     if "xla" in variants:
         attn["xla"] = (
             "reference",
-            lambda q, k, v: tiled_paged_attention(q, k, v, table, (lens - 1)[:, None], lens, scale=scale, kind=kind),
+            lambda q, k, v: tiled_paged_attention(q, k, v, table, positions, lens, scale=scale, kind=kind),
         )
     if "ours" in variants:
         kernel = ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
@@ -236,7 +276,9 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
             except Exception as e:  # noqa: BLE001 - any compile or launch error, reported by name
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 print(f"  (mosaic: failed: {type(e).__name__}: {first})")
-    if "upstream" in variants and args.window is not None:
+    if "upstream" in variants and t > 1:
+        print("  (upstream: its paged attention decodes one token per row; skipped)")
+    elif "upstream" in variants and args.window is not None:
         print("  (upstream: its paged attention has no sliding window; skipped)")
     elif "upstream" in variants and on_gpu:
         import warnings
@@ -299,9 +341,15 @@ def run(args) -> list[dict]:
         ("--repeats", args.repeats),
         ("--layers", args.layers),
         ("--window", window),
+        ("--query-len", args.query_len),
     ):
         if value < 1:
             raise InvalidRequestError(f"{flag} must be positive, got {value}")
+    if args.query_len > min(args.contexts):
+        raise InvalidRequestError(
+            f"--query-len {args.query_len} is longer than the shortest of --contexts ({min(args.contexts)}): "
+            "a row's query tokens are the last of its context"
+        )
     _check_pools_fit(args)
     named = args.variants
     if named is None:  # CPU: the kernels only as a simulation, so only when asked for
@@ -314,33 +362,45 @@ def run(args) -> list[dict]:
         raise InvalidRequestError(f"unknown --variants {sorted(unknown)}")
     n, nk = args.heads
     h, s, b = args.head_dim, args.page_size, args.batch
-    ceiling = copy_bandwidth()
     print(
-        f"{platform} ({jax.devices()[0].device_kind}): copy bandwidth {ceiling / 1e9:.1f} GB/s; decode, batch {b}, "
+        f"{platform} ({jax.devices()[0].device_kind}): "
+        + ("decode" if args.query_len == 1 else f"prefill chunks of {args.query_len} tokens")
+        + f", batch {b}, "
         f"{n} query / {nk} KV heads, head_dim {h}, page {s}, {args.dtype}"
         + (", int8 KV cache (+ float32 scales)" if args.kv_dtype == "int8" else "")
         + (f"; {args.layers} layers per call, time per layer" if args.layers > 1 else "")
         + (f"; sliding window {args.window} (bytes: the window's K/V)" if args.window else "")
+    )
+    print(
+        f"  (each context's variants and a {CEILING_BYTES // 2**20} MiB copy, the MBU ceiling, are timed in "
+        f"{args.repeats} interleaved rounds; medians)"
     )
     if simulated_kernels and {"ours", "upstream"} & set(variants):
         print("  (CPU: 'ours' and 'upstream' run in TPU interpret mode - simulated, not a speed)")
     elif simulated_kernels:
         print("  (CPU: the Pallas kernels would run in TPU interpret mode, a simulation taking minutes per shape;")
         print("   --variants ours,upstream runs them anyway)")
-    print(f"{'context':>8} {'variant':>10} {'time':>10} {'MB moved':>9} {'GB/s':>7} {'MBU':>6}")
+    print(f"{'context':>8} {'variant':>10} {'time':>10} {'MB moved':>9} {'GB/s':>7} {'MBU':>6} {'TFLOP/s':>8}")
     rows = []
     rng = np.random.default_rng(0)
     for ctx in args.contexts:
         moved, calls = _variants(args, ctx, variants, rng, platform)
-        for name, fn in calls.items():
-            seconds = _time(fn, args.repeats) / args.layers
+        timed = _time_rounds({**calls, "(ceiling)": _copy(CEILING_BYTES)}, args.repeats)
+        ceiling = 2 * CEILING_BYTES / timed.pop("(ceiling)")
+        print(f"{ctx:>8} {'(ceiling)':>10} copy bandwidth {ceiling / 1e9:.1f} GB/s")
+        for name, call_seconds in timed.items():
+            seconds = call_seconds / args.layers
             bw = moved / seconds
             simulated = name in ("ours", "upstream") and simulated_kernels
             row = dict(context=ctx, variant=name, seconds=seconds, bytes=moved, bandwidth=bw, mbu=bw / ceiling)
             row["simulated"] = simulated
             rows.append(row)
             mbu = "  sim." if simulated else f"{100 * bw / ceiling:5.1f}%"
-            print(f"{ctx:>8} {name:>10} {seconds * 1e3:>8.3f}ms {moved / 1e6:>9.1f} {bw / 1e9:>7.1f} {mbu:>6}")
+            tflops = "" if name == "copy" else f"{attention_flops(args, ctx) / seconds / 1e12:8.2f}"
+            row["flops"] = attention_flops(args, ctx)
+            print(
+                f"{ctx:>8} {name:>10} {seconds * 1e3:>8.3f}ms {moved / 1e6:>9.1f} {bw / 1e9:>7.1f} {mbu:>6} {tflops:>8}"
+            )
     if any(r["mbu"] > 1 and not r["simulated"] for r in rows):
         print(
             "  (MBU above 100%: those shapes' K/V fit in the processor's caches, so they were not read from "

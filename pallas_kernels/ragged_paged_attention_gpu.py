@@ -25,7 +25,8 @@ visible-range arithmetic, the masking and the split merge are the same.
 
 Run compiled on an H100 (2026-11-23, jax 0.11.2): the tests in tests/test_pallas_kernels.py that
 need a GPU pass, and decode reaches 87-90% of copy bandwidth at 16k x 8 and 4k x 32 there; on an
-H200, untuned, 75-77% (WORKSPACE.md).
+H200 64-77% at 4k-16k tokens (2026-11-30), where Hopper runs the Mosaic GPU variant instead for the
+shapes it was timed faster on (jaxinfer.attention._gpu_kernel; WORKSPACE.md).
 JAX 0.11 marks the Triton backend of Pallas deprecated (a DeprecationWarning at each compile); the
 kernel runs unchanged until it is removed.
 """

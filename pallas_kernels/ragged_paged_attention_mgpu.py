@@ -32,9 +32,12 @@ hardware's layout rules nor its timing (it completes each copy at once, so a mis
 would pass there too); lowered for CUDA on CPU, which checks those rules as far as Pallas' Mosaic GPU
 lowering does; and compiled and run on an H200 (2026-11-29, jax 0.11.2): the same random ragged
 batches as the interpreter's, NaN in stale pages, against the reference. There, in decode, it moved
-2.6-3.1 TB/s at head_dim 128 (16k tokens x 8 rows, 4k x 32, and 4k x 8 with one wave of KV splits),
-ahead of the Triton kernel, and 2.0 TB/s at head_dim 64, behind it (WORKSPACE.md); so the "pallas"
-backend runs Hopper decode steps at head_dim 128 through it (jaxinfer.attention._gpu_kernel).
+2.5-3.1 TB/s at head_dim 128 (16k tokens x 8 rows, 4k x 32, 4k x 8), level with the Triton kernel at
+8 rows and 11% ahead at 32, and behind it at head_dims 64 and 256; in chunks of prefill it was 2.7x
+faster at head_dim 128 and 1.7x at 256 (2026-11-30, WORKSPACE.md). So the "pallas" backend runs
+Hopper steps with prefill chunks at head_dim 128 or 256, and decode steps at 128, through it
+(jaxinfer.attention._gpu_kernel); a bfloat16 model run through it there agrees with the reference
+as closely as the Triton kernel does.
 """
 
 from __future__ import annotations

@@ -196,13 +196,15 @@ def check_under_shard_map(
         np.testing.assert_allclose(np.asarray(sharded)[row, :n], np.asarray(single)[row, :n], atol=1e-6)
 
 
-def engine_outputs_by_backend(backends: tuple[str, ...], **config) -> tuple[dict, dict]:
+def engine_outputs_by_backend(backends: tuple[str, ...], **config) -> tuple[dict, dict, dict]:
     """Greedy tokens and log-probabilities (prompt, then generated) of three prompts run through an
     Engine with each attention backend: chunked prefill (prompts longer than the 16-token chunks),
     decode, a sliding-window layer and a soft cap. Weights are 6x the usual init, so that attention
     logits are O(1) and both the cap and the window move the logprobs (greedy tokens alone did not
     see either left out of a kernel call). `config`: ModelConfig fields to change (head_dim, dtype).
-    Returns ({backend: tokens}, {backend: logprobs})."""
+    Returns ({backend: tokens}, {backend: logprobs}, {backend: margins}): per request, its generated
+    tokens; its log-probabilities, the prompt's then the generated tokens'; and at each generated
+    token how far the most likely token led the second (log-probabilities)."""
     from jaxinfer import SamplingParams, default_model
     from jaxinfer.engine import Engine
     from jaxinfer.model import init_params
@@ -213,7 +215,7 @@ def engine_outputs_by_backend(backends: tuple[str, ...], **config) -> tuple[dict
     weights = jax.tree.map(lambda x: 6 * x, init_params(base, 0))
     prompts = [list(range(3, 3 + n)) for n in (40, 7, 23)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    outs, lps = {}, {}
+    outs, lps, margins = {}, {}, {}
     for backend in backends:
         cfg = dataclasses.replace(base, attention_backend=backend)
         engine = Engine(cfg, weights, max_model_len=64, num_kv_pages=20, max_num_seqs=4, max_num_batched_tokens=16)
@@ -222,4 +224,27 @@ def engine_outputs_by_backend(backends: tuple[str, ...], **config) -> tuple[dict
             engine.step()
         outs[backend] = [r.seqs[0].output_ids for r in reqs]
         lps[backend] = [[lp.logprob for lp in r.seqs[0].prompt_logprobs + r.seqs[0].logprobs] for r in reqs]
-    return outs, lps
+        margins[backend] = [[_lead(lp.top) for lp in r.seqs[0].logprobs] for r in reqs]
+    return outs, lps, margins
+
+
+def _lead(top: dict[int, float]) -> float:
+    first, second = sorted(top.values(), reverse=True)[:2]
+    return first - second
+
+
+def greedy_agreement(tokens, logprobs, ref_tokens, ref_logprobs, ref_margins, *, tie: float) -> float:
+    """Two greedy runs of the same requests in 16-bit floats, where two correct implementations may
+    part at a near tie: for each request, the generated tokens must agree up to the first where the
+    reference's leader was ahead by at most `tie` (after it the runs continue different texts), and
+    the largest difference of their log-probabilities before that point - every prompt token's, then
+    the generated ones' - is returned."""
+    worst = 0.0
+    for toks, lps, ref_toks, ref_lps, ref_lead in zip(
+        tokens, logprobs, ref_tokens, ref_logprobs, ref_margins, strict=True
+    ):
+        parted = next((i for i, (a, b) in enumerate(zip(toks, ref_toks, strict=True)) if a != b), len(toks))
+        assert parted == len(toks) or ref_lead[parted] <= tie, (toks, ref_toks, ref_lead)
+        agreed = len(lps) - len(toks) + parted  # the prompt's logprobs and the generated ones before it
+        worst = max(worst, float(np.max(np.abs(np.subtract(lps[:agreed], ref_lps[:agreed])))))
+    return worst

@@ -93,7 +93,7 @@ def test_model_with_the_native_backend_matches_reference():
     """End to end: greedy tokens and log-probabilities with the C++ kernel == with the reference,
     through chunked prefill (prompts longer than the 16-token chunks), decode, a sliding-window layer
     and a soft cap (weights scaled so both move the logprobs)."""
-    outs, lps = engine_outputs_by_backend(("reference", "native"))
+    outs, lps, _ = engine_outputs_by_backend(("reference", "native"))
     assert outs["native"] == outs["reference"]
     assert len({tuple(t) for t in outs["reference"]}) == 3  # distinct, so agreement means something
     for a, b in zip(lps["native"], lps["reference"], strict=True):

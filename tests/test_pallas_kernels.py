@@ -258,7 +258,7 @@ def test_model_with_the_pallas_backend_matches_reference():
     """End to end: greedy tokens and log-probabilities with the kernel == with the reference,
     through chunked prefill, decode, a sliding-window layer and a soft cap. (The backends meet
     transformers itself in test_hf_parity.py's random configurations, each drawing its backend.)"""
-    outs, lps = engine_outputs_by_backend(("reference", "pallas"))
+    outs, lps, _ = engine_outputs_by_backend(("reference", "pallas"))
     assert outs["pallas"] == outs["reference"]
     assert all(len(t) == 6 for t in outs["pallas"])
     assert len({tuple(t) for t in outs["reference"]}) == 3  # distinct, so agreement means something
@@ -339,19 +339,35 @@ def test_kernel_bench_figures_on_made_up_times(monkeypatch):
     the figures' form: a CPU's speeds vary from run to run)."""
     from pallas_kernels import bench
 
-    monkeypatch.setattr(bench, "_time", lambda fn, repeats: 0.5)
+    monkeypatch.setattr(bench, "_time_rounds", lambda calls, repeats: {name: 0.5 for name in calls})
     assert bench.copy_bandwidth(nbytes=4096) == 2 * 4096 / 0.5  # each byte read once and written once
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e6)
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     argv = ["--batch", "2", "--contexts", "32", "--heads", "4,2", "--head-dim", "64", "--layers", "4"]
     rows = bench.run(p.parse_args([*argv, "--variants", "reference,xla", "--repeats", "1"]))
     # One layer: K and V of 2 rows x 32 tokens x 2 KV heads of 64 (bfloat16), queries read and
-    # outputs written (2 rows x 4 heads of 64); four layers per 0.5 s call.
+    # outputs written (2 rows x 4 heads of 64); four layers per 0.5 s call. The ceiling: a 512 MiB
+    # copy (read and written) in 0.5 s, timed in the same rounds.
     moved = 2 * 2 * 32 * 2 * 64 * 2 + 2 * 2 * 4 * 64 * 2
+    assert [r["variant"] for r in rows] == ["reference", "xla"]
     for r in rows:
         assert (r["bytes"], r["seconds"], r["bandwidth"]) == (moved, 0.5 / 4, moved / (0.5 / 4))
-        assert r["mbu"] == moved / (0.5 / 4) / 4e6
+        assert r["mbu"] == moved / (0.5 / 4) / (2 * 512 * 2**20 / 0.5)
+
+
+def test_kernel_bench_samples_its_variants_in_interleaved_rounds(monkeypatch):
+    """Each round times every call once, in a rotating order, and each call's median is its own:
+    a machine that slows down mid-run slows every variant alike instead of the last ones timed."""
+    from pallas_kernels import bench
+
+    order = []
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    calls = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    monkeypatch.setattr(bench, "_calls_per_sample", lambda fn: 1)
+    medians = bench._time_rounds(calls, repeats=3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert medians == {"a": 1.0, "b": 1.0, "c": 1.0}  # each sample: one tick of the made-up clock
 
 
 @pytest.mark.parametrize(
@@ -419,3 +435,27 @@ def test_tiled_xla_attention_never_copies_the_page_pool(rows, width):
     compiled = decode_step.lower(init_params(cfg, 0), cache, batch, cfg=cfg).compile()
     pool_bytes = cache.k[0].nbytes
     assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes / 4
+
+
+def test_kernel_bench_prefill_chunks_time_the_same_attention_in_every_variant(capsys):
+    """`--query-len T` times chunks of prefill: each row's last T tokens attend causally to their
+    context. Every variant's chained call computes the same numbers (the kernel in interpret mode),
+    the bytes count T queries and outputs per row, and the FLOPs each query's visible keys."""
+    from pallas_kernels import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    argv = ["--batch", "2", "--heads", "4,2", "--head-dim", "64", "--layers", "2", "--query-len", "5"]
+    args = p.parse_args([*argv, "--dtype", "float32"])
+    moved, calls = bench._variants(args, 21, ["reference", "xla", "ours"], np.random.default_rng(0), "cpu")
+    outs = {name: np.asarray(fn()) for name, fn in calls.items()}
+    assert outs["reference"].shape == (2, 5, 4, 64)
+    for name in ("xla", "ours"):
+        np.testing.assert_allclose(outs[name], outs["reference"], atol=2e-5, rtol=2e-5)
+    assert moved == 2 * 2 * 21 * 2 * 64 * 4 + 2 * (2 * 5) * 4 * 64 * 4
+    # Query i of 5 (positions 16..20) sees 17 + i keys: 17+18+19+20+21 = 95 per row and head.
+    assert bench.attention_flops(args, 21) == 4 * 2 * 4 * 64 * 95
+    windowed = p.parse_args([*argv, "--window", "18"])  # the last three see 18 keys, not 19-21
+    assert bench.attention_flops(windowed, 21) == 4 * 2 * 4 * 64 * (17 + 18 + 18 + 18 + 18)
+    assert bench.main([*argv, "--contexts", "4,32"]) == 2
+    assert "--query-len 5 is longer than the shortest of --contexts (4)" in capsys.readouterr().err
