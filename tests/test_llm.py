@@ -1529,9 +1529,10 @@ def test_cli_names_the_api_arguments_it_takes_as_flags():
 def test_cli_usage_errors_exit_2_before_loading(capsys):
     assert main(["generate", "--stream", "a", "b"]) == 2
     assert "--stream takes exactly one prompt" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "mesh", "--cpu-devices", "-3"])  # was a backend crash: "vector::reserve"
-    assert e.value.code == 2 and "--cpu-devices must be in [1, 1024], got -3" in capsys.readouterr().err
+    for devices in ("-3", "0", "1025"):  # -3 was a backend crash: "vector::reserve"; 0 ran on no virtual devices
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "mesh", "--cpu-devices", devices])
+        assert e.value.code == 2 and f"--cpu-devices must be in [1, 1024], got {devices}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", [[], ["throughput"], ["serve", "--vs-offline"]])

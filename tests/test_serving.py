@@ -1945,13 +1945,14 @@ def test_serve_load_failure_is_one_error_line_in_flag_names():
 
 
 @pytest.mark.parametrize("where", ["warmup", "engine thread"])
-def test_a_load_that_fails_late_fails_the_server_instead_of_hanging_it(monkeypatch, where):
+def test_a_load_that_fails_late_fails_the_server_instead_of_hanging_it(monkeypatch, capsys, where):
     """Two ways the server stayed "loading" for good, answering every call UNAVAILABLE "retry soon":
     - the load thread hands its error to the event loop in a future, and a future refuses
       StopIteration (a stray `next()` raises it; found when a mutated sampling-device lookup raised
       it in a multi-host leader, which then waited 35 minutes until killed);
     - starting the engine's thread after the load raised in the loading task, whose error nobody saw.
     """
+    from jaxinfer import cli
     from serving import async_engine
 
     llm = LLM(**ENGINE)
@@ -1970,12 +1971,19 @@ def test_a_load_that_fails_late_fails_the_server_instead_of_hanging_it(monkeypat
 
     async def go():
         await server.start()
-        await asyncio.wait_for(server.ready.wait(), 30)
-        async with AsyncClient(f"127.0.0.1:{server.port}", timeout=10) as c:
-            health = await c.health()
-            with pytest.raises(ServerError, match=f"UNAVAILABLE: the server cannot serve: {message}"):
-                await c.generate("hi")
-        await server.stop()
+        try:
+            await asyncio.wait_for(server.ready.wait(), 30)
+            async with AsyncClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+                health = await c.health()
+                with pytest.raises(ServerError, match=f"UNAVAILABLE: the server cannot serve: {message}"):
+                    await c.generate("hi")
+            # `jaxinfer generate --server` says the same: the server answers, so not "nothing answers there".
+            argv = ["generate", "--server", f"127.0.0.1:{server.port}", "hi"]
+            assert await asyncio.to_thread(cli.main, argv) == 2
+            err = capsys.readouterr().err
+            assert f"the server cannot serve: {message}" in err and "nothing answers" not in err
+        finally:
+            await server.stop()
         return health
 
     assert asyncio.run(go()) == "NOT_SERVING"
