@@ -19,7 +19,8 @@ that kernel's contract, wrapper, grid and masking, and swaps the loop body:
   only differences between what the interpreter runs and what the GPU would.)
 - V rows past the row's length are zeroed in the tile before they meet the probabilities: a
   recycled page may hold anything, NaN included, and 0 x NaN is NaN inside a matmul too.
-- Every program writes float32 partials (accumulator, running max, running sum); the KV splits
+- Every program writes float32 partials (accumulator, running max, running sum) for its 64 rows, or
+  with `trim_partials` only for those that hold queries (`_out_rows`: 8 in decode); the KV splits
   (flash-decoding, as in the Triton kernel) and the normalisation are merged by `_merge`.
 
 Scope: bfloat16 / float16 caches (wgmma's operand types; float32 caches, the checking path, and int8
@@ -113,8 +114,8 @@ def _kernel(
     q_ref,  # [B, K, row blocks, 64, H]
     k_ref,  # [K, P, S, H]
     v_ref,
-    o_ref,  # [B, K, row blocks, splits, 64, H] float32
-    m_ref,  # [B, K, row blocks, splits, 64] float32
+    o_ref,  # [B, K, row blocks, splits, R, H] float32: R = `_out_rows`, the rows that hold queries
+    m_ref,  # [B, K, row blocks, splits, R] float32
     l_ref,
     *,
     scale: float,
@@ -240,9 +241,10 @@ def _kernel(
         m_smem[...] = m
         l_smem[...] = total
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, kh, row_block, split])
-        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, kh, row_block, split])
-        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, kh, row_block, split])
+        r = o_ref.shape[-2]  # the rows that hold queries: a decode row's G heads fill 8 of the 64
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, r)], o_ref.at[b, kh, row_block, split])
+        plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(0, r)], m_ref.at[b, kh, row_block, split])
+        plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(0, r)], l_ref.at[b, kh, row_block, split])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(
@@ -253,12 +255,25 @@ def _kernel(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret", "keys", "splits"))
-def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret, keys, splits):
+def _out_rows(query_rows: int) -> int:
+    """Partial rows each program writes with `trim_partials`: all 64 of its row block when a row's T x G query rows span
+    several blocks, else those rows, rounded up to 8 (32 bytes of float32 per row of m and l, twice
+    TMA's 16-byte minimum). A decode step's G <= 8 heads write 8 rows, not 64: at 4 KV splits of 8
+    rows x 8 KV heads that is 1 MB of float32 partials, written and read back by the merge, where 64
+    rows were 8.4 MB, whose round trip added 13% to the 134 MB of K/V a 4k-token step reads. So the
+    prediction is up to ~10% off decode's time at 4k x 8 (60 us, 64% MBU on an H200), ~3% at 16k."""
+    return ROWS if query_rows > ROWS else -(-query_rows // 8) * 8
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "soft_cap", "interpret", "keys", "splits", "trim"))
+def _call(
+    q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, soft_cap, interpret, keys, splits, trim=False
+):
     b, t, n, h = q.shape
     nk = k_pages.shape[0]
     qg = _query_blocks(q, nk, ROWS)
     rb = qg.shape[2]
+    r = _out_rows(t * (n // nk)) if trim else ROWS
     int32 = lambda x: x if x.dtype == jnp.int32 else x.astype(jnp.int32)  # noqa: E731
     kernel = functools.partial(
         _kernel,
@@ -274,9 +289,9 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, so
     acc, m, total = plgpu.kernel(
         kernel,
         out_type=[
-            jax.ShapeDtypeStruct((b, nk, rb, splits, ROWS, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, nk, rb, splits, ROWS), jnp.float32),
-            jax.ShapeDtypeStruct((b, nk, rb, splits, ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((b, nk, rb, splits, r, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, nk, rb, splits, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, nk, rb, splits, r), jnp.float32),
         ],
         grid=(b, nk, rb * splits),
         grid_names=("b", "k", "j"),
@@ -284,7 +299,7 @@ def _call(q, k_pages, v_pages, page_table, kv_lens, q_lens, *, scale, window, so
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params() if interpret else None,
     )(int32(page_table), int32(kv_lens), int32(q_lens), qg, k_pages, v_pages)
-    return _query_rows(_merge(acc, m, total, q.dtype), t, n)  # merged: [b, nk, rb, 64, h]
+    return _query_rows(_merge(acc, m, total, q.dtype), t, n)  # merged: [b, nk, rb, r, h]
 
 
 def ragged_paged_attention_mgpu(
@@ -303,12 +318,15 @@ def ragged_paged_attention_mgpu(
     v_scales=None,
     keys_per_step: int | None = None,
     kv_splits: int | None = None,
+    trim_partials: bool = False,
 ):
     """See `pallas_kernels.ragged_paged_attention.ragged_paged_attention`: same arguments, same result,
     for the pools `supports` accepts. `interpret=True` runs Pallas' GPU interpret mode on the CPU.
 
     `keys_per_step` (64 or 128, a multiple of the page size; default 64) and `kv_splits` (default:
-    `kv_splits_for`, one wave of programs) override the defaults.
+    `kv_splits_for`, one wave of programs) override the defaults. `trim_partials=True` writes only the
+    partial rows that hold queries (`_out_rows`); it is off until a GPU has compiled and timed it:
+    tested in interpret mode and lowered for CUDA on CPU (2026-11-30), when no H200 was left to run it.
     """
     check_call(
         q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales, window=window, soft_cap=soft_cap
@@ -357,4 +375,5 @@ def ragged_paged_attention_mgpu(
         interpret=bool(interpret),
         keys=keys,
         splits=kv_splits,
+        trim=bool(trim_partials),
     )

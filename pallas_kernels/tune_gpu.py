@@ -5,7 +5,8 @@
 
 Times the Triton kernel (`ragged_paged_attention_gpu`) over pages per step x KV splits, then the
 best of those over warps x pipeline stages; and, on a Hopper GPU with 16-bit pools, the Mosaic GPU
-variant (`ragged_paged_attention_mgpu`) over keys per step x KV splits. Each setting's time and MBU
+variant (`ragged_paged_attention_mgpu`) over keys per step x KV splits, and its default with
+`trim_partials` (partials of the query rows only: off by default until timed). Each setting's time and MBU
 are printed against the copy bandwidth measured in the same run. As in `pallas_kernels.bench`,
 `--layers L` chains L attention layers, each over its own pools, in one jitted call and reports the
 time per layer: one dispatch per decode step, as a model runs them (a single short call measures
@@ -118,6 +119,7 @@ def _tune_context(
         from pallas_kernels.ragged_paged_attention_mgpu import SMEM_BYTES, ragged_paged_attention_mgpu, smem_bytes
 
         measure(ragged_paged_attention_mgpu, "mosaic")
+        measure(ragged_paged_attention_mgpu, "mosaic", trim_partials=True)  # off by default until timed
         for blocks in _grid(MOSAIC_GRID):
             keys = blocks["keys_per_step"]
             fits = smem_bytes(keys=keys, head_dim=h, itemsize=2) <= SMEM_BYTES
@@ -125,7 +127,7 @@ def _tune_context(
                 measure(ragged_paged_attention_mgpu, "mosaic", **blocks)
     # The sweep times each setting in a block of its own, so a drift of the machine during it favours
     # some; the leaders and each kernel's default are timed again in interleaved rounds to pick.
-    defaults = [i for i, r in enumerate(results) if r.keys() == _ROW_KEYS]
+    defaults = [i for i, r in enumerate(results) if _blocks(r) in ({}, {"trim_partials": True})]
     leaders = sorted(range(len(results)), key=lambda i: results[i]["seconds"])[:5]
     picked = list(dict.fromkeys(leaders + defaults))
     label = {i: f"{results[i]['kernel']} {_blocks(results[i]) or '(default)'}" for i in picked}
