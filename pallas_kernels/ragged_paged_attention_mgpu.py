@@ -241,10 +241,11 @@ def _kernel(
         m_smem[...] = m
         l_smem[...] = total
         plgpu.commit_smem()
-        r = o_ref.shape[-2]  # the rows that hold queries: a decode row's G heads fill 8 of the 64
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, r)], o_ref.at[b, kh, row_block, split])
-        plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(0, r)], m_ref.at[b, kh, row_block, split])
-        plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(0, r)], l_ref.at[b, kh, row_block, split])
+        r = o_ref.shape[-2]  # `trim_partials`: the rows that hold queries (a decode row's G heads: 8)
+        rows = (lambda ref: ref) if r == ROWS else (lambda ref: ref.at[pl.ds(0, r)])  # all 64: as compiled
+        plgpu.copy_smem_to_gmem(rows(o_smem), o_ref.at[b, kh, row_block, split])
+        plgpu.copy_smem_to_gmem(rows(m_smem), m_ref.at[b, kh, row_block, split])
+        plgpu.copy_smem_to_gmem(rows(l_smem), l_ref.at[b, kh, row_block, split])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(
@@ -256,12 +257,13 @@ def _kernel(
 
 
 def _out_rows(query_rows: int) -> int:
-    """Partial rows each program writes with `trim_partials`: all 64 of its row block when a row's T x G query rows span
-    several blocks, else those rows, rounded up to 8 (32 bytes of float32 per row of m and l, twice
-    TMA's 16-byte minimum). A decode step's G <= 8 heads write 8 rows, not 64: at 4 KV splits of 8
-    rows x 8 KV heads that is 1 MB of float32 partials, written and read back by the merge, where 64
-    rows were 8.4 MB, whose round trip added 13% to the 134 MB of K/V a 4k-token step reads. So the
-    prediction is up to ~10% off decode's time at 4k x 8 (60 us, 64% MBU on an H200), ~3% at 16k."""
+    """Partial rows each program writes with `trim_partials`: all 64 of its row block when a row's
+    T x G query rows span several blocks, else those rows, rounded up to 8 (32 bytes of float32 per
+    row of m and l, twice TMA's 16-byte minimum). A decode step's G <= 8 heads write 8 rows, not 64:
+    at 4 KV splits of 8 rows x 8 KV heads that is 1 MB of float32 partials, written and read back by
+    the merge, where 64 rows were 8.4 MB, whose round trip added 13% to the 134 MB of K/V a 4k-token
+    step reads. So the prediction is up to ~10% off decode's time at 4k x 8 (60 us, 64% MBU on an
+    H200), ~3% at 16k."""
     return ROWS if query_rows > ROWS else -(-query_rows // 8) * 8
 
 
