@@ -704,7 +704,8 @@ def test_capacity_ranges_are_closed_and_named():
             message = f"{name} must be an integer in [{lo}, {hi}], got {bad!r}"
             with pytest.raises(InvalidRequestError, match=re.escape(message)):
                 check_capacity(**ok | {name: bad})
-    check_max_model_len(CFG, CFG.max_position_embeddings)
+    for edge in (2, CFG.max_position_embeddings):  # both ends are accepted
+        check_max_model_len(CFG, edge)
     limit = f"[2, {CFG.max_position_embeddings} for this model]"
     for bad in (1, CFG.max_position_embeddings + 1, 2.0):
         with pytest.raises(InvalidRequestError, match=re.escape(f"max_model_len must be in {limit}, got {bad!r}")):
@@ -1507,3 +1508,18 @@ def test_a_step_that_raises_while_running_ahead_leaves_every_sequence_whole(para
         _file(seen, e.step())
     assert [seen[r.request_id] for r in reqs] == alone == [r.seqs[0].output_ids for r in reqs]
     assert e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"]
+
+
+def test_window_pages_of_a_model_without_window_layers_are_ignored(params):
+    """`num_window_kv_pages` splits only a hybrid model's pools: a model with no sliding-window
+    layers keeps one pool of `num_kv_pages` and its outputs (a mutant that gave it a second,
+    smaller pool anyway survived the audit)."""
+    from jaxinfer.capacity import window_pool_pages
+
+    assert CFG.hybrid_window is None
+    assert window_pool_pages(CFG, num_kv_pages=64, num_window_kv_pages=8) is None
+    prompts, sps = workload(n=4, seed=3)
+    want = run(make_engine(params, num_kv_pages=64), prompts, sps)[0]
+    engine = make_engine(params, num_kv_pages=64, num_window_kv_pages=8)
+    assert engine.window_pool is None and len(engine.scheduler.groups) == 1
+    assert run(engine, prompts, sps)[0] == want
