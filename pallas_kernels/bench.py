@@ -192,7 +192,7 @@ def _check_pools_fit(args) -> None:
         )
 
 
-def decode_bytes(args, ctx: int) -> int:
+def attention_bytes(args, ctx: int) -> int:
     """Bytes one layer's attention must move: every row's K and V (int8: + a float32 scale per token
     and head) read once - with --window only the last W keys - its queries read and outputs written
     once (--query-len of each per row)."""
@@ -200,14 +200,14 @@ def decode_bytes(args, ctx: int) -> int:
     itemsize = jnp.dtype(args.dtype).itemsize
     per_token_head = (args.head_dim + 4) if args.kv_dtype == "int8" else args.head_dim * itemsize
     keys = ctx if args.window is None else min(ctx, args.window)
-    queries = args.batch * getattr(args, "query_len", 1)
+    queries = args.batch * args.query_len
     return 2 * args.batch * keys * nk * per_token_head + 2 * queries * n * args.head_dim * itemsize
 
 
 def attention_flops(args, ctx: int) -> int:
     """Multiply-adds x 2 of one layer's attention (QK^T and PV): each query token against the keys
     it sees (causal within the chunk, the window's last W with --window)."""
-    n, t = args.heads[0], getattr(args, "query_len", 1)
+    n, t = args.heads[0], args.query_len
     seen = sum(min(ctx - t + 1 + i, args.window or ctx) for i in range(t))
     return 4 * args.batch * n * args.head_dim * seen
 
@@ -238,7 +238,7 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
     ones = jnp.full((b,), t, jnp.int32)  # each row's query tokens
     positions = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
     scale = float(h**-0.5)
-    moved = decode_bytes(args, ctx)
+    moved = attention_bytes(args, ctx)
     kind = GlobalAttention() if args.window is None else SlidingWindow(args.window)
     attn = {}  # variant -> (form of the pools it takes, fn(q, *pools) -> [B, 1, N, H])
     if "reference" in variants:
@@ -388,6 +388,7 @@ def run(args) -> list[dict]:
         timed = _time_rounds({**calls, "(ceiling)": _copy(CEILING_BYTES)}, args.repeats)
         ceiling = 2 * CEILING_BYTES / timed.pop("(ceiling)")
         print(f"{ctx:>8} {'(ceiling)':>10} copy bandwidth {ceiling / 1e9:.1f} GB/s")
+        flops = attention_flops(args, ctx)
         for name, call_seconds in timed.items():
             seconds = call_seconds / args.layers
             bw = moved / seconds
@@ -396,8 +397,10 @@ def run(args) -> list[dict]:
             row["simulated"] = simulated
             rows.append(row)
             mbu = "  sim." if simulated else f"{100 * bw / ceiling:5.1f}%"
-            tflops = "" if name == "copy" else f"{attention_flops(args, ctx) / seconds / 1e12:8.2f}"
-            row["flops"] = attention_flops(args, ctx)
+            tflops = ""
+            if name != "copy":  # the copy moves the bytes and does no attention
+                row["flops"] = flops
+                tflops = f"{flops / seconds / 1e12:8.2f}"
             print(
                 f"{ctx:>8} {name:>10} {seconds * 1e3:>8.3f}ms {moved / 1e6:>9.1f} {bw / 1e9:>7.1f} {mbu:>6} {tflops:>8}"
             )

@@ -56,7 +56,7 @@ def _tune_context(
     q = jnp.asarray(rng.standard_normal((b, 1, n, h)), args.dtype)
     table = jnp.asarray(1 + rng.permutation(b * pages).reshape(b, pages), jnp.int32)
     lens, ones = jnp.full((b,), ctx, jnp.int32), jnp.ones((b,), jnp.int32)
-    moved = bench.decode_bytes(args, ctx)
+    moved = bench.attention_bytes(args, ctx)
     results, first_out, fns = [], [], []
 
     def measure(kernel, name: str, **blocks):
