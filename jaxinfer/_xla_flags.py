@@ -5,11 +5,17 @@ YNNPACK. Measured on the 2-core development machine, 150M Llama, float32 decode 
 batch 4: 47.7 -> 40.6 ms, batch 16: 87.9 -> 66.4 ms, batch 1 unchanged (18.5 vs 18.3 ms).
 The flag only affects the CPU backend; it is read once, when the backend starts, so setting it after
 JAX has already run a computation is harmless and has no effect.
+
+A bfloat16 model's steps are the exception, on CPUs with AMX: `bf16_dot_options` gives them back to
+YNNPACK, whose AMX kernels Eigen has no counterpart for (per program, through `jax.jit`'s
+compiler_options, so float32 programs in the same process keep Eigen).
 """
 
+import functools
 import os
 
-_DEFAULTS = {"--xla_cpu_experimental_ynn_fusion_type": "-individual_dot"}
+_YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+_DEFAULTS = {_YNN_FLAG: "-individual_dot"}
 
 
 def apply_defaults() -> None:
@@ -21,3 +27,34 @@ def apply_defaults() -> None:
         if name not in flags:
             flags = f"{flags} {name}={value}".strip()
     os.environ["XLA_FLAGS"] = flags
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def bf16_dot_options() -> dict[str, str] | None:
+    """compiler_options for a bfloat16 model's jitted steps on this CPU, or None (XLA's flags as set).
+
+    On a CPU with AMX (`amx_bf16`) every dot of the program goes to YNNPACK, whose AMX GEMMs took an
+    Intel Xeon's bfloat16 steps (2 cores, 150M Llama, 2026-12-01; WORKSPACE.md) from 364 to 91 ms for
+    a 128-token prompt and from 284 to 43 ms for a 48-row decode step (float32: 175 and 109 ms). Not
+    where the user set the YNNPACK flag or JAXINFER_XLA_DEFAULTS=0, and not on CPUs without AMX, where
+    it was not measured (Eigen's bfloat16 GEMM stays).
+    """
+    if os.environ.get("JAXINFER_XLA_DEFAULTS", "1") == "0":
+        return None
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _YNN_FLAG in flags and f"{_YNN_FLAG}={_DEFAULTS[_YNN_FLAG]}" not in flags:
+        return None
+    if "amx_bf16" not in _cpu_flags():
+        return None
+    return {_YNN_FLAG.removeprefix("--"): "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}

@@ -330,8 +330,9 @@ class Engine:
             )
             self._new_cache = jax.jit(create, out_shardings=jax.sharding.SingleDeviceSharding(device))
             # The model's own jitted steps: every engine of the same shapes shares their compilations.
-            self._steps = (model_lib.prefill, model_lib.decode_step)
-            self._prompt_lp_step = model_lib.prefill_with_prompt_logprobs
+            prefill, decode, prompt_lp = model_lib.jitted_steps(cfg, device.platform)
+            self._steps = (prefill, decode)
+            self._prompt_lp_step = prompt_lp
             self._poison_step = _poison_pages_jit
             # Decode inputs always go in as arrays on this device (a merge's output is one, and a
             # jitted function's cache tells committed arrays from host ones: two programs otherwise).
@@ -352,12 +353,18 @@ class Engine:
             # cache exactly as it came in, so donation aliases it and no step ever recompiles
             # for a drifted sharding.
             outs = (sharding.replicated(mesh), cache_sh)
-            jit = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), out_shardings=outs)
-            self._steps = (jit(model_lib.forward), jit(model_lib.decode_step_fn))
-            self._prompt_lp_step = jax.jit(
+            options = None
+            if mesh.devices.flat[0].platform == "cpu" and cfg.dtype == "bfloat16":
+                from jaxinfer._xla_flags import bf16_dot_options
+
+                options = bf16_dot_options()
+            jit = functools.partial(
+                jax.jit, donate_argnames=("cache",), compiler_options=options, static_argnames=("cfg",)
+            )
+            self._steps = tuple(jit(fn, out_shardings=outs) for fn in (model_lib.forward, model_lib.decode_step_fn))
+            self._prompt_lp_step = jit(
                 model_lib.forward_with_prompt_logprobs,
                 static_argnames=("cfg", "top_n"),
-                donate_argnames=("cache",),
                 out_shardings=(*outs, sharding.replicated(mesh)),
             )
             self._poison_step = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)

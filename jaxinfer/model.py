@@ -21,6 +21,8 @@ import numpy as np
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxinfer.kv_cache import Batch, KVCache
+from jaxinfer.matmul import einsum_f32
+from jaxinfer.matmul import project as _project
 from jaxinfer.numerics import sum_last_axis
 
 _normal = nn.initializers.normal(stddev=0.02)
@@ -29,16 +31,6 @@ _normal = nn.initializers.normal(stddev=0.02)
 def _param(module: nn.Module, name: str, shape, axes, init=_normal):
     dtype = jnp.dtype(module.cfg.dtype)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-def _project(spec: str, x, w, bias=None):
-    """A projection `einsum(spec, x, w)` with an optional bias. The bias joins the float32 sum before
-    the one rounding to x's dtype, as torch's addmm in nn.Linear does: added after a bfloat16 product
-    it rounded twice (1 bfloat16 step off HF's K/V in ~30% of a Qwen2's values; float32 unchanged)."""
-    if bias is None:
-        return jnp.einsum(spec, x, w)
-    f32 = jnp.float32
-    return (jnp.einsum(spec, x, w, preferred_element_type=f32) + bias.astype(f32)).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -236,7 +228,7 @@ class Transformer(nn.Module):
             spec = "BD,DV->BV"
 
         def logits_of(h):  # [N, D], normed -> [N, V] float32
-            logits = jnp.einsum(spec, h, head, preferred_element_type=jnp.float32)
+            logits = einsum_f32(spec, h, head)
             if cfg.final_logit_softcap is not None:
                 logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
             return logits
@@ -334,6 +326,27 @@ prefill_with_prompt_logprobs.__doc__ = """`prefill` that also returns the Prompt
 decode_step_fn = _decode  # un-jitted, for callers that jit with their own shardings (Engine on a mesh)
 decode_step = jax.jit(_decode, static_argnames=("cfg",), donate_argnames=("cache",))
 decode_step.__doc__ = """One new token per row (tokens [B, 1]); otherwise exactly `prefill`."""
+
+
+@functools.cache
+def _steps_compiled_with(options: tuple[tuple[str, str], ...]):
+    jit = functools.partial(
+        jax.jit, static_argnames=("cfg",), donate_argnames=("cache",), compiler_options=dict(options)
+    )
+    prompt_lp = functools.partial(jit, static_argnames=("cfg", "top_n"))
+    return jit(forward), jit(_decode), prompt_lp(forward_with_prompt_logprobs)
+
+
+def jitted_steps(cfg: ModelConfig, platform: str):
+    """(prefill, decode_step, prefill_with_prompt_logprobs) for `cfg` on `platform`: the module's own
+    jitted steps, except for a bfloat16 model on a CPU where `_xla_flags.bf16_dot_options` applies -
+    the same functions compiled with those options (built once per process, like the module's)."""
+    from jaxinfer._xla_flags import bf16_dot_options
+
+    options = bf16_dot_options() if platform == "cpu" and cfg.dtype == "bfloat16" else None
+    if options is None:
+        return prefill, decode_step, prefill_with_prompt_logprobs
+    return _steps_compiled_with(tuple(sorted(options.items())))
 
 
 def _dummy_inputs(cfg: ModelConfig) -> tuple[Batch, KVCache]:

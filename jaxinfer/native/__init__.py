@@ -1,13 +1,19 @@
 """Native CPU kernels: C++ compiled on first use and called from jitted code as XLA FFI custom calls.
 
-`paged_attention.cc` is the "native" attention backend (see jaxinfer.attention): paged attention
-that reads each row's keys and values straight out of their pages, where XLA CPU would gather them
-element by element. It is built with the machine's C++ compiler against the FFI headers jaxlib
+- `paged_attention.cc`, the "native" attention backend (see jaxinfer.attention): paged attention
+  that reads each row's keys and values straight out of their pages, where XLA CPU would gather
+  them element by element.
+- `matmul.cc`, `bf16_matmul`: the bfloat16 product of few rows a bfloat16 model's decode step is
+  made of (used by jaxinfer.matmul), where XLA CPU's own reads its weights at a tenth of memory speed.
+- `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
+  XLA CPU converts the whole pool to float32 and back.
+
+All are built into one library with the machine's C++ compiler against the FFI headers jaxlib
 ships (`jax.ffi.include_dir()`), once per source, jaxlib and CPU, into a cache directory
 (`$JAXINFER_CACHE_DIR`, default `~/.cache/jaxinfer`). Where there is no compiler, or the build
 fails, `available()` is False, `why_unavailable()` says why, and "auto" keeps the pure-JAX tiled
-attention ("xla"); asking for "native" explicitly then raises that reason. `JAXINFER_NATIVE=0`
-turns it off.
+attention ("xla") and XLA's own products and scatters; asking for "native" attention explicitly
+then raises that reason. `JAXINFER_NATIVE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cc")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "matmul.cc", "kv_write.cc"))
 _TARGET = "jaxinfer_paged_attention"
+_MATMUL_TARGET = "jaxinfer_bf16_matmul"
+_KV_WRITE_TARGET = "jaxinfer_kv_write"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -50,7 +58,8 @@ def _cpu_model() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(), jax.lib.__version__.encode()):
+    parts = [source.read_bytes() for source in _SOURCES]
+    for part in (*parts, " ".join(_FLAGS).encode(), compiler.encode(), jax.lib.__version__.encode()):
         key.update(part)
     key.update(_cpu_model().encode())  # -march=native: a library built for one CPU may not run on another
     root = Path(os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer")
@@ -63,10 +72,11 @@ def _build(compiler: str, target: Path) -> None:
     # half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise NativeUnavailableError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-2000:]}")
+            names = " and ".join(source.name for source in _SOURCES)
+            raise NativeUnavailableError(f"compiling {names} failed:\n{result.stderr[-2000:]}")
         os.replace(out, target)
 
 
@@ -84,6 +94,8 @@ def _load() -> ctypes.CDLL | NativeUnavailableError:
             _build(compiler, target)
         lib = ctypes.cdll.LoadLibrary(str(target))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxinferPagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxinferBf16Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(_KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxinferKvWrite), platform="cpu")
     except (OSError, NativeUnavailableError) as e:
         log.warning("native CPU kernels unavailable: %s", e)
         return e if isinstance(e, NativeUnavailableError) else NativeUnavailableError(str(e))
@@ -93,6 +105,16 @@ def _load() -> ctypes.CDLL | NativeUnavailableError:
 def available() -> bool:
     """Whether the native kernels are built and registered (builds them on the first call)."""
     return not isinstance(_load(), NativeUnavailableError)
+
+
+def runs_here() -> bool:
+    """Whether the trace being built may call the matmul and cache-write kernels: the CPU backend,
+    outside any multi-device mesh (the custom calls have no partitioning rule, so XLA would gather
+    their operands), and the library built. (The attention kernel runs per device under shard_map.)"""
+    if jax.default_backend() != "cpu":
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return (mesh.empty or mesh.size == 1) and available()
 
 
 def why_unavailable() -> str | None:
@@ -146,3 +168,46 @@ def paged_attention(
         window=np.int64(window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )
+
+
+# Rows up to which `bf16_matmul` beats XLA CPU's own bfloat16 dot. On an Intel Xeon with AMX
+# (2 cores, 2026-12-01, [M, 1024] x [1024, 5632], 24 weights streamed from memory) the C++ product
+# took 12.7 ms at one row against 192 ms for XLA's bfloat16 dot with YNNPACK on and 19.9 ms for its
+# float32 dot of the same shape; it was 2.3x XLA's bfloat16 dot at 4 rows and level at 8 (28.5
+# against 27.1 ms), and behind from 16 rows on, where YNNPACK's AMX GEMM pays. (Without AMX, XLA's
+# bfloat16 dot is Eigen's, which was slower still here.) WORKSPACE.md has the table.
+MATMUL_MAX_ROWS = 8
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """x [M, K] bfloat16 times w [K, N] bfloat16 (or w [N, K] with `transposed`, e.g. a tied LM
+    head) -> [M, N] float32, products summed in float32 in an order that depends on neither M nor the
+    thread count, so a row's result is the same whatever else is in its batch. Meant for the few rows
+    of a decode step (`MATMUL_MAX_ROWS`); it works at any M, slower than XLA's dot past that.
+
+    Raises NativeUnavailableError when the kernel could not be built here.
+    """
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        raise loaded
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"x [M, K] and w must be 2-D bfloat16, got {x.dtype}{list(x.shape)}, {w.dtype}{list(w.shape)}")
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    if k != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns but w {'[N, K]' if transposed else '[K, N]'} has K = {k}")
+    call = jax.ffi.ffi_call(_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, w, kn=not transposed)
+
+
+def kv_write(pool: jax.Array, values: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:
+    """pool [K, P, S, H] with values [K, N, H] (the pool's dtype) written at pool[:, page[n],
+    offset[n]] ([N] int32 each), in place when the pool is donated (the output aliases it). A slot
+    outside the pool fails the call and writes nothing.
+
+    Raises NativeUnavailableError when the kernel could not be built here.
+    """
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        raise loaded
+    call = jax.ffi.ffi_call(_KV_WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0})
+    return call(pool, values.astype(pool.dtype), page.astype(jnp.int32), offset.astype(jnp.int32))

@@ -1,0 +1,75 @@
+"""The model's weight products: where a bfloat16 one runs on the CPU.
+
+Every projection of the model (and the LM head) is an einsum of activations x [..., C] with a
+weight whose contracted letters C lead (`"BTD,DNH->BTNH"`) or, for a tied head, trail
+(`"BD,VD->BV"`). On accelerators and for float32 models that einsum goes to XLA as it is. On the CPU
+a bfloat16 product of few rows - a decode step's - goes to the C++ kernel of jaxinfer.native
+(`bf16_matmul`), since XLA CPU's own bfloat16 matrix-vector product reads its weights at ~1.4 GB/s
+(a float32 one at ~25 GB/s; WORKSPACE.md, 2026-12-01); every other bfloat16 product on the CPU is
+asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's AMX and
+AVX512-BF16 kernels, where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import native
+
+
+def native_layout(spec: str) -> tuple[int, bool] | None:
+    """(how many letters are contracted, whether the weight is [N..., C...]) when `spec` is a
+    product the 2-D kernel can run - x's trailing letters contracted with the weight's leading ones
+    (or trailing ones, transposed) in the same order, the rest kept in order - else None."""
+    inputs, out = spec.replace(" ", "").split("->")
+    xs, ws = inputs.split(",")
+    contracted = [c for c in xs if c in ws and c not in out]
+    n = len(contracted)
+    if n == 0 or xs[len(xs) - n :] != "".join(contracted):
+        return None
+    batch = xs[: len(xs) - n]
+    if ws[:n] == xs[len(xs) - n :] and out == batch + ws[n:]:
+        return n, False
+    if ws[len(ws) - n :] == xs[len(xs) - n :] and out == batch + ws[: len(ws) - n]:
+        return n, True
+    return None
+
+
+def _native_rows(spec: str, x: jax.Array, w: jax.Array) -> tuple[int, bool] | None:
+    """native_layout(spec) when this product should run in jaxinfer.native.bf16_matmul."""
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or (layout := native_layout(spec)) is None:
+        return None
+    if math.prod(x.shape[: x.ndim - layout[0]]) > native.MATMUL_MAX_ROWS or not native.runs_here():
+        return None
+    return layout
+
+
+def einsum_f32(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(spec, x, w) with products summed and returned in float32 (see the module docstring
+    for where it runs)."""
+    layout = _native_rows(spec, x, w)
+    if layout is None:
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    n, transposed = layout
+    lead = x.shape[: x.ndim - n]
+    k = math.prod(x.shape[x.ndim - n :])
+    kept = w.shape[: w.ndim - n] if transposed else w.shape[n:]
+    w2 = w.reshape(math.prod(kept), k) if transposed else w.reshape(k, math.prod(kept))
+    out = native.bf16_matmul(x.reshape(math.prod(lead), k), w2, transposed=transposed)
+    return out.reshape(*lead, *kept)
+
+
+def project(spec: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """A projection `einsum(spec, x, w)` in x's dtype, with an optional bias. The bias joins the
+    float32 sum before the one rounding to x's dtype, as torch's addmm in nn.Linear does: added after
+    a bfloat16 product it rounded twice (1 bfloat16 step off HF's K/V in ~30% of a Qwen2's values;
+    float32 unchanged)."""
+    if bias is None and (x.dtype != jnp.bfloat16 or jax.default_backend() != "cpu"):
+        return jnp.einsum(spec, x, w)
+    y = einsum_f32(spec, x, w)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)

@@ -1,0 +1,222 @@
+"""A bfloat16 model on the CPU: the C++ product of few rows (jaxinfer.native.bf16_matmul) and the
+in-place 16-bit cache write (native.kv_write) against NumPy and XLA, where jaxinfer.matmul sends
+which product, the YNNPACK options of a bfloat16 model's steps, and a bfloat16 model end to end with
+and without the native parts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import _xla_flags, native
+from jaxinfer import matmul as matmul_lib
+from jaxinfer import model as model_lib
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native kernels unavailable (no C++ compiler?): {native.why_unavailable()}"
+)
+
+_matmul = jax.jit(native.bf16_matmul, static_argnames=("transposed",))
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _bound(x, w):
+    """float32 summation error bound for x @ w: a few ulps of the sum of |products| (K <= 3000)."""
+    return 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))) + 1e-30
+
+
+# M in 1..9, K on and off the 4-row passes and 64-row chunks, N on and off the 16-lane vectors.
+SHAPES = [(1, 1024, 5632), (2, 64, 16), (3, 65, 17), (4, 7, 1), (5, 1, 33), (8, 130, 48), (9, 257, 31), (1, 3000, 3)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_bf16_matmul_matches_numpy(m, k, n, transposed):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (k, n))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(_matmul(x, w.T if transposed else w, transposed=transposed))
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    assert (np.abs(got - ref) <= _bound(x, w)).all(), np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(transposed):
+    """The engine's batch invariance rests on it: every output is summed in an order that depends
+    on neither M nor the row's place in the batch."""
+    rng = np.random.default_rng(7)
+    w = _bf16(rng, (300, 70))
+    w = w.T if transposed else w
+    x = _bf16(rng, (8, 300))
+    whole = np.asarray(_matmul(x, w, transposed=transposed))
+    for row in range(8):
+        alone = np.asarray(_matmul(x[row : row + 1], w, transposed=transposed))
+        np.testing.assert_array_equal(alone[0], whole[row])
+    np.testing.assert_array_equal(np.asarray(_matmul(x[3:6], w, transposed=transposed)), whole[3:6])
+
+
+def test_bf16_matmul_refuses_what_it_does_not_take():
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"must be 2-D bfloat16, got float32\[2, 4\]"):
+        native.bf16_matmul(x.astype(jnp.float32), jnp.ones((4, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"x has 4 columns but w \[K, N\] has K = 5"):
+        native.bf16_matmul(x, jnp.ones((5, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"x has 4 columns but w \[N, K\] has K = 3"):
+        native.bf16_matmul(x, jnp.ones((4, 3), jnp.bfloat16), transposed=True)
+
+
+def test_native_layout_reads_the_models_products():
+    assert matmul_lib.native_layout("BTD,DNH->BTNH") == (1, False)
+    assert matmul_lib.native_layout("BTE,ED->BTD") == (1, False)
+    assert matmul_lib.native_layout("BTD,DCF->BTCF") == (1, False)
+    assert matmul_lib.native_layout("BD,VD->BV") == (1, True)
+    assert matmul_lib.native_layout("BTNH,NHD->BTD") == (2, False)
+    assert matmul_lib.native_layout("BTD,NDH->BTNH") is None  # the contracted letter is not w's first
+    assert matmul_lib.native_layout("BTD,DNH->BTHN") is None  # the kept letters change order
+    assert matmul_lib.native_layout("BD,DV->VB") is None
+
+
+def _custom_calls(fn, *args) -> int:
+    return str(jax.make_jaxpr(fn)(*args)).count("ffi_call")
+
+
+@pytest.mark.parametrize(
+    "spec,x_shape,w_shape",
+    [("BTD,DNH->BTNH", (2, 3, 40), (40, 4, 8)), ("BD,VD->BV", (5, 24), (50, 24)), ("BTF,FD->BTD", (1, 1, 70), (70, 9))],
+)
+def test_einsum_f32_takes_the_kernel_for_few_bf16_rows_only(spec, x_shape, w_shape):
+    """Up to MATMUL_MAX_ROWS rows of a bfloat16 product go to the C++ kernel, with XLA's result;
+    more rows, or float32, stay XLA's dot."""
+    rng = np.random.default_rng(1)
+    x, w = _bf16(rng, x_shape), _bf16(rng, w_shape)
+    fn = jax.jit(lambda x, w: matmul_lib.einsum_f32(spec, x, w))
+    ref = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
+    got = np.asarray(fn(x, w))
+    assert got.shape == ref.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert _custom_calls(fn, x, w) == 1
+    assert _custom_calls(fn, x.astype(jnp.float32), w.astype(jnp.float32)) == 0
+    many = jnp.concatenate([x] * (native.MATMUL_MAX_ROWS + 1))  # past the bound on the leading axis
+    assert _custom_calls(fn, many, w) == 0
+    np.testing.assert_allclose(np.asarray(fn(many, w))[: x.shape[0]], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_project_rounds_once_after_the_bias():
+    """bfloat16 on the CPU: the float32 product plus the bias, rounded once to bfloat16 (as torch's
+    addmm), whichever way the product ran."""
+    rng = np.random.default_rng(2)
+    x, w, b = _bf16(rng, (1, 2, 16)), _bf16(rng, (16, 3, 4)), _bf16(rng, (3, 4))
+    got = jax.jit(lambda x, w, b: matmul_lib.project("BTD,DNH->BTNH", x, w, b))(x, w, b)
+    exact = np.einsum("btd,dnh->btnh", np.asarray(x, np.float64), np.asarray(w, np.float64)) + np.asarray(b, np.float64)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_kv_write_is_the_scatter_in_place(dtype):
+    """Bit for bit the scatter's result, written into the donated pool's own buffer."""
+    rng = np.random.default_rng(3)
+    pool = jnp.asarray(rng.standard_normal((2, 6, 4, 8)), dtype)
+    new = jnp.asarray(rng.standard_normal((2, 5, 8)), dtype)
+    page, offset = jnp.array([1, 5, 5, 0, 3], jnp.int32), jnp.array([0, 3, 2, 1, 3], jnp.int32)
+    expected = np.asarray(pool.at[:, page, offset].set(new), np.float32)
+    before = pool.unsafe_buffer_pointer()
+    write = jax.jit(native.kv_write, donate_argnums=0)
+    out = write(pool, new, page, offset)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+    assert out.unsafe_buffer_pointer() == before  # in place: no copy of the pool
+    kept = jnp.asarray(rng.standard_normal((2, 6, 4, 8)), dtype)  # not donated: the input stays as it was
+    copy = np.asarray(kept, np.float32)
+    jax.jit(native.kv_write)(kept, new, page, offset).block_until_ready()
+    np.testing.assert_array_equal(np.asarray(kept, np.float32), copy)
+
+
+def test_kv_write_refuses_a_slot_outside_the_pool():
+    pool = jnp.zeros((1, 3, 4, 2), jnp.bfloat16)
+    new = jnp.ones((1, 2, 2), jnp.bfloat16)
+    with pytest.raises(Exception, match="slot 1 is page 3, offset 0: outside the pool's 3 pages of 4"):
+        jax.block_until_ready(jax.jit(native.kv_write)(pool, new, jnp.array([0, 3]), jnp.array([0, 0])))
+    with pytest.raises(Exception, match="slot 0 is page 0, offset 4"):
+        jax.block_until_ready(jax.jit(native.kv_write)(pool, new, jnp.array([0, 1]), jnp.array([4, 0])))
+
+
+def test_bf16_dot_options_only_with_amx_and_no_user_setting(monkeypatch):
+    """YNNPACK's dots for a bfloat16 model's steps where the CPU has AMX (measured there), not where
+    the user chose the flag or turned jaxinfer's defaults off, and not without AMX."""
+    ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+    def options(cpu_flags, xla_flags="", defaults="1"):
+        monkeypatch.setattr(_xla_flags, "_cpu_flags", lambda: set(cpu_flags))
+        monkeypatch.setenv("XLA_FLAGS", xla_flags)
+        monkeypatch.setenv("JAXINFER_XLA_DEFAULTS", defaults)
+        _xla_flags.bf16_dot_options.cache_clear()
+        return _xla_flags.bf16_dot_options()
+
+    try:
+        assert options({"avx512f", "amx_bf16"}) == ynn
+        assert options({"avx512f", "amx_bf16"}, "--xla_cpu_experimental_ynn_fusion_type=-individual_dot") == ynn
+        assert options({"avx512f", "avx512_bf16"}) is None
+        assert options({"amx_bf16"}, "--xla_cpu_experimental_ynn_fusion_type=eltwise") is None
+        assert options({"amx_bf16"}, defaults="0") is None
+    finally:
+        _xla_flags.bf16_dot_options.cache_clear()
+
+
+def test_jitted_steps_take_the_options_for_bf16_on_cpu_only(monkeypatch):
+    from jaxinfer import default_model
+
+    ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    monkeypatch.setattr(_xla_flags, "bf16_dot_options", lambda: ynn)
+    f32 = default_model.TINY_CONFIG
+    bf16 = dataclasses.replace(f32, dtype="bfloat16")
+    own = (model_lib.prefill, model_lib.decode_step, model_lib.prefill_with_prompt_logprobs)
+    assert model_lib.jitted_steps(f32, "cpu") == own
+    assert model_lib.jitted_steps(bf16, "gpu") == own
+    steps = model_lib.jitted_steps(bf16, "cpu")
+    assert steps != own and steps == model_lib.jitted_steps(bf16, "cpu")  # built once
+
+
+def _bf16_engine_outputs(monkeypatch, *, native_parts: bool, options: dict | None, max_num_seqs: int = 4):
+    """Greedy tokens and logprobs of the trained default model in bfloat16, three prompts, chunked
+    prefill then decode, with or without the native product and write, with or without `options`."""
+    from jaxinfer import SamplingParams, default_model
+    from jaxinfer.engine import Engine
+
+    with monkeypatch.context() as m:
+        m.setattr(_xla_flags, "bf16_dot_options", lambda: options)
+        if not native_parts:
+            m.setattr(matmul_lib, "_native_rows", lambda *a: None)
+            m.setattr("jaxinfer.attention._native_write", lambda: False)
+        jax.clear_caches()  # the steps are jitted per config: a cached one would skip the dispatch
+        cfg, params, _ = default_model.load(dtype="bfloat16")
+        engine = Engine(
+            cfg, params, max_model_len=96, num_kv_pages=40, max_num_seqs=max_num_seqs, max_num_batched_tokens=32
+        )
+        prompts = [list(range(5, 5 + n)) for n in (40, 9, 23)]
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+        reqs = [engine.add_request(p, sp) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        jax.clear_caches()
+        return [r.seqs[0].output_ids for r in reqs], [[lp.logprob for lp in r.seqs[0].logprobs] for r in reqs]
+
+
+def test_bf16_model_with_the_native_parts_matches_xla(monkeypatch):
+    """End to end in bfloat16: the C++ products and cache writes (decode rows, the 9-token chunk)
+    and YNNPACK's dots (whatever this CPU) give the greedy tokens XLA's own ops give, and
+    log-probabilities within bfloat16 rounding."""
+    ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    xla_tokens, xla_lps = _bf16_engine_outputs(monkeypatch, native_parts=False, options=None)
+    for options in (None, ynn):
+        tokens, lps = _bf16_engine_outputs(monkeypatch, native_parts=True, options=options)
+        assert tokens == xla_tokens
+        for a, b in zip(lps, xla_lps, strict=True):
+            np.testing.assert_allclose(a, b, atol=0.05)
+    assert len({tuple(t) for t in xla_tokens}) == 3  # distinct, so agreement means something
