@@ -59,10 +59,7 @@ struct Shared {
 // "kn" splits w into chunks of this many rows: each work item streams one chunk (contiguous in
 // memory) into its own partial sums, and the chunks' sums are then added in chunk order. The chunk
 // size depends on nothing but this constant, so neither M nor the thread count changes a sum.
-#ifndef JAXINFER_CHUNK_ROWS
-#define JAXINFER_CHUNK_ROWS 64
-#endif
-constexpr int64_t kChunkRows = JAXINFER_CHUNK_ROWS;
+constexpr int64_t kChunkRows = 64;
 constexpr int64_t kLanes = 16;
 
 inline float bf16_to_f32(uint16_t v) {
