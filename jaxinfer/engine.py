@@ -353,11 +353,7 @@ class Engine:
             # cache exactly as it came in, so donation aliases it and no step ever recompiles
             # for a drifted sharding.
             outs = (sharding.replicated(mesh), cache_sh)
-            options = None
-            if mesh.devices.flat[0].platform == "cpu" and cfg.dtype == "bfloat16":
-                from jaxinfer._xla_flags import bf16_dot_options
-
-                options = bf16_dot_options()
+            options = model_lib.step_compiler_options(cfg, mesh.devices.flat[0].platform)
             jit = functools.partial(
                 jax.jit, donate_argnames=("cache",), compiler_options=options, static_argnames=("cfg",)
             )

@@ -337,13 +337,19 @@ def _steps_compiled_with(options: tuple[tuple[str, str], ...]):
     return jit(forward), jit(_decode), prompt_lp(forward_with_prompt_logprobs)
 
 
-def jitted_steps(cfg: ModelConfig, platform: str):
-    """(prefill, decode_step, prefill_with_prompt_logprobs) for `cfg` on `platform`: the module's own
-    jitted steps, except for a bfloat16 model on a CPU where `_xla_flags.bf16_dot_options` applies -
-    the same functions compiled with those options (built once per process, like the module's)."""
+def step_compiler_options(cfg: ModelConfig, platform: str) -> dict[str, str] | None:
+    """XLA compiler options for `cfg`'s steps on `platform`: `_xla_flags.bf16_dot_options` for a
+    bfloat16 model on a CPU, else None (the process's XLA flags as they are)."""
     from jaxinfer._xla_flags import bf16_dot_options
 
-    options = bf16_dot_options() if platform == "cpu" and cfg.dtype == "bfloat16" else None
+    return bf16_dot_options() if platform == "cpu" and cfg.dtype == "bfloat16" else None
+
+
+def jitted_steps(cfg: ModelConfig, platform: str):
+    """(prefill, decode_step, prefill_with_prompt_logprobs) for `cfg` on `platform`: the module's own
+    jitted steps, or where `step_compiler_options` gives options, the same functions compiled with
+    them (built once per process, like the module's)."""
+    options = step_compiler_options(cfg, platform)
     if options is None:
         return prefill, decode_step, prefill_with_prompt_logprobs
     return _steps_compiled_with(tuple(sorted(options.items())))

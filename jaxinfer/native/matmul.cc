@@ -60,6 +60,10 @@ struct Shared {
 // memory) into its own partial sums, and the chunks' sums are then added in chunk order. The chunk
 // size depends on nothing but this constant, so neither M nor the thread count changes a sum.
 constexpr int64_t kChunkRows = 64;
+// Rows of w asked for this far ahead of the four being read: ~13% faster from memory than the
+// hardware prefetcher alone (median step 12.2-13.4 against 13.7-15.8 ms for the 150M Llama's 246 MB
+// of bfloat16 products, three alternating pairs, 2026-12-01); 16 rows ahead was slower.
+constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kLanes = 16;
 
 inline float bf16_to_f32(uint16_t v) {
@@ -91,9 +95,14 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
   for (; r + 4 <= rows; r += 4) {
     const uint16_t* w0 = p.w + (k0 + r) * N;
     const uint16_t *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const bool prefetch = r + kPrefetchRows + 4 <= rows;
     int64_t j = 0;
 #if defined(__AVX512F__)
     for (; j < body; j += kLanes) {
+      if (prefetch && (j & 31) == 0) {  // once per 64-byte line of each of the four rows
+        const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
+        for (int64_t i = 0; i < 4; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
+      }
       const __m512 v0 = load_bf16x16(w0 + j), v1 = load_bf16x16(w1 + j);
       const __m512 v2 = load_bf16x16(w2 + j), v3 = load_bf16x16(w3 + j);
       for (int64_t m = 0; m < M; ++m) {
