@@ -74,21 +74,15 @@ def write_kv(
             return QuantizedPages(
                 values=pool.values.at[:, page, offset].set(values), scales=pool.scales.at[:, page, offset].set(scales)
             )
-        if pool.dtype.itemsize == 2 and _native_write():
+        from jaxinfer import native
+
+        if pool.dtype.itemsize == 2 and native.runs_here():
             # XLA CPU would scatter into a 16-bit float pool in float32, converting the whole pool
             # there and back every step: the C++ write updates the donated pool in place.
-            from jaxinfer import native
-
             return native.kv_write(pool, new, page, offset)
         return pool.at[:, page, offset].set(new.astype(pool.dtype))
 
     return write(k_pages, k), write(v_pages, v)
-
-
-def _native_write() -> bool:
-    from jaxinfer import native
-
-    return native.runs_here()
 
 
 def reference_paged_attention(

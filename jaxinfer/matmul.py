@@ -6,8 +6,8 @@ weight whose contracted letters C lead (`"BTD,DNH->BTNH"`) or, for a tied head, 
 a bfloat16 product of few rows - a decode step's - goes to the C++ kernel of jaxinfer.native
 (`bf16_matmul`), since XLA CPU's own bfloat16 matrix-vector product reads its weights at ~1.4 GB/s
 (a float32 one at ~25 GB/s; WORKSPACE.md, 2026-12-01); every other bfloat16 product on the CPU is
-asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's AMX and
-AVX512-BF16 kernels, where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
+asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's AMX kernels,
+where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
 """
 
 from __future__ import annotations

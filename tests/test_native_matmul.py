@@ -192,8 +192,7 @@ def _bf16_engine_outputs(monkeypatch, *, native_parts: bool, options: dict | Non
     with monkeypatch.context() as m:
         m.setattr(_xla_flags, "bf16_dot_options", lambda: options)
         if not native_parts:
-            m.setattr(matmul_lib, "_native_rows", lambda *a: None)
-            m.setattr("jaxinfer.attention._native_write", lambda: False)
+            m.setattr(native, "runs_here", lambda: False)  # both the products and the cache writes
         jax.clear_caches()  # the steps are jitted per config: a cached one would skip the dispatch
         cfg, params, _ = default_model.load(dtype="bfloat16")
         engine = Engine(
