@@ -3,9 +3,11 @@
 Every projection of the model (and the LM head) is an einsum of activations x [..., C] with a
 weight whose contracted letters C lead (`"BTD,DNH->BTNH"`) or, for a tied head, trail
 (`"BD,VD->BV"`). On accelerators and for float32 models that einsum goes to XLA as it is. On the CPU
-a bfloat16 product of few rows - a decode step's - goes to the C++ kernel of jaxinfer.native
-(`bf16_matmul`), since XLA CPU's own bfloat16 matrix-vector product reads its weights at ~1.4 GB/s
-(a float32 one at ~25 GB/s; WORKSPACE.md, 2026-12-01); every other bfloat16 product on the CPU is
+a bfloat16 product of few rows - a decode step's: up to 8, or 64 where the CPU has AMX tiles
+(`native.matmul_max_rows`) - goes to the C++ kernel of jaxinfer.native (`bf16_matmul`), since XLA
+CPU's own bfloat16 matrix-vector product reads its weights at ~1.4 GB/s (a float32 one at ~25 GB/s)
+and its YNNPACK GEMM is slower than the kernel's AMX path at 9-64 rows (WORKSPACE.md, 2026-12-01,
+2026-12-02); every other bfloat16 product on the CPU is
 asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's AMX kernels,
 where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
 """
@@ -42,7 +44,7 @@ def _native_rows(spec: str, x: jax.Array, w: jax.Array) -> tuple[int, bool] | No
     """native_layout(spec) when this product should run in jaxinfer.native.bf16_matmul."""
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or (layout := native_layout(spec)) is None:
         return None
-    if math.prod(x.shape[: x.ndim - layout[0]]) > native.MATMUL_MAX_ROWS or not native.runs_here():
+    if math.prod(x.shape[: x.ndim - layout[0]]) > native.matmul_max_rows() or not native.runs_here():
         return None
     return layout
 

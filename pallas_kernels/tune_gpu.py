@@ -47,8 +47,19 @@ def _grid(grid: dict) -> list[dict]:
 
 
 def _tune_context(
-    args, ctx: int, ceiling: float, rng, *, interpret: bool = False, triton: bool = True, mosaic: bool = False
+    args,
+    ctx: int,
+    ceiling: float,
+    rng,
+    *,
+    interpret: bool = False,
+    triton: bool = True,
+    mosaic: bool = False,
+    min_rounds: int = 20,
 ) -> list[dict]:
+    """Times every block setting at context `ctx`, then the leaders and each kernel's default again in
+    max(args.repeats, min_rounds) interleaved rounds (`min_rounds`: fewer where nothing is timed for
+    real, as in interpret mode)."""
     n, nk = args.heads
     h, s, b = args.head_dim, args.page_size, args.batch
     pages = -(-ctx // s)
@@ -131,10 +142,11 @@ def _tune_context(
     leaders = sorted(range(len(results)), key=lambda i: results[i]["seconds"])[:5]
     picked = list(dict.fromkeys(leaders + defaults))
     label = {i: f"{results[i]['kernel']} {_blocks(results[i]) or '(default)'}" for i in picked}
-    rounds = bench._time_rounds({label[i]: fns[i] for i in picked}, max(args.repeats, 20))
+    n_rounds = max(args.repeats, min_rounds)
+    rounds = bench._time_rounds({label[i]: fns[i] for i in picked}, n_rounds)
     for i in picked:
         results[i]["rounds_seconds"] = rounds[label[i]] / args.layers
-    print(f"context {ctx}: the leaders and the defaults, re-timed in {max(args.repeats, 20)} interleaved rounds")
+    print(f"context {ctx}: the leaders and the defaults, re-timed in {n_rounds} interleaved rounds")
     for i in sorted(picked, key=lambda i: results[i]["rounds_seconds"]):
         seconds = results[i]["rounds_seconds"]
         print(f"   {seconds * 1e6:9.1f} us  MBU {moved / seconds / ceiling:.1%}  {label[i]}")

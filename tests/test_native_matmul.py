@@ -32,8 +32,11 @@ def _bound(x, w):
     return 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))) + 1e-30
 
 
-# M in 1..9, K on and off the 4-row passes and 64-row chunks, N on and off the 16-lane vectors.
+# M in 1..9, K on and off the 4-row passes and 64-row chunks, N on and off the 16-lane vectors; then
+# the AMX path's rows (9..64, where the CPU has AMX): M on and off its 16-row tiles, K on and off its
+# 32-deep steps and past one 2048-row block, N on and off its 16-column tiles and 256-column strips.
 SHAPES = [(1, 1024, 5632), (2, 64, 16), (3, 65, 17), (4, 7, 1), (5, 1, 33), (8, 130, 48), (9, 257, 31), (1, 3000, 3)]
+SHAPES += [(16, 32, 16), (17, 65, 600), (40, 100, 300), (33, 2100, 40), (64, 1024, 256), (48, 31, 17), (12, 1, 513)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -60,6 +63,38 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(transposed):
         alone = np.asarray(_matmul(x[row : row + 1], w, transposed=transposed))
         np.testing.assert_array_equal(alone[0], whole[row])
     np.testing.assert_array_equal(np.asarray(_matmul(x[3:6], w, transposed=transposed)), whole[3:6])
+
+
+@pytest.mark.skipif(native.amx_rows() is None, reason="no AMX here (Intel Sapphire Rapids or later, Linux >= 5.16)")
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_a_row_is_the_same_bits_in_any_batch_of_the_amx_path(transposed):
+    """From amx_rows()[0] rows on, the tiles sum each output alone: a row of a 64-row batch is the
+    same bits in a batch of the fewest rows that path takes, whatever the other rows hold."""
+    lo, hi = native.amx_rows()
+    rng = np.random.default_rng(8)
+    w = _bf16(rng, (2100, 300))  # past one 2048-row block of w, and one 256-column strip
+    w = w.T if transposed else w
+    x = _bf16(rng, (hi, 2100))
+    whole = np.asarray(_matmul(x, w, transposed=transposed))
+    for row in (0, 17, hi - 1):
+        others = _bf16(rng, (lo - 1, 2100))
+        few = np.asarray(_matmul(jnp.concatenate([others, x[row : row + 1]]), w, transposed=transposed))
+        np.testing.assert_array_equal(few[-1], whole[row])
+
+
+def test_amx_is_claimed_only_where_the_cpu_has_it():
+    """The rows the AMX path takes follow the CPU: none without amx_bf16 in /proc/cpuinfo, and
+    jaxinfer.matmul sends a decode step's 64-row bucket to the kernel only where there is one."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        flags = []
+    amx = native.amx_rows()
+    if amx is None:
+        assert native.matmul_max_rows() == native.MATMUL_MAX_ROWS
+    else:
+        assert "amx_bf16" in flags and amx == (native.MATMUL_MAX_ROWS + 1, 64)
+        assert native.matmul_max_rows() == 64
 
 
 def test_bf16_matmul_refuses_what_it_does_not_take():
@@ -92,7 +127,7 @@ def _custom_calls(fn, *args) -> int:
     [("BTD,DNH->BTNH", (2, 3, 40), (40, 4, 8)), ("BD,VD->BV", (5, 24), (50, 24)), ("BTF,FD->BTD", (1, 1, 70), (70, 9))],
 )
 def test_einsum_f32_takes_the_kernel_for_few_bf16_rows_only(spec, x_shape, w_shape):
-    """Up to MATMUL_MAX_ROWS rows of a bfloat16 product go to the C++ kernel, with XLA's result;
+    """Up to matmul_max_rows() rows of a bfloat16 product go to the C++ kernel, with XLA's result;
     more rows, or float32, stay XLA's dot."""
     rng = np.random.default_rng(1)
     x, w = _bf16(rng, x_shape), _bf16(rng, w_shape)
@@ -103,7 +138,7 @@ def test_einsum_f32_takes_the_kernel_for_few_bf16_rows_only(spec, x_shape, w_sha
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     assert _custom_calls(fn, x, w) == 1
     assert _custom_calls(fn, x.astype(jnp.float32), w.astype(jnp.float32)) == 0
-    many = jnp.concatenate([x] * (native.MATMUL_MAX_ROWS + 1))  # past the bound on the leading axis
+    many = jnp.concatenate([x] * (native.matmul_max_rows() + 1))  # past the bound on the leading axis
     assert _custom_calls(fn, many, w) == 0
     np.testing.assert_allclose(np.asarray(fn(many, w))[: x.shape[0]], ref, rtol=1e-4, atol=1e-4)
 

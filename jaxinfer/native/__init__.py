@@ -4,7 +4,8 @@
   that reads each row's keys and values straight out of their pages, where XLA CPU would gather
   them element by element.
 - `matmul.cc`, `bf16_matmul`: the bfloat16 product of few rows a bfloat16 model's decode step is
-  made of (used by jaxinfer.matmul), where XLA CPU's own reads its weights at a tenth of memory speed.
+  made of (used by jaxinfer.matmul), where XLA CPU's own reads its weights at a tenth of memory speed:
+  AVX-512 loops up to 8 rows, Intel's AMX tiles for 9-64 rows where the CPU has them (`amx_rows`).
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
 
@@ -170,7 +171,26 @@ def paged_attention(
     )
 
 
-# Rows up to which `bf16_matmul` beats XLA CPU's own bfloat16 dot. On an Intel Xeon with AMX
+@functools.cache
+def amx_rows() -> tuple[int, int] | None:
+    """(from, to): the rows of x for which `bf16_matmul` runs on Intel's AMX tiles, where this CPU
+    has them and the OS grants them (matmul.cc); None elsewhere, or when the library is unavailable."""
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        return None
+    lo, hi = ctypes.c_int64(), ctypes.c_int64()
+    loaded.JaxinferMatmulAmxRows(ctypes.byref(lo), ctypes.byref(hi))
+    return (lo.value, hi.value) if lo.value else None
+
+
+def matmul_max_rows() -> int:
+    """Rows up to which jaxinfer.matmul sends a bfloat16 product to `bf16_matmul`: the AMX path's
+    last where there is one (a decode step's largest bucket), else MATMUL_MAX_ROWS."""
+    amx = amx_rows()
+    return amx[1] if amx and amx[0] <= MATMUL_MAX_ROWS + 1 else MATMUL_MAX_ROWS
+
+
+# Rows up to which `bf16_matmul`'s AVX-512 loops beat XLA CPU's own bfloat16 dot. On an Intel Xeon with AMX
 # (2 cores, 2026-12-01, [M, 1024] x [1024, 5632], 24 weights chained, 277 MB that this CPU's 300 MB
 # L3 partly holds: the crossover, not the bandwidth, is the figure to read) the C++ product
 # took 12.7 ms at one row against 192 ms for XLA's bfloat16 dot with YNNPACK on and 19.9 ms for its

@@ -9,6 +9,7 @@
 // (WORKSPACE.md, 2026-12-01), so a bfloat16 model decoded ~10x slower than a float32 one though it
 // reads half the bytes. This kernel streams the weights once, converting 16 at a time to float32
 // in registers, and is bound by memory bandwidth at the few rows of a decode step.
+// Where the CPU has AMX, 9..64 rows run on its tiles instead (the AMX path, below).
 //
 // Work is split into blocks of output columns ("kn") or rows of w ("nk"), taken from one atomic
 // counter by the calling thread and by tasks on XLA's intra-op thread pool. Every output element is
@@ -17,6 +18,7 @@
 // then the lanes in a fixed tree. So a row's result does not depend on the other rows of its batch.
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <condition_variable>
 #include <cmath>
@@ -29,6 +31,11 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#define JAXINFER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -46,6 +53,11 @@ struct Problem {
   bool kn = true;
   int64_t block = 0;  // "nk": rows of w per work item
   int64_t items = 0;
+  // The AMX path (amx_kn_strip / amx_nk_block): x zero-padded to [Mp, Kp] ("kn") or packed as the
+  // tiles' B operand ("nk"), Mp and Kp rounded up to the tiles' 16 rows and 32 bfloat16 columns.
+  bool amx = false;
+  const uint16_t* xp = nullptr;
+  int64_t Mp = 0, Kp = 0;
 };
 
 struct Shared {
@@ -65,6 +77,10 @@ constexpr int64_t kChunkRows = 64;
 // of bfloat16 products, three alternating pairs, 2026-12-01); 16 rows ahead was slower.
 constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kLanes = 16;
+// Rows of x the AMX path takes, where there is one: from kAmxMinRows (below it the AVX-512 loops
+// stream the weights as fast) to kAmxMaxRows (a decode step's largest bucket; prompts go to XLA).
+constexpr int64_t kAmxMinRows = 9;
+constexpr int64_t kAmxMaxRows = 64;
 
 inline float bf16_to_f32(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -186,9 +202,231 @@ void nk_block(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+
+#if defined(JAXINFER_AMX)
+// The AMX path, for the 9..64 rows of a batched decode step: Intel's tile multiply (TDPBF16PS) does
+// a [16, 32] x [32, 16] bfloat16 product into float32 tiles in one instruction. The AVX-512 loops
+// above run out of registers past 8 rows, and XLA's YNNPACK GEMM reached ~230 GFLOP/s at 48 rows.
+// Here the tiles' loads bound it (~22 ns per 1 KB tile on the machine measured, one per product at
+// best with 8 tile registers), not memory: WORKSPACE.md, design decisions, 2026-12-02.
+//
+// Each output element is accumulated in its tile over k in ascending steps of 32, starting from
+// zero; a tile computes each of its rows from that row of x alone. So, as on the other path, no
+// sum depends on M, on the row's place in the batch or on the thread: a row is the same bits alone
+// and in any batch on this path. (The two paths differ from each other in the last bits: which one
+// runs depends on the machine, not on the batch; see amx_rows_from.)
+constexpr int64_t kTileRows = 16;   // rows of every tile
+constexpr int64_t kTileK = 32;      // bfloat16 per row of an A tile: one k step
+constexpr int64_t kTileCols = 16;   // float32 columns of a C tile
+// "kn": a work item's columns of w (512 bytes of each row), packed kBlockRows rows at a time (1 MB:
+// in L2). Strips of 128, 256 and 512 columns ran within the measuring machine's spread of each
+// other (whole-model products at 16 and 48 rows, 2026-12-02); runs of 256 bytes read memory slower than
+// longer ones (~10 against ~18 GB/s on 2 threads), wider strips leave fewer items to share out.
+constexpr int64_t kStripCols = 256;
+constexpr int64_t kBlockRows = 2048;
+constexpr int64_t kNkRows = 64;     // "nk": rows of w per work item
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 accumulate, 4-5 hold B, 6-7 hold A: all 16 rows of 64 bytes.
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Whether this process may use the tile registers (Linux asks each process to request them).
+bool amx_permitted() {
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  return ok;
+}
+
+// "kn", columns [n0, n0 + kStripCols) of w over all of K, in blocks of kBlockRows rows: each block
+// is packed into the B tiles' layout (rows k, k+1 interleaved: [rows/2][kStripCols][2]) and
+// multiplied by every row of x from that copy; the float32 sums carry from block to block in `sums`
+// ([Mp][kStripCols]), so every element is still one chain in k order.
+void amx_kn_strip(const Problem& p, int64_t n0) {
+  const int64_t N = p.N, K = p.K, Kp = p.Kp;
+  const int64_t cols = std::min(kStripCols, N - n0);
+  thread_local std::vector<uint16_t> packed;
+  thread_local std::vector<float> sums;
+  packed.resize(kBlockRows * kStripCols);
+  sums.resize(p.Mp * kStripCols);
+  const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const int64_t bstride = kStripCols * 2 * sizeof(uint16_t), astride = Kp * sizeof(uint16_t);
+  const int64_t cstride = kStripCols * sizeof(float);
+  const int64_t body = cols - cols % 32;
+  for (int64_t kb = 0; kb < Kp; kb += kBlockRows) {
+    const int64_t rows = std::min(kBlockRows, Kp - kb);
+    for (int64_t i = 0; i < rows / 2; ++i) {
+      const int64_t r0 = kb + 2 * i, r1 = r0 + 1;
+      uint16_t* dst = packed.data() + i * kStripCols * 2;
+      int64_t c = 0;
+      if (r1 < K) {
+        const uint16_t* a = p.w + r0 * N + n0;
+        const uint16_t* b = a + N;
+        for (; c < body; c += 32) {
+          const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+          const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+          _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi64(lo, lo_idx, hi));
+          _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi64(lo, hi_idx, hi));
+        }
+      }
+      for (; c < kStripCols; ++c) {  // columns past a multiple of 32, K's last odd row, K's padding
+        dst[2 * c] = (r0 < K && c < cols) ? p.w[r0 * N + n0 + c] : 0;
+        dst[2 * c + 1] = (r1 < K && c < cols) ? p.w[r1 * N + n0 + c] : 0;
+      }
+    }
+    configure_tiles();
+    for (int64_t s = 0; s < cols; s += 2 * kTileCols) {
+      const bool two = cols - s > kTileCols;
+      for (int64_t m0 = 0; m0 < p.Mp; m0 += 2 * kTileRows) {
+        const bool pair = p.Mp - m0 > kTileRows;
+        float* c0 = sums.data() + m0 * kStripCols + s;
+        float* c1 = c0 + kTileRows * kStripCols;
+        if (kb == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, c0, cstride);
+          if (two) _tile_loadd(1, c0 + kTileCols, cstride);
+          if (pair) _tile_loadd(2, c1, cstride);
+          if (pair && two) _tile_loadd(3, c1 + kTileCols, cstride);
+        }
+        for (int64_t k = 0; k < rows; k += kTileK) {
+          const uint16_t* b = packed.data() + (k / 2) * kStripCols * 2 + 2 * s;
+          const uint16_t* a = p.xp + m0 * Kp + kb + k;
+          _tile_loadd(4, b, bstride);
+          _tile_loadd(6, a, astride);
+          if (two) _tile_loadd(5, b + 2 * kTileCols, bstride);
+          if (pair) _tile_loadd(7, a + kTileRows * Kp, astride);
+          _tile_dpbf16ps(0, 6, 4);
+          if (two) _tile_dpbf16ps(1, 6, 5);
+          if (pair) _tile_dpbf16ps(2, 7, 4);
+          if (pair && two) _tile_dpbf16ps(3, 7, 5);
+        }
+        _tile_stored(0, c0, cstride);
+        if (two) _tile_stored(1, c0 + kTileCols, cstride);
+        if (pair) _tile_stored(2, c1, cstride);
+        if (pair && two) _tile_stored(3, c1 + kTileCols, cstride);
+      }
+    }
+    _tile_release();
+  }
+  for (int64_t m = 0; m < p.M; ++m) {
+    std::memcpy(p.out + m * N + n0, sums.data() + m * kStripCols, cols * sizeof(float));
+  }
+}
+
+// "nk": rows [n0, n1) of w [N, K] are the A operand as they lie (16 rows of 32 k per tile); x was
+// packed once as B ([Kp/2][Mp][2]); each C tile is out's [16 m, 16 n] block transposed.
+void amx_nk_block(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t K = p.K, Kp = p.Kp, Mp = p.Mp;
+  alignas(64) uint16_t a_tail[kTileRows * kTileK];
+  configure_tiles();
+  for (int64_t n = n0; n < n1; n += kTileRows) {
+    const int64_t rows = std::min(kTileRows, n1 - n);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 4 * kTileRows) {
+      const int64_t mt = std::min<int64_t>(4, (Mp - m0) / kTileRows);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < Kp; k += kTileK) {
+        if (rows == kTileRows && k + kTileK <= K) {
+          _tile_loadd(6, p.w + n * K + k, K * sizeof(uint16_t));
+        } else {  // past w's last row or column: zeros
+          for (int64_t r = 0; r < kTileRows; ++r) {
+            for (int64_t c = 0; c < kTileK; ++c) {
+              a_tail[r * kTileK + c] = (r < rows && k + c < K) ? p.w[(n + r) * K + k + c] : 0;
+            }
+          }
+          _tile_loadd(6, a_tail, kTileK * sizeof(uint16_t));
+        }
+        const uint16_t* b = p.xp + (k / 2) * Mp * 2 + m0 * 2;
+        const int64_t bstride = Mp * 2 * sizeof(uint16_t);
+        _tile_loadd(4, b, bstride);
+        _tile_dpbf16ps(0, 6, 4);
+        if (mt > 1) {
+          _tile_loadd(5, b + 2 * kTileRows, bstride);
+          _tile_dpbf16ps(1, 6, 5);
+        }
+        if (mt > 2) {
+          _tile_loadd(4, b + 4 * kTileRows, bstride);
+          _tile_dpbf16ps(2, 6, 4);
+        }
+        if (mt > 3) {
+          _tile_loadd(5, b + 6 * kTileRows, bstride);
+          _tile_dpbf16ps(3, 6, 5);
+        }
+      }
+      alignas(64) float c[kTileRows * kTileCols];  // [n][m]
+      for (int64_t t = 0; t < mt; ++t) {
+        switch (t) {
+          case 0: _tile_stored(0, c, kTileCols * sizeof(float)); break;
+          case 1: _tile_stored(1, c, kTileCols * sizeof(float)); break;
+          case 2: _tile_stored(2, c, kTileCols * sizeof(float)); break;
+          default: _tile_stored(3, c, kTileCols * sizeof(float)); break;
+        }
+        for (int64_t m = 0; m < kTileCols && m0 + t * kTileCols + m < p.M; ++m) {
+          for (int64_t r = 0; r < rows; ++r) p.out[(m0 + t * kTileCols + m) * p.N + n + r] = c[r * kTileCols + m];
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The tiles' copies of x: "kn" x zero-padded to [Mp, Kp]; "nk" x packed as a B operand [Kp/2][Mp][2].
+void amx_prepare_x(Problem& p, std::vector<uint16_t>& buf) {
+  p.Mp = (p.M + kTileRows - 1) / kTileRows * kTileRows;
+  p.Kp = (p.K + kTileK - 1) / kTileK * kTileK;
+  buf.assign(p.Mp * p.Kp, 0);
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t k = 0; k < p.K; ++k) {
+      const uint16_t v = p.x[m * p.K + k];
+      if (p.kn) {
+        buf[m * p.Kp + k] = v;
+      } else {
+        buf[((k / 2) * p.Mp + m) * 2 + (k & 1)] = v;
+      }
+    }
+  }
+  p.xp = buf.data();
+}
+#endif  // JAXINFER_AMX
+
+// Rows from which the AMX path runs (when the CPU and the OS allow it), else a number past any M.
+int64_t amx_rows_from() {
+#if defined(JAXINFER_AMX)
+  if (amx_permitted()) return kAmxMinRows;
+#endif
+  return INT64_MAX;
+}
+
 void drain(Shared& s) {
   const Problem& p = s.problem;
   for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < p.items;) {
+#if defined(JAXINFER_AMX)
+    if (p.amx && p.kn) {
+      amx_kn_strip(p, i * kStripCols);
+    } else if (p.amx) {
+      amx_nk_block(p, i * kNkRows, std::min(p.N, (i + 1) * kNkRows));
+    } else
+#endif
     if (p.kn) {
       const int64_t k0 = i * kChunkRows;
       kn_chunk(p, k0, std::min(kChunkRows, p.K - k0), p.partials + i * p.M * p.N);
@@ -238,6 +476,16 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
     std::fill(p.out, p.out + p.M * p.N, 0.0f);
     return ffi::Error::Success();
   }
+#if defined(JAXINFER_AMX)
+  if (p.M >= amx_rows_from() && p.M <= kAmxMaxRows) {
+    thread_local std::vector<uint16_t> xbuf;
+    p.amx = true;
+    amx_prepare_x(p, xbuf);
+    p.items = kn ? (p.N + kStripCols - 1) / kStripCols : (p.N + kNkRows - 1) / kNkRows;
+    run(pool, shared);
+    return ffi::Error::Success();
+  }
+#endif
   if (kn) {
     // Partial sums in a buffer the calling thread keeps (it waits for every item before returning).
     thread_local std::vector<float> partials;
@@ -261,6 +509,13 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 }
 
 }  // namespace
+
+// For jaxinfer.native: [from, to] rows of the AMX path, or from = 0 where there is none.
+extern "C" void JaxinferMatmulAmxRows(int64_t* from, int64_t* to) {
+  const int64_t lo = amx_rows_from();
+  *from = lo == INT64_MAX ? 0 : lo;
+  *to = lo == INT64_MAX ? 0 : kAmxMaxRows;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16MatmulImpl,
                               ffi::Ffi::Bind()
