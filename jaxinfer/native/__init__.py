@@ -187,7 +187,7 @@ def matmul_max_rows() -> int:
     """Rows up to which jaxinfer.matmul sends a bfloat16 product to `bf16_matmul`: the AMX path's
     last where there is one (a decode step's largest bucket), else MATMUL_MAX_ROWS."""
     amx = amx_rows()
-    return amx[1] if amx and amx[0] <= MATMUL_MAX_ROWS + 1 else MATMUL_MAX_ROWS
+    return amx[1] if amx else MATMUL_MAX_ROWS
 
 
 # Rows up to which `bf16_matmul`'s AVX-512 loops beat XLA CPU's own bfloat16 dot. On an Intel Xeon with AMX
