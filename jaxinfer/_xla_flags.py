@@ -6,9 +6,10 @@ batch 4: 47.7 -> 40.6 ms, batch 16: 87.9 -> 66.4 ms, batch 1 unchanged (18.5 vs 
 The flag only affects the CPU backend; it is read once, when the backend starts, so setting it after
 JAX has already run a computation is harmless and has no effect.
 
-A bfloat16 model's steps are the exception, on CPUs with AMX: `bf16_dot_options` gives them back to
-YNNPACK, whose AMX kernels Eigen has no counterpart for (per program, through `jax.jit`'s
-compiler_options, so float32 programs in the same process keep Eigen).
+A bfloat16 model's steps are the exception, on CPUs with bfloat16 instructions (AMX or AVX-512
+BF16): `bf16_dot_options` gives them back to YNNPACK, whose bfloat16 kernels Eigen has no
+counterpart for (per program, through `jax.jit`'s compiler_options, so float32 programs in the same
+process keep Eigen).
 """
 
 import functools
@@ -44,17 +45,21 @@ def _cpu_flags() -> set[str]:
 def bf16_dot_options() -> dict[str, str] | None:
     """compiler_options for a bfloat16 model's jitted steps on this CPU, or None (XLA's flags as set).
 
-    On a CPU with AMX (`amx_bf16`) every dot of the program goes to YNNPACK, whose AMX GEMMs took an
-    Intel Xeon's bfloat16 steps (2 cores, 150M Llama, 2026-12-01; WORKSPACE.md) from 364 to 91 ms for
-    a 128-token prompt and from 284 to 43 ms for a 48-row decode step (float32: 175 and 109 ms). Not
-    where the user set the YNNPACK flag or JAXINFER_XLA_DEFAULTS=0, and not on CPUs without AMX, where
-    it was not measured (Eigen's bfloat16 GEMM stays).
+    On a CPU with bfloat16 instructions - AMX tiles (`amx_bf16`) or AVX-512 dot products
+    (`avx512_bf16`: AMD Zen 4 and later, Intel Cooper Lake) - every dot of the program goes to
+    YNNPACK, whose bfloat16 GEMMs Eigen has no counterpart for. On an Intel Xeon with AMX (2 cores,
+    150M Llama, 2026-12-01; WORKSPACE.md) they took the bfloat16 steps from 364 to 91 ms for a
+    128-token prompt and from 284 to 43 ms for a 48-row decode step (float32: 175 and 109 ms); on an
+    AMD Zen 5 without AMX, [M, 1024] x [1024, 5632] products ran at 377 against Eigen's 51 GFLOP/s
+    at 48 rows and 455 against 223 at 512 (Eigen's float32: 296 and 247; 2026-12-02). Not where the
+    user set the YNNPACK flag or JAXINFER_XLA_DEFAULTS=0, and not on CPUs with neither, where it was
+    not measured (Eigen's bfloat16 GEMM stays).
     """
     if os.environ.get("JAXINFER_XLA_DEFAULTS", "1") == "0":
         return None
     flags = os.environ.get("XLA_FLAGS", "")
     if _YNN_FLAG in flags and f"{_YNN_FLAG}={_DEFAULTS[_YNN_FLAG]}" not in flags:
         return None
-    if "amx_bf16" not in _cpu_flags():
+    if not {"amx_bf16", "avx512_bf16"} & _cpu_flags():
         return None
     return {_YNN_FLAG.removeprefix("--"): "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}

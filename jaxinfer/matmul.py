@@ -8,8 +8,8 @@ a bfloat16 product of few rows - a decode step's: up to 8, or 64 where the CPU h
 CPU's own bfloat16 matrix-vector product reads its weights at ~1.4 GB/s (a float32 one at ~25 GB/s)
 and its YNNPACK GEMM is slower than the kernel's AMX path at 9-64 rows (WORKSPACE.md, 2026-12-01,
 2026-12-02); every other bfloat16 product on the CPU is
-asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's AMX kernels,
-where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
+asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's bfloat16
+kernels, where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
 """
 
 from __future__ import annotations

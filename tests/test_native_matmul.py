@@ -33,10 +33,12 @@ def _bound(x, w):
 
 
 # M in 1..9, K on and off the 4-row passes and 64-row chunks, N on and off the 16-lane vectors; then
-# the AMX path's rows (9..64, where the CPU has AMX): M on and off its 16-row tiles, K on and off its
-# 32-deep steps and past one 2048-row block, N on and off its 16-column tiles and 256-column strips.
+# the wide path's rows (9..64, where the CPU has AMX or AVX-512 BF16): M on and off the 16-row tiles
+# and 6-row register tiles, K odd, on and off the 32-deep steps and past one 1024- and 2048-row
+# block, N on and off the 16-column vectors, 64-column register tiles and 256-column strips.
 SHAPES = [(1, 1024, 5632), (2, 64, 16), (3, 65, 17), (4, 7, 1), (5, 1, 33), (8, 130, 48), (9, 257, 31), (1, 3000, 3)]
 SHAPES += [(16, 32, 16), (17, 65, 600), (40, 100, 300), (33, 2100, 40), (64, 1024, 256), (48, 31, 17), (12, 1, 513)]
+SHAPES += [(13, 1025, 70), (64, 1030, 1000)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -65,35 +67,41 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(transposed):
     np.testing.assert_array_equal(np.asarray(_matmul(x[3:6], w, transposed=transposed)), whole[3:6])
 
 
-@pytest.mark.skipif(native.amx_rows() is None, reason="no AMX here (Intel Sapphire Rapids or later, Linux >= 5.16)")
+@pytest.mark.skipif(
+    native.wide_path() is None, reason="no AMX or AVX-512 BF16 here (Intel Sapphire Rapids, AMD Zen 4 or later)"
+)
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-def test_a_row_is_the_same_bits_in_any_batch_of_the_amx_path(transposed):
-    """From amx_rows()[0] rows on, the tiles sum each output alone: a row of a 64-row batch is the
-    same bits in a batch of the fewest rows that path takes, whatever the other rows hold."""
-    lo, hi = native.amx_rows()
+def test_a_row_is_the_same_bits_in_any_batch_of_the_wide_path(transposed):
+    """From wide_path()[1] rows on, the tiles or dot products sum each output alone: a row of a
+    64-row batch is the same bits in a batch of the fewest rows that path takes, whatever the other
+    rows hold."""
+    _, lo, hi = native.wide_path()
     rng = np.random.default_rng(8)
-    w = _bf16(rng, (2100, 300))  # past one 2048-row block of w, and one 256-column strip
+    w = _bf16(rng, (2101, 300))  # past one 2048-row block of w (odd K), and one 256-column strip
     w = w.T if transposed else w
-    x = _bf16(rng, (hi, 2100))
+    x = _bf16(rng, (hi, 2101))
     whole = np.asarray(_matmul(x, w, transposed=transposed))
     for row in (0, 17, hi - 1):
-        others = _bf16(rng, (lo - 1, 2100))
+        others = _bf16(rng, (lo - 1, 2101))
         few = np.asarray(_matmul(jnp.concatenate([others, x[row : row + 1]]), w, transposed=transposed))
         np.testing.assert_array_equal(few[-1], whole[row])
 
 
-def test_amx_is_claimed_only_where_the_cpu_has_it():
-    """The rows the AMX path takes follow the CPU: none without amx_bf16 in /proc/cpuinfo, and
-    jaxinfer.matmul sends a decode step's 64-row bucket to the kernel only where there is one."""
+def test_the_wide_path_is_claimed_only_where_the_cpu_has_it():
+    """The wide path follows the CPU: AMX only with amx_bf16 in /proc/cpuinfo, the AVX-512 BF16 dot
+    products only with avx512_bf16 (and no AMX granted), neither without; jaxinfer.matmul sends a
+    decode step's 64-row bucket to the kernel only where there is one."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
         flags = []
-    amx = native.amx_rows()
-    if amx is None:
+    wide = native.wide_path()
+    if wide is None:
         assert native.matmul_max_rows() == native.MATMUL_MAX_ROWS
+        assert "avx512_bf16" not in flags
     else:
-        assert "amx_bf16" in flags and amx == (native.MATMUL_MAX_ROWS + 1, 64)
+        name, lo, hi = wide
+        assert name in flags and (lo, hi) == (native.MATMUL_MAX_ROWS + 1, 64)
         assert native.matmul_max_rows() == 64
 
 
@@ -182,9 +190,9 @@ def test_kv_write_refuses_a_slot_outside_the_pool():
         jax.block_until_ready(jax.jit(native.kv_write)(pool, new, jnp.array([0, 1]), jnp.array([4, 0])))
 
 
-def test_bf16_dot_options_only_with_amx_and_no_user_setting(monkeypatch):
-    """YNNPACK's dots for a bfloat16 model's steps where the CPU has AMX (measured there), not where
-    the user chose the flag or turned jaxinfer's defaults off, and not without AMX."""
+def test_bf16_dot_options_only_with_bf16_instructions_and_no_user_setting(monkeypatch):
+    """YNNPACK's dots for a bfloat16 model's steps where the CPU has AMX or AVX-512 BF16 (measured on
+    both), not where the user chose the flag or turned jaxinfer's defaults off, and not with neither."""
     ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
     def options(cpu_flags, xla_flags="", defaults="1"):
@@ -197,7 +205,8 @@ def test_bf16_dot_options_only_with_amx_and_no_user_setting(monkeypatch):
     try:
         assert options({"avx512f", "amx_bf16"}) == ynn
         assert options({"avx512f", "amx_bf16"}, "--xla_cpu_experimental_ynn_fusion_type=-individual_dot") == ynn
-        assert options({"avx512f", "avx512_bf16"}) is None
+        assert options({"avx512f", "avx512_bf16"}) == ynn
+        assert options({"avx512f", "avx2"}) is None
         assert options({"amx_bf16"}, "--xla_cpu_experimental_ynn_fusion_type=eltwise") is None
         assert options({"amx_bf16"}, defaults="0") is None
     finally:

@@ -5,7 +5,8 @@
   them element by element.
 - `matmul.cc`, `bf16_matmul`: the bfloat16 product of few rows a bfloat16 model's decode step is
   made of (used by jaxinfer.matmul), where XLA CPU's own reads its weights at a tenth of memory speed:
-  AVX-512 loops up to 8 rows, Intel's AMX tiles for 9-64 rows where the CPU has them (`amx_rows`).
+  AVX-512 loops up to 8 rows; for 9-64 rows Intel's AMX tiles or AVX-512 BF16 dot products, where
+  the CPU has them (`wide_path`).
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
 
@@ -171,23 +172,28 @@ def paged_attention(
     )
 
 
+_WIDE_PATHS = {1: "amx", 2: "avx512_bf16"}
+
+
 @functools.cache
-def amx_rows() -> tuple[int, int] | None:
-    """(from, to): the rows of x for which `bf16_matmul` runs on Intel's AMX tiles, where this CPU
-    has them and the OS grants them (matmul.cc); None elsewhere, or when the library is unavailable."""
+def wide_path() -> tuple[str, int, int] | None:
+    """(name, from, to): the path `bf16_matmul` takes here for from..to rows of x (matmul.cc) -
+    "amx", Intel's AMX tiles, where the CPU has them and the OS grants them, else "avx512_bf16", the
+    AVX-512 BF16 dot products (AMD Zen 4 and later) - or None where neither, or when the library is
+    unavailable."""
     loaded = _load()
     if isinstance(loaded, NativeUnavailableError):
         return None
     lo, hi = ctypes.c_int64(), ctypes.c_int64()
-    loaded.JaxinferMatmulAmxRows(ctypes.byref(lo), ctypes.byref(hi))
-    return (lo.value, hi.value) if lo.value else None
+    kind = loaded.JaxinferMatmulWidePath(ctypes.byref(lo), ctypes.byref(hi))
+    return (_WIDE_PATHS[kind], lo.value, hi.value) if kind else None
 
 
 def matmul_max_rows() -> int:
-    """Rows up to which jaxinfer.matmul sends a bfloat16 product to `bf16_matmul`: the AMX path's
+    """Rows up to which jaxinfer.matmul sends a bfloat16 product to `bf16_matmul`: the wide path's
     last where there is one (a decode step's largest bucket), else MATMUL_MAX_ROWS."""
-    amx = amx_rows()
-    return amx[1] if amx else MATMUL_MAX_ROWS
+    wide = wide_path()
+    return wide[2] if wide else MATMUL_MAX_ROWS
 
 
 # Rows up to which `bf16_matmul`'s AVX-512 loops beat XLA CPU's own bfloat16 dot. On an Intel Xeon with AMX

@@ -18,6 +18,7 @@
 // then the lanes in a fixed tree. So a row's result does not depend on the other rows of its batch.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cmath>
@@ -26,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -35,6 +37,12 @@
 #define JAXINFER_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JAXINFER_DOT 1
+#endif
+#if defined(JAXINFER_AMX) || defined(JAXINFER_DOT)
+#define JAXINFER_WIDE 1
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -52,9 +60,9 @@ struct Problem {
   bool kn = true;
   int64_t block = 0;  // "nk": rows of w per work item
   int64_t items = 0;
-  // The AMX path (amx_kn_strip / amx_nk_block): x zero-padded to [Mp, Kp] ("kn") or packed as the
-  // tiles' B operand ("nk"), Mp and Kp rounded up to the tiles' 16 rows and 32 bfloat16 columns.
-  bool amx = false;
+  // The wide paths (AMX tiles or AVX-512 BF16 dot products): x zero-padded to [Mp, Kp] ("kn") or
+  // packed in pairs of k as [Kp/2][Mp][2] ("nk"), Mp and Kp rounded up to 16 rows and 32 columns.
+  enum class Wide { kNone, kAmx, kDot } wide = Wide::kNone;
   const uint16_t* xp = nullptr;
   int64_t Mp = 0, Kp = 0;
 };
@@ -76,11 +84,11 @@ constexpr int64_t kChunkRows = 64;
 // of bfloat16 products, three alternating pairs, 2026-12-01); 16 rows ahead was slower.
 constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kLanes = 16;
-// Rows of x the AMX path takes, where there is one: from kAmxMinRows (below it the AVX-512 loops
-// are faster: the whole 150M model's products took 10 ms at one row there, the tiles ~24 ms at 16)
-// to kAmxMaxRows (a decode step's largest bucket; prompts go to XLA). jaxinfer.native reads both.
-constexpr int64_t kAmxMinRows = 9;
-constexpr int64_t kAmxMaxRows = 64;
+// Rows of x a wide path takes, where there is one: from kWideMinRows (below it the AVX-512 loops
+// are faster: the whole 150M model's products took 10 ms at one row there, AMX tiles ~24 ms at 16)
+// to kWideMaxRows (a decode step's largest bucket; prompts go to XLA). jaxinfer.native reads both.
+constexpr int64_t kWideMinRows = 9;
+constexpr int64_t kWideMaxRows = 64;
 
 inline float bf16_to_f32(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -202,28 +210,90 @@ void nk_block(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-#if defined(JAXINFER_AMX)
-// The AMX path, for the 9..64 rows of a batched decode step: Intel's tile multiply (TDPBF16PS) does
-// a [16, 32] x [32, 16] bfloat16 product into float32 tiles in one instruction. The AVX-512 loops
-// above run out of registers past 8 rows, and XLA's YNNPACK GEMM reached ~230 GFLOP/s at 48 rows.
-// Here the tiles' loads bound it (~22 ns per 1 KB tile on the machine measured, one per product at
-// best with 8 tile registers), not memory: WORKSPACE.md, design decisions, 2026-12-02.
+#if defined(JAXINFER_WIDE)
+// The wide paths, for the 9..64 rows of a batched decode step, where the AVX-512 loops above run
+// out of registers: products of bfloat16 pairs summed into float32, (x[m, k], x[m, k+1]) against
+// (w[k, n], w[k+1, n]), on Intel's AMX tiles where the CPU has them (TDPBF16PS: a [16, 32] x
+// [32, 16] product per instruction), else on AVX-512 BF16 dot products (VDPBF16PS: 16 columns of
+// one row per instruction; AMD Zen 4 and later). Both read w in pairs of rows, packed per strip of
+// columns into one layout, and x padded (or packed, "nk") the same way.
 //
-// Each output element is accumulated in its tile over k in ascending steps of 32, starting from
-// zero; a tile computes each of its rows from that row of x alone. So, as on the other path, no
-// sum depends on M, on the row's place in the batch or on the thread: a row is the same bits alone
-// and in any batch on this path. (The two paths differ from each other in the last bits: which one
-// runs depends on the machine and M, never on the other rows: see kAmxMinRows.)
+// Each output element is accumulated over k in ascending steps (a tile's 32, a dot product's 2),
+// starting from zero, from its row of x alone. So, as on the other path, no sum depends on M, on
+// the row's place in the batch or on the thread: a row is the same bits alone and in any batch on
+// a wide path. (The paths differ from each other in the last bits: which one runs depends on the
+// machine and M, never on the other rows: see kWideMinRows.)
+constexpr int64_t kWideRowAlign = 16;  // Mp: a tile's rows, a vector's float32 lanes
+constexpr int64_t kWideKAlign = 32;    // Kp: a tile's k step
+// "kn": a work item's columns of w (512 bytes of each row). Strips of 128, 256 and 512 columns ran
+// within the measuring machine's spread of each other (AMX, whole-model products at 16 and 48 rows,
+// 2026-12-02); runs of 256 bytes read memory slower than longer ones (~10 against ~18 GB/s on 2
+// threads), wider strips leave fewer items to share out.
+constexpr int64_t kStripCols = 256;
+constexpr int64_t kNkRows = 64;  // "nk": rows of w per work item
+
+// Rows [kb, kb + rows) of w's columns [n0, n0 + cols) ("kn", rows even) into dst [rows/2][kStripCols][2]:
+// (w[k, c], w[k+1, c]) side by side, zeros past w's last row and past cols.
+void pack_pairs(const Problem& p, int64_t n0, int64_t cols, int64_t kb, int64_t rows, uint16_t* packed) {
+  const int64_t N = p.N, K = p.K;
+  const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const int64_t body = cols - cols % 32;
+  for (int64_t i = 0; i < rows / 2; ++i) {
+    const int64_t r0 = kb + 2 * i, r1 = r0 + 1;
+    uint16_t* dst = packed + i * kStripCols * 2;
+    int64_t c = 0;
+    if (r1 < K) {
+      const uint16_t* a = p.w + r0 * N + n0;
+      const uint16_t* b = a + N;
+      if (r1 + kPrefetchRows < K) {
+        const char* ahead = reinterpret_cast<const char*>(a + kPrefetchRows * N);
+        for (int64_t line = 0; line < cols * 2; line += 64) {
+          _mm_prefetch(ahead + line, _MM_HINT_T0);
+          _mm_prefetch(ahead + N * sizeof(uint16_t) + line, _MM_HINT_T0);
+        }
+      }
+      for (; c < body; c += 32) {
+        const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+        const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi64(lo, lo_idx, hi));
+        _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi64(lo, hi_idx, hi));
+      }
+    }
+    for (; c < kStripCols; ++c) {  // columns past a multiple of 32, K's last odd row, K's padding
+      dst[2 * c] = (r0 < K && c < cols) ? p.w[r0 * N + n0 + c] : 0;
+      dst[2 * c + 1] = (r1 < K && c < cols) ? p.w[r1 * N + n0 + c] : 0;
+    }
+  }
+}
+
+// The wide paths' copies of x: "kn" x zero-padded to [Mp, Kp]; "nk" x packed in pairs of k, [Kp/2][Mp][2].
+void prepare_x(Problem& p, std::vector<uint16_t>& buf) {
+  p.Mp = (p.M + kWideRowAlign - 1) / kWideRowAlign * kWideRowAlign;
+  p.Kp = (p.K + kWideKAlign - 1) / kWideKAlign * kWideKAlign;
+  buf.assign(p.Mp * p.Kp, 0);
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t k = 0; k < p.K; ++k) {
+      const uint16_t v = p.x[m * p.K + k];
+      if (p.kn) {
+        buf[m * p.Kp + k] = v;
+      } else {
+        buf[((k / 2) * p.Mp + m) * 2 + (k & 1)] = v;
+      }
+    }
+  }
+  p.xp = buf.data();
+}
+#endif  // JAXINFER_WIDE
+
+#if defined(JAXINFER_AMX)
+// The AMX path. The tiles' loads bound it (~22 ns per 1 KB tile on the machine measured, one per
+// product at best with 8 tile registers), not memory: WORKSPACE.md, design decisions, 2026-12-02.
+// XLA's YNNPACK GEMM reached ~230 GFLOP/s at 48 rows there.
 constexpr int64_t kTileRows = 16;   // rows of every tile
 constexpr int64_t kTileK = 32;      // bfloat16 per row of an A tile: one k step
 constexpr int64_t kTileCols = 16;   // float32 columns of a C tile
-// "kn": a work item's columns of w (512 bytes of each row), packed kBlockRows rows at a time (1 MB:
-// in L2). Strips of 128, 256 and 512 columns ran within the measuring machine's spread of each
-// other (whole-model products at 16 and 48 rows, 2026-12-02); runs of 256 bytes read memory slower than
-// longer ones (~10 against ~18 GB/s on 2 threads), wider strips leave fewer items to share out.
-constexpr int64_t kStripCols = 256;
-constexpr int64_t kBlockRows = 2048;
-constexpr int64_t kNkRows = 64;     // "nk": rows of w per work item
+constexpr int64_t kBlockRows = 2048;  // "kn": rows of w packed at a time (1 MB: in L2)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -251,9 +321,9 @@ bool amx_permitted() {
 }
 
 // "kn", columns [n0, n0 + kStripCols) of w over all of K, in blocks of kBlockRows rows: each block
-// is packed into the B tiles' layout (rows k, k+1 interleaved: [rows/2][kStripCols][2]) and
-// multiplied by every row of x from that copy; the float32 sums carry from block to block in `sums`
-// ([Mp][kStripCols]), so every element is still one chain in k order.
+// is packed in pairs of rows (the B tiles' layout) and multiplied by every row of x from that copy;
+// the float32 sums carry from block to block in `sums` ([Mp][kStripCols]), so every element is
+// still one chain in k order.
 void amx_kn_strip(const Problem& p, int64_t n0) {
   const int64_t N = p.N, K = p.K, Kp = p.Kp;
   const int64_t cols = std::min(kStripCols, N - n0);
@@ -261,32 +331,11 @@ void amx_kn_strip(const Problem& p, int64_t n0) {
   thread_local std::vector<float> sums;
   packed.resize(kBlockRows * kStripCols);
   sums.resize(p.Mp * kStripCols);
-  const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-  const __m512i hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   const int64_t bstride = kStripCols * 2 * sizeof(uint16_t), astride = Kp * sizeof(uint16_t);
   const int64_t cstride = kStripCols * sizeof(float);
-  const int64_t body = cols - cols % 32;
   for (int64_t kb = 0; kb < Kp; kb += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, Kp - kb);
-    for (int64_t i = 0; i < rows / 2; ++i) {
-      const int64_t r0 = kb + 2 * i, r1 = r0 + 1;
-      uint16_t* dst = packed.data() + i * kStripCols * 2;
-      int64_t c = 0;
-      if (r1 < K) {
-        const uint16_t* a = p.w + r0 * N + n0;
-        const uint16_t* b = a + N;
-        for (; c < body; c += 32) {
-          const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
-          const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
-          _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi64(lo, lo_idx, hi));
-          _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi64(lo, hi_idx, hi));
-        }
-      }
-      for (; c < kStripCols; ++c) {  // columns past a multiple of 32, K's last odd row, K's padding
-        dst[2 * c] = (r0 < K && c < cols) ? p.w[r0 * N + n0 + c] : 0;
-        dst[2 * c + 1] = (r1 < K && c < cols) ? p.w[r1 * N + n0 + c] : 0;
-      }
-    }
+    pack_pairs(p, n0, cols, kb, rows, packed.data());
     configure_tiles();
     for (int64_t s = 0; s < cols; s += 2 * kTileCols) {
       const bool two = cols - s > kTileCols;
@@ -389,31 +438,147 @@ void amx_nk_block(const Problem& p, int64_t n0, int64_t n1) {
   _tile_release();
 }
 
-// The tiles' copies of x: "kn" x zero-padded to [Mp, Kp]; "nk" x packed as a B operand [Kp/2][Mp][2].
-void amx_prepare_x(Problem& p, std::vector<uint16_t>& buf) {
-  p.Mp = (p.M + kTileRows - 1) / kTileRows * kTileRows;
-  p.Kp = (p.K + kTileK - 1) / kTileK * kTileK;
-  buf.assign(p.Mp * p.Kp, 0);
-  for (int64_t m = 0; m < p.M; ++m) {
-    for (int64_t k = 0; k < p.K; ++k) {
-      const uint16_t v = p.x[m * p.K + k];
-      if (p.kn) {
-        buf[m * p.Kp + k] = v;
-      } else {
-        buf[((k / 2) * p.Mp + m) * 2 + (k & 1)] = v;
+#endif  // JAXINFER_AMX
+
+#if defined(JAXINFER_DOT)
+// The AVX-512 BF16 path: VDPBF16PS adds (a[2i] b[2i] + a[2i+1] b[2i+1]) into float32 lane i, 32
+// products per instruction, twice the float32 FMA's. A register tile of kDotRows x kDotVecs
+// accumulators (24 of the 32 vector registers) takes one pair of x per row as a broadcast and 16
+// columns' pairs of w per vector, so each step issues 24 dot products for 10 loads.
+constexpr int64_t kDotRows = 6;
+constexpr int64_t kDotVecs = 4;
+// "kn": rows of w packed at a time: 512 KB at 256 columns, half of a Zen 5 core's L2.
+constexpr int64_t kDotBlockRows = 1024;
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+inline __m512i broadcast_pair(const uint16_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// "kn": c[r, 16 j + l] (+)= sum over pairs i of x[r] pair i . packed pair i, for R rows of x (a,
+// row stride astride, pairs from 0) and V vectors of columns (b, pair stride kStripCols * 2); c has
+// row stride kStripCols and starts from zero where `zero`.
+template <int R, int V>
+void dot_kn_tile(const uint16_t* b, int64_t pairs, const uint16_t* a, int64_t astride, float* c, bool zero) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < V; ++j) acc[r][j] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * kStripCols + 16 * j);
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t* bi = b + i * kStripCols * 2;
+    __m512i bv[V];
+    for (int j = 0; j < V; ++j) bv[j] = _mm512_loadu_si512(bi + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512i av = broadcast_pair(a + r * astride + 2 * i);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(av), as_bh(bv[j]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(c + r * kStripCols + 16 * j, acc[r][j]);
+  }
+}
+
+// "nk": out[m0 + 16 j + l, n + r] = sum over pairs i of w[n + r] pair i . x's packed pair i, for R
+// rows of w (w, row stride K) and V vectors of 16 rows of x (b = xp + 2 m0, pair stride 2 Mp); the
+// last pair of an odd K is (w[K-1], 0), x's padding being zero.
+template <int R, int V>
+void dot_nk_tile(const Problem& p, const uint16_t* w, const uint16_t* b, int64_t n, int64_t m0) {
+  const int64_t K = p.K, bstride = 2 * p.Mp;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  const int64_t full = K / 2;
+  for (int64_t i = 0; i <= full; ++i) {
+    if (i == full && K % 2 == 0) break;
+    const uint16_t* bi = b + i * bstride;
+    __m512i bv[V];
+    for (int j = 0; j < V; ++j) bv[j] = _mm512_loadu_si512(bi + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512i av = i < full ? broadcast_pair(w + r * K + 2 * i) : _mm512_set1_epi32(w[r * K + 2 * i]);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(av), as_bh(bv[j]));
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < V; ++j) {
+      _mm512_store_ps(lanes, acc[r][j]);
+      for (int64_t l = 0, m = m0 + 16 * j; l < 16 && m < p.M; ++l, ++m) p.out[m * p.N + n + r] = lanes[l];
+    }
+  }
+}
+
+// The instantiations for every tile shape up to kDotRows x kDotVecs, indexed [R - 1][V - 1].
+template <int R, int... V>
+constexpr auto kn_row(std::integer_sequence<int, V...>) {
+  return std::array<decltype(&dot_kn_tile<1, 1>), sizeof...(V)>{&dot_kn_tile<R, V + 1>...};
+}
+template <int... R>
+constexpr auto kn_tiles(std::integer_sequence<int, R...>) {
+  return std::array{kn_row<R + 1>(std::make_integer_sequence<int, kDotVecs>())...};
+}
+template <int R, int... V>
+constexpr auto nk_row(std::integer_sequence<int, V...>) {
+  return std::array<decltype(&dot_nk_tile<1, 1>), sizeof...(V)>{&dot_nk_tile<R, V + 1>...};
+}
+template <int... R>
+constexpr auto nk_tiles(std::integer_sequence<int, R...>) {
+  return std::array{nk_row<R + 1>(std::make_integer_sequence<int, kDotVecs>())...};
+}
+constexpr auto kDotKn = kn_tiles(std::make_integer_sequence<int, kDotRows>());
+constexpr auto kDotNk = nk_tiles(std::make_integer_sequence<int, kDotRows>());
+
+// "kn", columns [n0, n0 + kStripCols) of w over all of K, packed kDotBlockRows rows at a time; the
+// float32 sums carry from block to block in `sums` ([M][kStripCols]), one chain in k order each.
+void dot_kn_strip(const Problem& p, int64_t n0) {
+  const int64_t Kp = p.Kp;
+  const int64_t cols = std::min(kStripCols, p.N - n0);
+  thread_local std::vector<uint16_t> packed;
+  thread_local std::vector<float> sums;
+  packed.resize(kDotBlockRows * kStripCols);
+  sums.resize(p.M * kStripCols);
+  for (int64_t kb = 0; kb < Kp; kb += kDotBlockRows) {
+    const int64_t rows = std::min(kDotBlockRows, Kp - kb);
+    pack_pairs(p, n0, cols, kb, rows, packed.data());
+    for (int64_t s = 0; s < cols; s += 16 * kDotVecs) {
+      const int64_t v = std::min<int64_t>(kDotVecs, (cols - s + 15) / 16);
+      for (int64_t m0 = 0; m0 < p.M; m0 += kDotRows) {
+        const int64_t r = std::min(kDotRows, p.M - m0);
+        kDotKn[r - 1][v - 1](packed.data() + 2 * s, rows / 2, p.xp + m0 * Kp + kb, Kp, sums.data() + m0 * kStripCols + s,
+                             kb == 0);
       }
     }
   }
-  p.xp = buf.data();
+  for (int64_t m = 0; m < p.M; ++m) {
+    std::memcpy(p.out + m * p.N + n0, sums.data() + m * kStripCols, cols * sizeof(float));
+  }
 }
-#endif  // JAXINFER_AMX
 
-// Whether the AMX path can run: built for a CPU with AMX, and the OS grants the tiles.
-bool amx_ready() {
+// "nk": rows [n0, n1) of w [N, K] against x packed in pairs of k ([Kp/2][Mp][2]).
+void dot_nk_block(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += kDotRows) {
+    const int64_t r = std::min(kDotRows, n1 - n);
+    for (int64_t m0 = 0; m0 < p.M; m0 += 16 * kDotVecs) {
+      const int64_t v = std::min<int64_t>(kDotVecs, (p.M - m0 + 15) / 16);
+      kDotNk[r - 1][v - 1](p, p.w + n * p.K, p.xp + 2 * m0, n, m0);
+    }
+  }
+}
+#endif  // JAXINFER_DOT
+
+// Which wide path runs 9..64 rows here: AMX where it was built for a CPU with AMX and the OS grants
+// the tiles, else the AVX-512 BF16 dot products where the CPU has them, else none.
+Problem::Wide wide_path() {
 #if defined(JAXINFER_AMX)
-  return amx_permitted();
+  if (amx_permitted()) return Problem::Wide::kAmx;
+#endif
+#if defined(JAXINFER_DOT)
+  return Problem::Wide::kDot;
 #else
-  return false;
+  return Problem::Wide::kNone;
 #endif
 }
 
@@ -421,10 +586,17 @@ void drain(Shared& s) {
   const Problem& p = s.problem;
   for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < p.items;) {
 #if defined(JAXINFER_AMX)
-    if (p.amx && p.kn) {
+    if (p.wide == Problem::Wide::kAmx && p.kn) {
       amx_kn_strip(p, i * kStripCols);
-    } else if (p.amx) {
+    } else if (p.wide == Problem::Wide::kAmx) {
       amx_nk_block(p, i * kNkRows, std::min(p.N, (i + 1) * kNkRows));
+    } else
+#endif
+#if defined(JAXINFER_DOT)
+    if (p.wide == Problem::Wide::kDot && p.kn) {
+      dot_kn_strip(p, i * kStripCols);
+    } else if (p.wide == Problem::Wide::kDot) {
+      dot_nk_block(p, i * kNkRows, std::min(p.N, (i + 1) * kNkRows));
     } else
 #endif
     if (p.kn) {
@@ -476,11 +648,11 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
     std::fill(p.out, p.out + p.M * p.N, 0.0f);
     return ffi::Error::Success();
   }
-#if defined(JAXINFER_AMX)
-  if (p.M >= kAmxMinRows && p.M <= kAmxMaxRows && amx_ready()) {
+#if defined(JAXINFER_WIDE)
+  if (p.M >= kWideMinRows && p.M <= kWideMaxRows && wide_path() != Problem::Wide::kNone) {
     thread_local std::vector<uint16_t> xbuf;
-    p.amx = true;
-    amx_prepare_x(p, xbuf);
+    p.wide = wide_path();
+    prepare_x(p, xbuf);
     p.items = kn ? (p.N + kStripCols - 1) / kStripCols : (p.N + kNkRows - 1) / kNkRows;
     run(pool, shared);
     return ffi::Error::Success();
@@ -510,11 +682,12 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 
 }  // namespace
 
-// For jaxinfer.native: [from, to] rows of the AMX path, or from = 0 where there is none.
-extern "C" void JaxinferMatmulAmxRows(int64_t* from, int64_t* to) {
-  const bool ready = amx_ready();
-  *from = ready ? kAmxMinRows : 0;
-  *to = ready ? kAmxMaxRows : 0;
+// For jaxinfer.native: the wide path here (0 none, 1 AMX, 2 AVX-512 BF16) and its [from, to] rows.
+extern "C" int JaxinferMatmulWidePath(int64_t* from, int64_t* to) {
+  const Problem::Wide wide = wide_path();
+  *from = wide == Problem::Wide::kNone ? 0 : kWideMinRows;
+  *to = wide == Problem::Wide::kNone ? 0 : kWideMaxRows;
+  return static_cast<int>(wide);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16MatmulImpl,
