@@ -83,6 +83,11 @@ constexpr int64_t kChunkRows = 64;
 // hardware prefetcher alone (median step 12.2-13.4 against 13.7-15.8 ms for the 150M Llama's 246 MB
 // of bfloat16 products, three alternating pairs, 2026-12-01); 16 rows ahead was slower.
 constexpr int64_t kPrefetchRows = 8;
+// Products of fewer weights than this run on the calling thread only: a dependent chain of [1024,
+// 256] products (k and v of a layer) took 25 against 45 us per call with a helper (2026-12-02).
+constexpr int64_t kSmallProduct = 1 << 19;
+// Rows of w one pass of "kn" reads together: each pass loads and stores the partial sums once.
+constexpr int64_t kPassRows = 8;
 constexpr int64_t kLanes = 16;
 // Rows of x a wide path takes, where there is one: from kWideMinRows (below it the AVX-512 loops
 // are faster: the whole 150M model's products took 10 ms at one row there, AMX tiles ~24 ms at 16)
@@ -116,37 +121,32 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
   std::fill(acc, acc + M * N, 0.0f);
   const int64_t body = N - N % kLanes;
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
+  for (; r + kPassRows <= rows; r += kPassRows) {
     const uint16_t* w0 = p.w + (k0 + r) * N;
-    const uint16_t *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-    const bool prefetch = r + kPrefetchRows + 4 <= rows;
+    const bool prefetch = k0 + r + kPrefetchRows + kPassRows <= K;  // into the next chunk too
     int64_t j = 0;
 #if defined(__AVX512F__)
     for (; j < body; j += kLanes) {
-      if (prefetch && (j & 31) == 0) {  // once per 64-byte line of each of the four rows
+      if (prefetch && (j & 31) == 0) {  // once per 64-byte line of each row of the pass
         const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
-        for (int64_t i = 0; i < 4; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
+        for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
       }
-      const __m512 v0 = load_bf16x16(w0 + j), v1 = load_bf16x16(w1 + j);
-      const __m512 v2 = load_bf16x16(w2 + j), v3 = load_bf16x16(w3 + j);
+      __m512 v[kPassRows];
+      for (int64_t i = 0; i < kPassRows; ++i) v[i] = load_bf16x16(w0 + i * N + j);
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = xf.data() + m * rows + r;
         float* a = acc + m * N + j;
         __m512 s = _mm512_loadu_ps(a);
-        s = _mm512_fmadd_ps(_mm512_set1_ps(xm[0]), v0, s);
-        s = _mm512_fmadd_ps(_mm512_set1_ps(xm[1]), v1, s);
-        s = _mm512_fmadd_ps(_mm512_set1_ps(xm[2]), v2, s);
-        s = _mm512_fmadd_ps(_mm512_set1_ps(xm[3]), v3, s);
+        for (int64_t i = 0; i < kPassRows; ++i) s = _mm512_fmadd_ps(_mm512_set1_ps(xm[i]), v[i], s);
         _mm512_storeu_ps(a, s);
       }
     }
 #endif
     for (; j < N; ++j) {
-      const float f0 = bf16_to_f32(w0[j]), f1 = bf16_to_f32(w1[j]), f2 = bf16_to_f32(w2[j]), f3 = bf16_to_f32(w3[j]);
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = xf.data() + m * rows + r;
         float& a = acc[m * N + j];
-        a = std::fma(xm[3], f3, std::fma(xm[2], f2, std::fma(xm[1], f1, std::fma(xm[0], f0, a))));
+        for (int64_t i = 0; i < kPassRows; ++i) a = std::fma(xm[i], bf16_to_f32(w0[i * N + j]), a);
       }
     }
   }
@@ -613,7 +613,10 @@ void drain(Shared& s) {
 }
 
 void run(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& shared) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->problem.items - 1);
+  const Problem& p = shared->problem;
+  // A small product runs on the calling thread alone: waking a helper cost more than it saved.
+  const bool small = p.K * p.N < kSmallProduct;
+  const int64_t helpers = small ? 0 : std::min<int64_t>(pool.num_threads(), p.items - 1);
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared] { drain(*shared); });
   }
