@@ -159,6 +159,33 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
   }
 }
 
+#if defined(__AVX512F__)
+// nk_block's sums for the G <= 8 rows of x and rows [n, n + R) of w, K a multiple of 16: the same
+// chains, R rows of w at a time (G x R <= 16 accumulators), so that few rows of x keep several FMA
+// chains in flight and each loaded piece of x serves R rows of w. A tied head [32000, 1024] at 2, 4
+// rows: 2.50 -> 2.08, 3.67 -> 2.46 ms (2026-12-02).
+template <int G, int R>
+void nk_rows(const Problem& p, const float* xf, int64_t n) {
+  const int64_t K = p.K, N = p.N;
+  const uint16_t* wn = p.w + n * K;
+  __m512 s[R][G];
+  for (int j = 0; j < R; ++j) {
+    for (int i = 0; i < G; ++i) s[j][i] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += kLanes) {
+    __m512 v[R];
+    for (int j = 0; j < R; ++j) v[j] = load_bf16x16(wn + j * K + k);
+    for (int i = 0; i < G; ++i) {
+      const __m512 xi = _mm512_loadu_ps(xf + i * K + k);
+      for (int j = 0; j < R; ++j) s[j][i] = _mm512_fmadd_ps(xi, v[j], s[j][i]);
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    for (int i = 0; i < G; ++i) p.out[i * N + n + j] = _mm512_reduce_add_ps(s[j][i]);
+  }
+}
+#endif
+
 // out[m, n] = x[m, :] . w[n, :] for n in [n0, n1): 16 lanes (lane = k mod 16), each summed in k
 // order, then the lanes in a fixed tree. Up to 8 rows of x share each converted piece of w.
 void nk_block(const Problem& p, int64_t n0, int64_t n1) {
@@ -169,7 +196,17 @@ void nk_block(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(p.x[i]);
   constexpr int64_t kGroup = 8;
   float lanes[kGroup][kLanes];
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+#if defined(__AVX512F__)
+  if (M <= kGroup && K % kLanes == 0) {
+    using Rows = void (*)(const Problem&, const float*, int64_t);
+    constexpr Rows kRows[] = {nk_rows<1, 4>, nk_rows<2, 4>, nk_rows<3, 4>, nk_rows<4, 4>,
+                              nk_rows<5, 2>, nk_rows<6, 2>, nk_rows<7, 2>, nk_rows<8, 2>};
+    const int64_t r = M <= 4 ? 4 : 2;
+    for (; n + r <= n1; n += r) kRows[M - 1](p, xf.data(), n);
+  }
+#endif
+  for (; n < n1; ++n) {
     const uint16_t* wn = p.w + n * K;
     for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
       const int64_t g = std::min(kGroup, M - m0);
