@@ -126,6 +126,30 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
     const bool prefetch = k0 + r + kPrefetchRows + kPassRows <= K;  // into the next chunk too
     int64_t j = 0;
 #if defined(__AVX512F__)
+    // Two vectors of columns at a time where M > 1, so each row of x's broadcasts serve both.
+    for (; M > 1 && j + 2 * kLanes <= body; j += 2 * kLanes) {
+      if (prefetch) {  // one 64-byte line of each row of the pass
+        const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
+        for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
+      }
+      __m512 v[kPassRows], u[kPassRows];
+      for (int64_t i = 0; i < kPassRows; ++i) {
+        v[i] = load_bf16x16(w0 + i * N + j);
+        u[i] = load_bf16x16(w0 + i * N + j + kLanes);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = xf.data() + m * rows + r;
+        float* a = acc + m * N + j;
+        __m512 s = _mm512_loadu_ps(a), t = _mm512_loadu_ps(a + kLanes);
+        for (int64_t i = 0; i < kPassRows; ++i) {
+          const __m512 xi = _mm512_set1_ps(xm[i]);
+          s = _mm512_fmadd_ps(xi, v[i], s);
+          t = _mm512_fmadd_ps(xi, u[i], t);
+        }
+        _mm512_storeu_ps(a, s);
+        _mm512_storeu_ps(a + kLanes, t);
+      }
+    }
     for (; j < body; j += kLanes) {
       if (prefetch && (j & 31) == 0) {  // once per 64-byte line of each row of the pass
         const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
