@@ -32,11 +32,13 @@ def _bound(x, w):
     return 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))) + 1e-30
 
 
-# M in 1..9, K on and off the 4-row passes and 64-row chunks, N on and off the 16-lane vectors; then
+# M in 1..9, K on and off the 8-row passes and 64-row chunks, N on and off the 16-lane vectors and
+# 512-column blocks; then
 # the wide path's rows (9..64, where the CPU has AMX or AVX-512 BF16): M on and off the 16-row tiles
 # and 6-row register tiles, K odd, on and off the 32-deep steps and past one 1024- and 2048-row
 # block, N on and off the 16-column vectors, 64-column register tiles and 256-column strips.
 SHAPES = [(1, 1024, 5632), (2, 64, 16), (3, 65, 17), (4, 7, 1), (5, 1, 33), (8, 130, 48), (9, 257, 31), (1, 3000, 3)]
+SHAPES += [(6, 70, 1100)]  # past two 512-column blocks, a ragged last vector
 SHAPES += [(16, 32, 16), (17, 65, 600), (40, 100, 300), (33, 2100, 40), (64, 1024, 256), (48, 31, 17), (12, 1, 513)]
 SHAPES += [(13, 1025, 70), (64, 1030, 1000)]
 

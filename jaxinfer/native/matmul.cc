@@ -86,6 +86,8 @@ constexpr int64_t kPrefetchRows = 8;
 // Products of fewer weights than this run on the calling thread only: a dependent chain of [1024,
 // 256] products (k and v of a layer) took 25 against 45 us per call with a helper (2026-12-02).
 constexpr int64_t kSmallProduct = 1 << 19;
+// Columns of w a pass of "kn" covers where M > 1 (x rows' partial sums for them: 16 KB at 8 rows).
+constexpr int64_t kColBlock = 512;
 // Rows of w one pass of "kn" reads together: each pass loads and stores the partial sums once.
 constexpr int64_t kPassRows = 8;
 constexpr int64_t kLanes = 16;
@@ -119,66 +121,72 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
     for (int64_t r = 0; r < rows; ++r) xf[m * rows + r] = bf16_to_f32(p.x[m * K + k0 + r]);
   }
   std::fill(acc, acc + M * N, 0.0f);
-  const int64_t body = N - N % kLanes;
-  int64_t r = 0;
-  for (; r + kPassRows <= rows; r += kPassRows) {
-    const uint16_t* w0 = p.w + (k0 + r) * N;
-    const bool prefetch = k0 + r + kPrefetchRows + kPassRows <= K;  // into the next chunk too
-    int64_t j = 0;
+  // Several rows of x: a block of columns at a time, so that its partial sums stay in L1 across the
+  // chunk's passes (the whole [M, N] round-tripped through L2 once per pass).
+  const int64_t width = M > 1 ? kColBlock : N;
+  for (int64_t c0 = 0; c0 < N; c0 += width) {
+    const int64_t c1 = std::min(N, c0 + width);
+    const int64_t body = std::min(c1, N - N % kLanes);
+    int64_t r = 0;
+    for (; r + kPassRows <= rows; r += kPassRows) {
+      const uint16_t* w0 = p.w + (k0 + r) * N;
+      const bool prefetch = k0 + r + kPrefetchRows + kPassRows <= K;  // into the next chunk too
+      int64_t j = c0;
 #if defined(__AVX512F__)
-    // Two vectors of columns at a time where M > 1, so each row of x's broadcasts serve both.
-    for (; M > 1 && j + 2 * kLanes <= body; j += 2 * kLanes) {
-      if (prefetch) {  // one 64-byte line of each row of the pass
-        const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
-        for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
-      }
-      __m512 v[kPassRows], u[kPassRows];
-      for (int64_t i = 0; i < kPassRows; ++i) {
-        v[i] = load_bf16x16(w0 + i * N + j);
-        u[i] = load_bf16x16(w0 + i * N + j + kLanes);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xf.data() + m * rows + r;
-        float* a = acc + m * N + j;
-        __m512 s = _mm512_loadu_ps(a), t = _mm512_loadu_ps(a + kLanes);
-        for (int64_t i = 0; i < kPassRows; ++i) {
-          const __m512 xi = _mm512_set1_ps(xm[i]);
-          s = _mm512_fmadd_ps(xi, v[i], s);
-          t = _mm512_fmadd_ps(xi, u[i], t);
+      // Two vectors of columns at a time where M > 1, so each row of x's broadcasts serve both.
+      for (; M > 1 && j + 2 * kLanes <= body; j += 2 * kLanes) {
+        if (prefetch) {  // one 64-byte line of each row of the pass
+          const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
+          for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
         }
-        _mm512_storeu_ps(a, s);
-        _mm512_storeu_ps(a + kLanes, t);
+        __m512 v[kPassRows], u[kPassRows];
+        for (int64_t i = 0; i < kPassRows; ++i) {
+          v[i] = load_bf16x16(w0 + i * N + j);
+          u[i] = load_bf16x16(w0 + i * N + j + kLanes);
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xm = xf.data() + m * rows + r;
+          float* a = acc + m * N + j;
+          __m512 s = _mm512_loadu_ps(a), t = _mm512_loadu_ps(a + kLanes);
+          for (int64_t i = 0; i < kPassRows; ++i) {
+            const __m512 xi = _mm512_set1_ps(xm[i]);
+            s = _mm512_fmadd_ps(xi, v[i], s);
+            t = _mm512_fmadd_ps(xi, u[i], t);
+          }
+          _mm512_storeu_ps(a, s);
+          _mm512_storeu_ps(a + kLanes, t);
+        }
       }
-    }
-    for (; j < body; j += kLanes) {
-      if (prefetch && (j & 31) == 0) {  // once per 64-byte line of each row of the pass
-        const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
-        for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
+      for (; j < body; j += kLanes) {
+        if (prefetch && (j & 31) == 0) {  // once per 64-byte line of each row of the pass
+          const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
+          for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
+        }
+        __m512 v[kPassRows];
+        for (int64_t i = 0; i < kPassRows; ++i) v[i] = load_bf16x16(w0 + i * N + j);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xm = xf.data() + m * rows + r;
+          float* a = acc + m * N + j;
+          __m512 s = _mm512_loadu_ps(a);
+          for (int64_t i = 0; i < kPassRows; ++i) s = _mm512_fmadd_ps(_mm512_set1_ps(xm[i]), v[i], s);
+          _mm512_storeu_ps(a, s);
+        }
       }
-      __m512 v[kPassRows];
-      for (int64_t i = 0; i < kPassRows; ++i) v[i] = load_bf16x16(w0 + i * N + j);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xf.data() + m * rows + r;
-        float* a = acc + m * N + j;
-        __m512 s = _mm512_loadu_ps(a);
-        for (int64_t i = 0; i < kPassRows; ++i) s = _mm512_fmadd_ps(_mm512_set1_ps(xm[i]), v[i], s);
-        _mm512_storeu_ps(a, s);
-      }
-    }
 #endif
-    for (; j < N; ++j) {
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = xf.data() + m * rows + r;
-        float& a = acc[m * N + j];
-        for (int64_t i = 0; i < kPassRows; ++i) a = std::fma(xm[i], bf16_to_f32(w0[i * N + j]), a);
+      for (; j < c1; ++j) {
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xm = xf.data() + m * rows + r;
+          float& a = acc[m * N + j];
+          for (int64_t i = 0; i < kPassRows; ++i) a = std::fma(xm[i], bf16_to_f32(w0[i * N + j]), a);
+        }
       }
     }
-  }
-  for (; r < rows; ++r) {
-    const uint16_t* wr = p.w + (k0 + r) * N;
-    for (int64_t j = 0; j < N; ++j) {
-      const float f = bf16_to_f32(wr[j]);
-      for (int64_t m = 0; m < M; ++m) acc[m * N + j] = std::fma(xf[m * rows + r], f, acc[m * N + j]);
+    for (; r < rows; ++r) {
+      const uint16_t* wr = p.w + (k0 + r) * N;
+      for (int64_t j = c0; j < c1; ++j) {
+        const float f = bf16_to_f32(wr[j]);
+        for (int64_t m = 0; m < M; ++m) acc[m * N + j] = std::fma(xf[m * rows + r], f, acc[m * N + j]);
+      }
     }
   }
 }
