@@ -534,6 +534,17 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
 
 
+def argmax_last_axis(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) - the first index of the largest value, the first NaN where there is
+    one - as two single-operand reductions (a max, then a min over the indices that hold it), which
+    XLA CPU vectorizes: its variadic argmax reduce took 4.0 ms for [48, 32000] float32 logits against
+    0.98 here (0.22 against 0.07 for one row; 2026-12-02, 2 vCPUs Zen 5), ~10% of a 48-row step."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)  # NaN: the max is NaN, and argmax takes the first NaN
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def _last_true(mask: jax.Array) -> jax.Array:
     """Index of the last true entry along the last axis (0 when none is)."""
     return mask.shape[-1] - 1 - jnp.argmax(mask[..., ::-1], axis=-1)
@@ -634,7 +645,7 @@ def _sample(logits: jax.Array, processed: jax.Array, params: SamplingBatch) -> S
     Each optional stage (the stochastic path, log-probability top-n) sits behind a `lax.cond` on
     whether any row needs it, so an all-greedy batch pays for an argmax only.
     """
-    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy = argmax_last_axis(processed)
 
     def stochastic():
         # +inf (a repetition penalty that rounded to 0 in float32 divides a positive logit by it)

@@ -65,6 +65,18 @@ def test_greedy_and_top_k_1_are_argmax():
     assert got.tolist() == [int(np.argmax(LOGITS))] * 2
 
 
+def test_argmax_last_axis_is_numpys_argmax_ties_nan_and_infinities_included():
+    """The first index of the largest value (NumPy's rule, and jnp.argmax's): ties, all -inf rows,
+    +inf, signed zeros, NaN anywhere (the first NaN wins), and rows of a wide random batch."""
+    nan, inf = np.nan, np.inf
+    rows = [[1, 3, 3, 2], [nan, 1, nan, 5], [1, 2, nan, nan], [-inf] * 4, [inf, 1, inf, 2], [-0.0, 0.0, -1, -2],
+            [0.0, -0.0, -1, -2], [-inf, -5, -inf, -5], [2, 2, 2, 2]]  # fmt: skip
+    x = np.array(rows, np.float32)
+    wide = np.random.default_rng(0).integers(-3, 4, (48, 32000)).astype(np.float32)  # many ties per row
+    for a in (x, wide, wide[:1]):
+        assert np.asarray(jax.jit(sp.argmax_last_axis)(a)).tolist() == np.argmax(a, axis=-1).tolist()
+
+
 def test_temperatures_below_the_greedy_threshold_are_greedy():
     """0 < T < 1e-5 (vLLM's cut) is greedy: dividing a 1-ulp near-tie by it would be a coin flip."""
     tie = np.zeros(V, np.float32)
