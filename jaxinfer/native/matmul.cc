@@ -581,24 +581,24 @@ void dot_nk_tile(const Problem& p, const uint16_t* w, const uint16_t* b, int64_t
 }
 
 // The instantiations for every tile shape up to kDotRows x kDotVecs, indexed [R - 1][V - 1].
-template <int R, int... V>
-constexpr auto kn_row(std::integer_sequence<int, V...>) {
-  return std::array<decltype(&dot_kn_tile<1, 1>), sizeof...(V)>{&dot_kn_tile<R, V + 1>...};
+struct KnTile {
+  template <int R, int V>
+  static constexpr auto fn = &dot_kn_tile<R, V>;
+};
+struct NkTile {
+  template <int R, int V>
+  static constexpr auto fn = &dot_nk_tile<R, V>;
+};
+template <class Tile, int R, int... V>
+constexpr auto tile_row(std::integer_sequence<int, V...>) {
+  return std::array{Tile::template fn<R, V + 1>...};
 }
-template <int... R>
-constexpr auto kn_tiles(std::integer_sequence<int, R...>) {
-  return std::array{kn_row<R + 1>(std::make_integer_sequence<int, kDotVecs>())...};
+template <class Tile, int... R>
+constexpr auto tile_table(std::integer_sequence<int, R...>) {
+  return std::array{tile_row<Tile, R + 1>(std::make_integer_sequence<int, kDotVecs>())...};
 }
-template <int R, int... V>
-constexpr auto nk_row(std::integer_sequence<int, V...>) {
-  return std::array<decltype(&dot_nk_tile<1, 1>), sizeof...(V)>{&dot_nk_tile<R, V + 1>...};
-}
-template <int... R>
-constexpr auto nk_tiles(std::integer_sequence<int, R...>) {
-  return std::array{nk_row<R + 1>(std::make_integer_sequence<int, kDotVecs>())...};
-}
-constexpr auto kDotKn = kn_tiles(std::make_integer_sequence<int, kDotRows>());
-constexpr auto kDotNk = nk_tiles(std::make_integer_sequence<int, kDotRows>());
+constexpr auto kDotKn = tile_table<KnTile>(std::make_integer_sequence<int, kDotRows>());
+constexpr auto kDotNk = tile_table<NkTile>(std::make_integer_sequence<int, kDotRows>());
 
 // "kn", columns [n0, n0 + kStripCols) of w over all of K, packed kDotBlockRows rows at a time; the
 // float32 sums carry from block to block in `sums` ([M][kStripCols]), one chain in k order each.
