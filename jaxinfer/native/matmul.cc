@@ -560,14 +560,12 @@ void dot_nk_tile(const Problem& p, const uint16_t* w, const uint16_t* b, int64_t
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
   }
-  const int64_t full = K / 2;
-  for (int64_t i = 0; i <= full; ++i) {
-    if (i == full && K % 2 == 0) break;
+  for (int64_t i = 0; i < (K + 1) / 2; ++i) {
     const uint16_t* bi = b + i * bstride;
     __m512i bv[V];
     for (int j = 0; j < V; ++j) bv[j] = _mm512_loadu_si512(bi + 32 * j);
     for (int r = 0; r < R; ++r) {
-      const __m512i av = i < full ? broadcast_pair(w + r * K + 2 * i) : _mm512_set1_epi32(w[r * K + 2 * i]);
+      const __m512i av = 2 * i + 1 < K ? broadcast_pair(w + r * K + 2 * i) : _mm512_set1_epi32(w[r * K + 2 * i]);
       for (int j = 0; j < V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(av), as_bh(bv[j]));
     }
   }
