@@ -215,7 +215,12 @@ def tiled_paged_attention(
     b, t, n, h = q.shape
     nk, _, s, _ = k_pages.shape
     g = n // nk
-    rows = min(rows_per_tile, b)
+    # Decode keeps whole groups of rows_per_tile rows even for a smaller batch, so that every tile is
+    # computed at one shape whatever the batch: XLA CPU rounds a reduction by its operand's shape
+    # (a row's scores summed over H in a [K, 1, G, 8] tile and a [K, 4, G, 8] one differed in the
+    # last bit on an AVX2 CPU, AMD Zen 3, 2026-12-02). A chunk's rows, whose tiles are larger, keep
+    # the batch's size.
+    rows = rows_per_tile if t == 1 else min(rows_per_tile, b)
     pages_per_tile = max(1, tokens_per_tile // s)
     tile = pages_per_tile * s
     # Pad rows to whole row groups (padding rows: length 0) and the table to whole tiles (scratch

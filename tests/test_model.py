@@ -186,9 +186,33 @@ def test_kv_cache_bits_do_not_depend_on_how_the_prompt_is_chunked(params):
         return [np.asarray(a) for a in (*cache.k, *cache.v)]
 
     whole = cache_after([23])
-    for chunks in ([16, 7], [5, 18], [2, 3, 8, 10]):
+    chunkings = ([16, 7], [5, 18], [2, 3, 8, 10])
+    # Our own sums are shape-independent by construction (sum_last_axis); XLA's float32 matrix
+    # product is not on every CPU: Eigen's, on an AVX2-only AMD Zen 3, rounded rows in a partial
+    # panel differently (2026-12-02). There the K/V can be only as exact as that product.
+    exact = all(_xla_dot_rows_are_chunk_invariant(CFG.hidden_size, n, chunkings) for n in (32, 64, 96))
+    for chunks in chunkings:
         for a, b in zip(cache_after(chunks), whole):
-            np.testing.assert_array_equal(a, b)
+            if exact:
+                np.testing.assert_array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _xla_dot_rows_are_chunk_invariant(k: int, n: int, chunkings) -> bool:
+    """Whether XLA's float32 product [T, k] x [k, n] gives every row the same bits in each chunking
+    of T rows as in one product of all of them, here."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((sum(chunkings[0]), k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    product = jax.jit(lambda a: a @ w)
+    whole = np.asarray(product(x))
+    for chunks in chunkings:
+        starts = np.cumsum([0, *chunks])
+        for lo, hi in zip(starts[:-1], starts[1:]):
+            if not np.array_equal(np.asarray(product(x[lo:hi])), whole[lo:hi]):
+                return False
+    return True
 
 
 @pytest.mark.parametrize("width", [64, 100, 130, 2304])  # 130: odd part 65, zero-padded to 192
