@@ -72,29 +72,33 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(transposed, k):
 
 
 @pytest.mark.skipif(
-    native.wide_path() is None, reason="no AMX or AVX-512 BF16 here (Intel Sapphire Rapids, AMD Zen 4 or later)"
+    native.wide_path() is None, reason="no wide path here: no AMX, AVX-512 BF16 or AVX2 (or no native library)"
 )
+@pytest.mark.parametrize("k", [2101, 2112], ids=["k2101", "k2112"])  # 2112: the AVX2 "nk" loops (K a multiple of 16)
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-def test_a_row_is_the_same_bits_in_any_batch_of_the_wide_path(transposed):
+def test_a_row_is_the_same_bits_in_any_batch_of_the_wide_path(transposed, k):
     """From wide_path()[1] rows on, the tiles or dot products sum each output alone: a row of a
     64-row batch is the same bits in a batch of the fewest rows that path takes, whatever the other
-    rows hold."""
-    _, lo, hi = native.wide_path()
+    rows hold. The AVX2 path sums in the few-row loops' order: there a row is also the same bits alone."""
+    name, lo, hi = native.wide_path()
     rng = np.random.default_rng(8)
-    w = _bf16(rng, (2101, 300))  # past one 2048-row block of w (odd K), and one 256-column strip
+    w = _bf16(rng, (k, 300))  # past one 2048-row block of w, and one 256-column strip
     w = w.T if transposed else w
-    x = _bf16(rng, (hi, 2101))
+    x = _bf16(rng, (hi, k))
     whole = np.asarray(_matmul(x, w, transposed=transposed))
     for row in (0, 17, hi - 1):
-        others = _bf16(rng, (lo - 1, 2101))
+        others = _bf16(rng, (lo - 1, k))
         few = np.asarray(_matmul(jnp.concatenate([others, x[row : row + 1]]), w, transposed=transposed))
         np.testing.assert_array_equal(few[-1], whole[row])
+        if name == "avx2":
+            alone = np.asarray(_matmul(x[row : row + 1], w, transposed=transposed))
+            np.testing.assert_array_equal(alone[0], whole[row])
 
 
 def test_the_wide_path_is_claimed_only_where_the_cpu_has_it():
     """The wide path follows the CPU: AMX only with amx_bf16 in /proc/cpuinfo, the AVX-512 BF16 dot
-    products only with avx512_bf16 (and no AMX granted), neither without; jaxinfer.matmul sends a
-    decode step's 64-row bucket to the kernel only where there is one."""
+    products only with avx512_bf16 (and no AMX granted), the AVX2 loops only with avx2 and without
+    AVX-512; jaxinfer.matmul sends a decode step's 64-row bucket to the kernel only where there is one."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
@@ -103,9 +107,11 @@ def test_the_wide_path_is_claimed_only_where_the_cpu_has_it():
     if wide is None:
         assert native.matmul_max_rows() == native.MATMUL_MAX_ROWS
         assert "avx512_bf16" not in flags
+        assert "avx512f" in flags or not {"avx2", "fma"} <= set(flags)
     else:
         name, lo, hi = wide
-        assert {"amx": "amx_bf16", "avx512_bf16": "avx512_bf16"}[name] in flags
+        assert {"amx": "amx_bf16", "avx512_bf16": "avx512_bf16", "avx2": "avx2"}[name] in flags
+        assert name != "avx2" or "avx512f" not in flags
         assert (lo, hi) == (native.MATMUL_MAX_ROWS + 1, 64)
         assert native.matmul_max_rows() == 64
 

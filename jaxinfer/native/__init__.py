@@ -6,7 +6,7 @@
 - `matmul.cc`, `bf16_matmul`: the bfloat16 product of few rows a bfloat16 model's decode step is
   made of (used by jaxinfer.matmul), where XLA CPU's own reads its weights at a tenth of memory speed:
   AVX-512 loops up to 8 rows; for 9-64 rows Intel's AMX tiles or AVX-512 BF16 dot products, where
-  the CPU has them (`wide_path`).
+  the CPU has them (`wide_path`). Without AVX-512 the same loops in AVX2 (8 lanes), to 64 rows.
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
 
@@ -172,15 +172,16 @@ def paged_attention(
     )
 
 
-_WIDE_PATHS = {1: "amx", 2: "avx512_bf16"}
+_WIDE_PATHS = {1: "amx", 2: "avx512_bf16", 3: "avx2"}
 
 
 @functools.cache
 def wide_path() -> tuple[str, int, int] | None:
     """(name, from, to): the path `bf16_matmul` takes here for from..to rows of x (matmul.cc) -
     "amx", Intel's AMX tiles, where the CPU has them and the OS grants them, else "avx512_bf16", the
-    AVX-512 BF16 dot products (AMD Zen 4 and later) - or None where neither, or when the library is
-    unavailable."""
+    AVX-512 BF16 dot products (AMD Zen 4 and later), else "avx2" on a CPU without AVX-512 (AMD Zen 3:
+    the few-row loops' 8-lane form, in column strips, the few-row path's bits) - or None where none
+    applies, or when the library is unavailable."""
     loaded = _load()
     if isinstance(loaded, NativeUnavailableError):
         return None

@@ -9,7 +9,9 @@
 // (WORKSPACE.md, 2026-12-01), so a bfloat16 model decoded ~10x slower than a float32 one though it
 // reads half the bytes. This kernel streams the weights once, converting 16 at a time to float32
 // in registers, and is bound by memory bandwidth at the few rows of a decode step.
-// Where the CPU has AMX, 9..64 rows run on its tiles instead (the AMX path, below).
+// Where the CPU has AMX, 9..64 rows run on its tiles instead (the AMX path, below), or on AVX-512
+// BF16 dot products. Without AVX-512 (AMD Zen 3) the same loops run in AVX2's 8-lane vectors, and
+// 9..64 rows of "kn" in column strips (avx2_kn_strip) in the few-row path's order.
 //
 // Work is split into blocks of output columns ("kn") or rows of w ("nk"), taken from one atomic
 // counter by the calling thread and by tasks on XLA's intra-op thread pool. Every output element is
@@ -30,8 +32,11 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define JAXINFER_AVX2 1  // the few-row loops in 8-lane vectors, where there is no AVX-512 (AMD Zen 3)
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define JAXINFER_AMX 1
@@ -62,9 +67,10 @@ struct Problem {
   int64_t items = 0;
   // The wide paths (AMX tiles or AVX-512 BF16 dot products): x zero-padded to [Mp, Kp] ("kn") or
   // packed in pairs of k as [Kp/2][Mp][2] ("nk"), Mp and Kp rounded up to 16 rows and 32 columns.
-  enum class Wide { kNone, kAmx, kDot } wide = Wide::kNone;
+  enum class Wide { kNone, kAmx, kDot, kAvx2 } wide = Wide::kNone;
   const uint16_t* xp = nullptr;
   int64_t Mp = 0, Kp = 0;
+  const float* xf = nullptr;  // the AVX2 path's "kn": x in float32, [M, K]
 };
 
 struct Shared {
@@ -110,6 +116,23 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 #endif
+#if defined(JAXINFER_AVX2)
+constexpr int64_t kHalf = 8;  // an AVX2 vector's float32 lanes: half of kLanes
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The 16 lanes lo (0..7) and hi (8..15) added in the scalar fallback's tree (nk_block): lane l plus
+// lane l + 8, then + 4, + 2, + 1. So the AVX2 loops give that fallback's bits.
+inline float reduce_lanes(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
 
 // acc[m, :] += x[m, k0 + r] * w[k0 + r, :] for r in [0, rows), one fused multiply-add per row in
 // row order; acc [M, N] float32.
@@ -126,7 +149,7 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
   const int64_t width = M > 1 ? kColBlock : N;
   for (int64_t c0 = 0; c0 < N; c0 += width) {
     const int64_t c1 = std::min(N, c0 + width);
-    const int64_t body = std::min(c1, N - N % kLanes);
+    [[maybe_unused]] const int64_t body = std::min(c1, N - N % kLanes);
     int64_t r = 0;
     for (; r + kPassRows <= rows; r += kPassRows) {
       const uint16_t* w0 = p.w + (k0 + r) * N;
@@ -170,6 +193,23 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
           __m512 s = _mm512_loadu_ps(a);
           for (int64_t i = 0; i < kPassRows; ++i) s = _mm512_fmadd_ps(_mm512_set1_ps(xm[i]), v[i], s);
           _mm512_storeu_ps(a, s);
+        }
+      }
+#elif defined(JAXINFER_AVX2)
+      // AVX2 has half the registers, of half the width: one vector of 8 columns per row of the pass.
+      for (; j + kHalf <= c1; j += kHalf) {
+        if (prefetch && (j & 31) == 0) {
+          const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * N + j);
+          for (int64_t i = 0; i < kPassRows; ++i) _mm_prefetch(ahead + i * N * sizeof(uint16_t), _MM_HINT_T0);
+        }
+        __m256 v[kPassRows];
+        for (int64_t i = 0; i < kPassRows; ++i) v[i] = load_bf16x8(w0 + i * N + j);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xm = xf.data() + m * rows + r;
+          float* a = acc + m * N + j;
+          __m256 s = _mm256_loadu_ps(a);
+          for (int64_t i = 0; i < kPassRows; ++i) s = _mm256_fmadd_ps(_mm256_set1_ps(xm[i]), v[i], s);
+          _mm256_storeu_ps(a, s);
         }
       }
 #endif
@@ -218,6 +258,131 @@ void nk_rows(const Problem& p, const float* xf, int64_t n) {
 }
 #endif
 
+#if defined(JAXINFER_AVX2)
+// nk_rows in AVX2: rows [m0, m0 + G) of x (G <= 4) and rows [n, n + R) of w, K a multiple of 16,
+// each of the 16 lane chains in two vectors (lanes 0..7, 8..15) and reduced in the fallback's tree.
+// 2 x G x R accumulators, R pieces of w and one of x fit AVX2's 16 registers for G x R <= 6.
+template <int G, int R>
+void nk_rows8(const Problem& p, const float* xf, int64_t m0, int64_t n) {
+  const int64_t K = p.K, N = p.N;
+  const uint16_t* wn = p.w + n * K;
+  __m256 s[R][G][2];
+  for (int j = 0; j < R; ++j) {
+    for (int i = 0; i < G; ++i) s[j][i][0] = s[j][i][1] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += kLanes) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 v[R];
+      for (int j = 0; j < R; ++j) v[j] = load_bf16x8(wn + j * K + k + h * kHalf);
+      for (int i = 0; i < G; ++i) {
+        const __m256 xi = _mm256_loadu_ps(xf + (m0 + i) * K + k + h * kHalf);
+        for (int j = 0; j < R; ++j) s[j][i][h] = _mm256_fmadd_ps(xi, v[j], s[j][i][h]);
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    for (int i = 0; i < G; ++i) p.out[(m0 + i) * N + n + j] = reduce_lanes(s[j][i][0], s[j][i][1]);
+  }
+}
+
+// Rows [n0, n1) of w for up to 8 rows of x, in groups of up to 4 (a row's sums do not depend on
+// its group).
+void nk_rows8_block(const Problem& p, const float* xf, int64_t n0, int64_t n1) {
+  using Rows = void (*)(const Problem&, const float*, int64_t, int64_t);
+  constexpr Rows kWide[] = {nk_rows8<1, 4>, nk_rows8<2, 3>, nk_rows8<3, 2>, nk_rows8<4, 1>};
+  constexpr Rows kOne[] = {nk_rows8<1, 1>, nk_rows8<2, 1>, nk_rows8<3, 1>, nk_rows8<4, 1>};
+  constexpr int64_t kStep[] = {4, 3, 2, 1};
+  for (int64_t m0 = 0; m0 < p.M; m0 += 4) {
+    const int64_t g = std::min<int64_t>(4, p.M - m0);
+    int64_t n = n0;
+    for (; n + kStep[g - 1] <= n1; n += kStep[g - 1]) kWide[g - 1](p, xf, m0, n);
+    for (; n < n1; ++n) kOne[g - 1](p, xf, m0, n);
+  }
+}
+
+// "kn" for 9..64 rows on AVX2, where kn_chunk's partial sums ([K / 64, M, N]) would outweigh w: a
+// work item is a strip of columns over the whole of K, in kn_chunk's order - each chunk of
+// kChunkRows rows of w summed from zero in k order, one FMA at a time, the chunks' sums added in
+// chunk order - so a row gets the few-row path's bits in any batch. Each chunk of the strip is
+// converted to float32 once (16 KB), then register tiles of up to 6 rows of x x 16 columns
+// (12 accumulators, one chain per output) run down it, and add into the strip's sums ([M, 64]).
+constexpr int64_t kAvx2StripCols = 64;
+constexpr int kAvx2TileRows = 5;
+
+// total[m0 + i, c + 8v + l] (+)= sum over the chunk's rows r of x[m0 + i, k0 + r] * wf[r, c + 8v + l].
+template <int R, int V>
+void avx2_tile(const Problem& p, int64_t k0, int64_t rows, const float* wf, int64_t m0, int64_t c, float* total,
+               bool first) {
+  __m256 acc[R][V];
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+  }
+  const int64_t K = p.K;
+  const float* x0 = p.xf + m0 * K + k0;
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm256_loadu_ps(wf + r * kAvx2StripCols + c + v * kHalf);
+    for (int i = 0; i < R; ++i) {
+      const __m256 b = _mm256_set1_ps(x0[i * K + r]);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(b, w[v], acc[i][v]);
+    }
+  }
+  // (A chain from +0 is never -0, so the first chunk's 0 + acc is acc's bits.)
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < V; ++v) {
+      float* t = total + (m0 + i) * kAvx2StripCols + c + v * kHalf;
+      _mm256_storeu_ps(t, _mm256_add_ps(first ? _mm256_setzero_ps() : _mm256_loadu_ps(t), acc[i][v]));
+    }
+  }
+}
+
+template <int V, int... R>
+constexpr auto avx2_tiles(std::integer_sequence<int, R...>) {
+  using Tile = void (*)(const Problem&, int64_t, int64_t, const float*, int64_t, int64_t, float*, bool);
+  return std::array<Tile, sizeof...(R)>{avx2_tile<R + 1, V>...};
+}
+
+void avx2_kn_strip(const Problem& p, int64_t n0) {
+  const int64_t M = p.M, K = p.K, N = p.N;
+  const int64_t cols = std::min(kAvx2StripCols, N - n0);
+  static constexpr auto kTwo = avx2_tiles<2>(std::make_integer_sequence<int, kAvx2TileRows>{});
+  static constexpr auto kOne = avx2_tiles<1>(std::make_integer_sequence<int, kAvx2TileRows>{});
+  thread_local std::vector<float> wf, total;
+  wf.resize(kChunkRows * kAvx2StripCols);
+  total.resize(M * kAvx2StripCols);
+  const int64_t two = cols - cols % (2 * kHalf), one = cols - cols % kHalf;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, K - k0);
+    const bool first = k0 == 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* wr = p.w + (k0 + r) * N + n0;
+      if (k0 + r + kPrefetchRows < K) {
+        const char* ahead = reinterpret_cast<const char*>(wr + kPrefetchRows * N);
+        for (int64_t line = 0; line < cols * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
+      int64_t j = 0;
+      for (; j < one; j += kHalf) _mm256_storeu_ps(wf.data() + r * kAvx2StripCols + j, load_bf16x8(wr + j));
+      for (; j < cols; ++j) wf[r * kAvx2StripCols + j] = bf16_to_f32(wr[j]);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kAvx2TileRows) {
+      const int64_t g = std::min<int64_t>(kAvx2TileRows, M - m0);
+      int64_t c = 0;
+      for (; c < two; c += 2 * kHalf) kTwo[g - 1](p, k0, rows, wf.data(), m0, c, total.data(), first);
+      for (; c < one; c += kHalf) kOne[g - 1](p, k0, rows, wf.data(), m0, c, total.data(), first);
+      for (; c < cols; ++c) {  // the last columns of w, one at a time, in the same order
+        for (int64_t m = m0; m < m0 + g; ++m) {
+          float a = 0.0f;
+          for (int64_t r = 0; r < rows; ++r) a = std::fma(p.xf[m * K + k0 + r], wf[r * kAvx2StripCols + c], a);
+          float& t = total[m * kAvx2StripCols + c];
+          t = first ? a : t + a;
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::copy_n(total.data() + m * kAvx2StripCols, cols, p.out + m * N + n0);
+}
+#endif
+
 // out[m, n] = x[m, :] . w[n, :] for n in [n0, n1): 16 lanes (lane = k mod 16), each summed in k
 // order, then the lanes in a fixed tree. Up to 8 rows of x share each converted piece of w.
 void nk_block(const Problem& p, int64_t n0, int64_t n1) {
@@ -236,6 +401,11 @@ void nk_block(const Problem& p, int64_t n0, int64_t n1) {
                               nk_rows<5, 2>, nk_rows<6, 2>, nk_rows<7, 2>, nk_rows<8, 2>};
     const int64_t r = M <= 4 ? 4 : 2;
     for (; n + r <= n1; n += r) kRows[M - 1](p, xf.data(), n);
+  }
+#elif defined(JAXINFER_AVX2)
+  if (K % kLanes == 0) {  // any M, four rows at a time
+    nk_rows8_block(p, xf.data(), n0, n1);
+    return;
   }
 #endif
   for (; n < n1; ++n) {
@@ -644,6 +814,8 @@ Problem::Wide wide_path() {
 #endif
 #if defined(JAXINFER_DOT)
   return Problem::Wide::kDot;
+#elif defined(JAXINFER_AVX2)
+  return Problem::Wide::kAvx2;
 #else
   return Problem::Wide::kNone;
 #endif
@@ -664,6 +836,11 @@ void drain(Shared& s) {
       dot_kn_strip(p, i * kStripCols);
     } else if (p.wide == Problem::Wide::kDot) {
       dot_nk_block(p, i * kNkRows, std::min(p.N, (i + 1) * kNkRows));
+    } else
+#endif
+#if defined(JAXINFER_AVX2)
+    if (p.wide == Problem::Wide::kAvx2 && p.kn) {
+      avx2_kn_strip(p, i * kAvx2StripCols);
     } else
 #endif
     if (p.kn) {
@@ -728,6 +905,18 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
     return ffi::Error::Success();
   }
 #endif
+#if defined(JAXINFER_AVX2)
+  if (kn && p.M >= kWideMinRows && p.M <= kWideMaxRows) {
+    thread_local std::vector<float> xbuf;
+    xbuf.resize(p.M * p.K);
+    for (int64_t i = 0; i < p.M * p.K; ++i) xbuf[i] = bf16_to_f32(p.x[i]);
+    p.wide = Problem::Wide::kAvx2;
+    p.xf = xbuf.data();
+    p.items = (p.N + kAvx2StripCols - 1) / kAvx2StripCols;
+    run(pool, shared);
+    return ffi::Error::Success();
+  }
+#endif
   if (kn) {
     // Partial sums in a buffer the calling thread keeps (it waits for every item before returning).
     thread_local std::vector<float> partials;
@@ -752,7 +941,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 
 }  // namespace
 
-// For jaxinfer.native: the wide path here (0 none, 1 AMX, 2 AVX-512 BF16) and its [from, to] rows.
+// For jaxinfer.native: the wide path here (0 none, 1 AMX, 2 AVX-512 BF16, 3 AVX2) and its [from, to] rows.
 extern "C" int JaxinferMatmulWidePath(int64_t* from, int64_t* to) {
   const Problem::Wide wide = wide_path();
   *from = wide == Problem::Wide::kNone ? 0 : kWideMinRows;
