@@ -182,6 +182,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run only the first K requests one at a time for the baseline (default: all)",
     )
+    t.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="run the baseline and the continuous workload alternately this many times on the same engine "
+        "and pool each side's rounds (this machine's speed drifts between minutes: ~10%% on 2 vCPUs)",
+    )
 
 
 def _seconds(fn) -> float:
@@ -362,6 +369,11 @@ def _phase_totals(engine) -> dict:
     }
 
 
+def _add_phases(into: dict, before: dict, after: dict) -> dict:
+    """`into` plus `after - before` of two `_phase_totals`: the rounds of one side pooled."""
+    return {ph: tuple(i + a - b for i, a, b in zip(into[ph], after[ph], before[ph])) for ph in into}
+
+
 def _phases(before: dict, after: dict, wall: float) -> dict:
     """Where a run's wall time went: prompt calls, decode calls, and the rest (host work)."""
     (p_s, p_n, p_tok), (d_s, d_n, d_tok) = (tuple(a - b for a, b in zip(after[ph], before[ph])) for ph in before)
@@ -450,48 +462,61 @@ def _throughput(args, model_dir, LLM) -> dict:
 
     k = min(args.baseline_requests or args.num_requests, args.num_requests)
     base_wall, base_seqs, base_gaps = 0.0, [], []
-    t0 = _phase_totals(llm.engine)
-    for p, sp in zip(prompts[:k], params[:k]):
-        wall, seqs, gaps = drive_engine(llm.engine, [p], [sp])
-        base_wall += wall
-        base_seqs += seqs
-        base_gaps += gaps
+    cb_wall, cb_seqs, cb_gaps = 0.0, [], []
+    zero = {ph: (0.0, 0, 0) for ph in ("prefill", "decode")}
+    base_phases, cb_phases, round_ratios = zero, zero, []
+    for _ in range(args.rounds):  # alternating, so a drift of the machine's speed falls on both sides
+        t0 = _phase_totals(llm.engine)
+        wall_0, seqs_0 = base_wall, len(base_seqs)
+        for p, sp in zip(prompts[:k], params[:k]):
+            wall, seqs, gaps = drive_engine(llm.engine, [p], [sp])
+            base_wall += wall
+            base_seqs += seqs
+            base_gaps += gaps
+        t1 = _phase_totals(llm.engine)
+        wall, seqs, gaps = drive_engine(llm.engine, prompts, params)
+        t2 = _phase_totals(llm.engine)
+        base_phases, cb_phases = _add_phases(base_phases, t0, t1), _add_phases(cb_phases, t1, t2)
+        cb_wall += wall
+        cb_seqs += seqs
+        cb_gaps += gaps
+        base_rate = sum(len(s.output_ids) for s in base_seqs[seqs_0:]) / (base_wall - wall_0)
+        round_ratios.append(sum(len(s.output_ids) for s in seqs) / wall / base_rate)
     base_tokens = sum(len(s.output_ids) for s in base_seqs)
-    t1 = _phase_totals(llm.engine)
-    cb_wall, cb_seqs, cb_gaps = drive_engine(llm.engine, prompts, params)
     cb_tokens = sum(len(s.output_ids) for s in cb_seqs)
+    last_round, last_wall = seqs, wall  # the continuous workload's last round
     t2 = _phase_totals(llm.engine)
     if args.vs_sync:
         llm.engine.async_scheduling = False
         sync_wall, sync_seqs, sync_gaps = drive_engine(llm.engine, prompts, params)
         llm.engine.async_scheduling = True
         t3 = _phase_totals(llm.engine)
-        if [s.output_ids for s in sync_seqs] != [s.output_ids for s in cb_seqs]:
+        if [s.output_ids for s in sync_seqs] != [s.output_ids for s in last_round]:
             raise RuntimeError("async scheduling changed the outputs")  # a bug, not a measurement
     stats = llm.stats()
     rows = {
         "one_at_a_time": {
-            "requests": k,
+            "requests": k * args.rounds,
             "wall_s": base_wall,
             "output_tokens_per_s": base_tokens / base_wall,
-            "requests_per_s": k / base_wall,
+            "requests_per_s": k * args.rounds / base_wall,
             **latencies(base_seqs, base_gaps),
-            **_phases(t0, t1, base_wall),
+            **_phases(zero, base_phases, base_wall),
         },
         "continuous": {
-            "requests": args.num_requests,
+            "requests": args.num_requests * args.rounds,
             "wall_s": cb_wall,
             "output_tokens_per_s": cb_tokens / cb_wall,
-            "requests_per_s": args.num_requests / cb_wall,
+            "requests_per_s": args.num_requests * args.rounds / cb_wall,
             **latencies(cb_seqs, cb_gaps),
-            **_phases(t1, t2, cb_wall),
+            **_phases(zero, cb_phases, cb_wall),
         },
     }
     if args.vs_sync:
         rows["continuous_sync"] = {
             "requests": args.num_requests,
             "wall_s": sync_wall,
-            "output_tokens_per_s": cb_tokens / sync_wall,
+            "output_tokens_per_s": sum(len(s.output_ids) for s in sync_seqs) / sync_wall,
             "requests_per_s": args.num_requests / sync_wall,
             **latencies(sync_seqs, sync_gaps),
             **_phases(t2, t3, sync_wall),
@@ -521,9 +546,12 @@ def _throughput(args, model_dir, LLM) -> dict:
             f"{r['decode_s'] / steps * 1e3:>8.1f} {r['other_s']:>8.2f}"
         )
     note = "" if k == args.num_requests else f" (baseline measured on the first {k} requests)"
+    if args.rounds > 1:
+        each = ", ".join(f"{r:.2f}x" for r in round_ratios)
+        note += f"; {args.rounds} alternating rounds pooled, each round {each}"
     print(f"continuous batching / one at a time: {ratio:.2f}x output-token throughput{note}")
     if args.vs_sync:
-        print(f"async scheduling / one step at a time: {sync_wall / cb_wall:.2f}x (same outputs)")
+        print(f"async scheduling / one step at a time: {sync_wall / last_wall:.2f}x (same outputs)")
     print(
         f"preemptions {stats['num_preemptions']}, prefix-cache hit tokens {stats['prefix_cache_hit_tokens']}, "
         f"XLA compilations after warm-up: {num_compiles() - after_warmup}"
@@ -531,6 +559,7 @@ def _throughput(args, model_dir, LLM) -> dict:
     report = {
         "model": cfg.name,
         "ratio": ratio,
+        "round_ratios": round_ratios,
         **rows,
         "stats": {k2: v for k2, v in stats.items() if not isinstance(v, dict)},
     }

@@ -1433,7 +1433,10 @@ def test_bench_mbu_is_the_bytes_a_step_reads_over_the_read_ceiling(monkeypatch, 
     assert row["tokens_per_s"] == pytest.approx(1.5 / 0.015)
 
 
-def test_bench_throughput_runs_and_reports(capsys):
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_bench_throughput_runs_and_reports(capsys, rounds):
+    """With `rounds` 2 the baseline and the continuous run alternate twice and each side's figures are
+    the two rounds pooled; --vs-sync reruns the last round's workload."""
     from jaxinfer import bench
 
     args = _bench_args(
@@ -1455,6 +1458,8 @@ def test_bench_throughput_runs_and_reports(capsys):
             "5",
             "--vs-sync",
             "--penalties",
+            "--rounds",
+            str(rounds),
         ]
     )
     report = bench.run(args)
@@ -1463,9 +1468,11 @@ def test_bench_throughput_runs_and_reports(capsys):
     assert "every fourth with repetition 1.2 and frequency 0.3 penalties" in out
     # The same workload again, each step's results read before the next (it checks the outputs match).
     assert "async scheduling / one step at a time: " in out and report["continuous_sync"]["requests"] == 8
-    assert report["continuous_sync"]["decode_rows"] == report["continuous"]["decode_rows"]
-    assert (report["continuous"]["requests"], report["one_at_a_time"]["requests"]) == (8, 5)
+    assert report["continuous_sync"]["decode_rows"] * rounds == report["continuous"]["decode_rows"]
+    assert (report["continuous"]["requests"], report["one_at_a_time"]["requests"]) == (8 * rounds, 5 * rounds)
     assert "(baseline measured on the first 5 requests)" in out
+    assert len(report["round_ratios"]) == rounds and all(r > 0 for r in report["round_ratios"])
+    assert ("2 alternating rounds pooled, each round " in out) == (rounds == 2)
     assert report["ratio"] == pytest.approx(
         report["continuous"]["output_tokens_per_s"] / report["one_at_a_time"]["output_tokens_per_s"]
     )
@@ -1479,11 +1486,12 @@ def test_bench_throughput_runs_and_reports(capsys):
     prompt_lens, output_lens = rng.integers(8, 32 + 1, 8), rng.integers(4, 8 + 1, 8)
     assert "where the time went" in out
     base, cb = report["one_at_a_time"], report["continuous"]
-    assert (base["prefill_tokens"], cb["prefill_tokens"]) == (sum(prompt_lens[:5]), sum(prompt_lens))
-    assert round(cb["output_tokens_per_s"] * cb["wall_s"]) == sum(output_lens)
-    assert round(base["output_tokens_per_s"] * base["wall_s"]) == sum(output_lens[:5])
+    r = rounds
+    assert (base["prefill_tokens"], cb["prefill_tokens"]) == (r * sum(prompt_lens[:5]), r * sum(prompt_lens))
+    assert round(cb["output_tokens_per_s"] * cb["wall_s"]) == r * sum(output_lens)
+    assert round(base["output_tokens_per_s"] * base["wall_s"]) == r * sum(output_lens[:5])
     # Each first token comes from a prompt call.
-    assert (base["decode_rows"], cb["decode_rows"]) == (sum(output_lens[:5]) - 5, sum(output_lens) - 8)
+    assert (base["decode_rows"], cb["decode_rows"]) == (r * (sum(output_lens[:5]) - 5), r * (sum(output_lens) - 8))
     assert cb["decode_calls"] < base["decode_calls"]  # batched
     for r in (base, cb):
         assert 0 < r["prefill_s"] + r["decode_s"] < r["wall_s"] and r["other_s"] > 0
