@@ -187,7 +187,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         help="run the baseline and the continuous workload alternately this many times on the same engine "
-        "and pool each side's rounds (this machine's speed drifts between minutes: ~10%% on 2 vCPUs)",
+        "and pool each side's rounds (a 2-vCPU machine's speed drifts by 10-20%% between minutes)",
     )
 
 
