@@ -1486,12 +1486,12 @@ def test_bench_throughput_runs_and_reports(capsys, rounds):
     prompt_lens, output_lens = rng.integers(8, 32 + 1, 8), rng.integers(4, 8 + 1, 8)
     assert "where the time went" in out
     base, cb = report["one_at_a_time"], report["continuous"]
-    r = rounds
-    assert (base["prefill_tokens"], cb["prefill_tokens"]) == (r * sum(prompt_lens[:5]), r * sum(prompt_lens))
-    assert round(cb["output_tokens_per_s"] * cb["wall_s"]) == r * sum(output_lens)
-    assert round(base["output_tokens_per_s"] * base["wall_s"]) == r * sum(output_lens[:5])
+    n = rounds  # every figure is the rounds' sum
+    assert (base["prefill_tokens"], cb["prefill_tokens"]) == (n * sum(prompt_lens[:5]), n * sum(prompt_lens))
+    assert round(cb["output_tokens_per_s"] * cb["wall_s"]) == n * sum(output_lens)
+    assert round(base["output_tokens_per_s"] * base["wall_s"]) == n * sum(output_lens[:5])
     # Each first token comes from a prompt call.
-    assert (base["decode_rows"], cb["decode_rows"]) == (r * (sum(output_lens[:5]) - 5), r * (sum(output_lens) - 8))
+    assert (base["decode_rows"], cb["decode_rows"]) == (n * (sum(output_lens[:5]) - 5), n * (sum(output_lens) - 8))
     assert cb["decode_calls"] < base["decode_calls"]  # batched
     for r in (base, cb):
         assert 0 < r["prefill_s"] + r["decode_s"] < r["wall_s"] and r["other_s"] > 0

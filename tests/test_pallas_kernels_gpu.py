@@ -210,21 +210,27 @@ def _mosaic_blocks(st: Static) -> list[dict]:
     return [b for b in MOSAIC_BLOCKS if fits(b.get("keys_per_step", 64))]
 
 
-def _interpreted_blocks(st: Static) -> list[dict]:
-    """The table's choice and the two settings of `_mosaic_blocks(st)` that the statics before it in
-    MOSAIC_STATICS ran least, so that every setting meets several statics. Each setting is a compile
-    of its own (~2 s interpreted, as long as two cases run), so a static's cases spread over three of
-    them, not all six: the nine statics took 129 s before, 77 s after (alone, 2-core Zen 4, 2026-12-03)."""
+def _spread_blocks() -> dict[str, list[dict]]:
+    """Per static (by id): the table's choice and the two settings of `_mosaic_blocks` that the
+    statics before it in MOSAIC_STATICS ran least, so that every setting meets several statics. Each
+    setting is a compile of its own (~2 s interpreted, as long as two cases run), so a static's cases
+    spread over three of them, not all six: the nine statics took 129 s before, 77 s after (alone,
+    2-core Zen 4, 2026-12-03)."""
     used = {str(b): 0 for b in MOSAIC_BLOCKS}
-    for before in MOSAIC_STATICS[: MOSAIC_STATICS.index(st) + 1]:
-        others = sorted(_mosaic_blocks(before)[1:], key=lambda b: used[str(b)])[:2]  # stable: ties in order
+    spread = {}
+    for st in MOSAIC_STATICS:
+        others = sorted(_mosaic_blocks(st)[1:], key=lambda b: used[str(b)])[:2]  # stable: ties in order
         for b in others:
             used[str(b)] += 1
-    return [{}] + others
+        spread[static_id(st)] = [{}, *others]
+    return spread
+
+
+INTERPRETED_BLOCKS = _spread_blocks()
 
 
 def test_every_mosaic_setting_is_interpreted_on_several_statics():
-    runs = [b for st in MOSAIC_STATICS for b in _interpreted_blocks(st)]
+    runs = [b for blocks in INTERPRETED_BLOCKS.values() for b in blocks]
     assert all(runs.count(b) >= 3 for b in MOSAIC_BLOCKS), runs
 
 
@@ -233,7 +239,9 @@ def test_mosaic_kernel_matches_reference(st):
     """In Pallas' GPU interpret mode: the TMA copies of single pages into shared-memory tiles, the
     barriers, both wgmmas and the KV-split merge, on the same random ragged batches (NaN in every
     page a row does not own) as the other kernels; every block setting runs on the GPU (below)."""
-    check_kernel_against_reference(ragged_paged_attention_mgpu, st, _interpreted_blocks(st), interpret=True, cases=6)
+    check_kernel_against_reference(
+        ragged_paged_attention_mgpu, st, INTERPRETED_BLOCKS[static_id(st)], interpret=True, cases=6
+    )
 
 
 @pytest.mark.parametrize("blocks", [dict(kv_splits=1), dict(kv_splits=2, keys_per_step=128)], ids=["one", "split"])
