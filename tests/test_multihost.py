@@ -53,7 +53,9 @@ class Job:
         self, tmp_path, model: str, mesh: str, *extra: str, leader_extra=(), follower_extra=(), wait: bool = True
     ):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+        # 4 devices per process, and LLVM at -O0 as conftest sets for the tests' own processes.
+        flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
         coordinator = f"127.0.0.1:{_free_port()}"
         common = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", model, "--mesh", mesh, *ENGINE, *extra]
         common += ["--coordinator-address", coordinator, "--num-processes", "2"]
