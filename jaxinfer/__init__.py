@@ -6,10 +6,20 @@ from jaxinfer._xla_flags import apply_defaults as _apply_xla_defaults
 _apply_xla_defaults()  # before anything below can start the JAX backend
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError, JaxinferError, UnsupportedModelError  # noqa: E402
-from jaxinfer.llm import LLM, RequestOutput  # noqa: E402
-from jaxinfer.sampling import SamplingParams  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
 # isort: on
+
+
+def __getattr__(name: str):
+    # LLM and RequestOutput import JAX (seconds on a small CPU), so only when first asked for: the
+    # command line checks its flags, and a client its SamplingParams, without it.
+    if name in ("LLM", "RequestOutput"):
+        from jaxinfer import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+
 
 __all__ = [
     "LLM",

@@ -12,24 +12,8 @@ import jax
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.limits import check_capacity  # noqa: F401 - re-exported: its home before limits.py
 from jaxinfer.scheduler import bucket, most_pages_held, pow2_floor
-
-
-def check_capacity(*, page_size, max_num_seqs, num_kv_pages, max_num_batched_tokens, num_window_kv_pages=None) -> None:
-    """Raises InvalidRequestError naming the first capacity setting out of range (None: not given)."""
-    for name, value, lo, hi in (
-        ("page_size", page_size, 1, 2**16),
-        ("max_num_seqs", max_num_seqs, 1, 2**14),  # warm-up compiles a decode shape per bucket up to it
-        ("num_kv_pages", num_kv_pages, 2, 2**31 - 1),
-        ("max_num_batched_tokens", max_num_batched_tokens, 16, 2**20),
-        ("num_window_kv_pages", num_window_kv_pages, 2, 2**31 - 1),
-    ):
-        if value is None and name in ("num_kv_pages", "num_window_kv_pages"):
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise InvalidRequestError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
-    if page_size & (page_size - 1):
-        raise InvalidRequestError(f"page_size must be a power of two, got {page_size}")
 
 
 def prefill_token_limit(max_num_batched_tokens: int, max_model_len: int) -> int:

@@ -82,7 +82,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_engine_flags(args) -> None:
     """The capacity flags' ranges, before anything loads (or `serve` binds its port)."""
-    from jaxinfer.capacity import check_capacity
+    from jaxinfer.limits import check_capacity
 
     with in_flag_names(args):
         check_capacity(
@@ -154,8 +154,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
-def _parser() -> argparse.ArgumentParser:
-    from jaxinfer.llm import GENERATION_CONFIG_CHOICES
+def _parser(*, bench_flags: bool = True) -> argparse.ArgumentParser:
+    """The command line's parser. `bench_flags=False` leaves out `bench`'s own flags, whose module
+    imports JAX: what `generate`, `serve` and `convert` parse with, so their bad flags are answered
+    before JAX loads."""
+    from jaxinfer.sampling_params import GENERATION_CONFIG_CHOICES
 
     parser = argparse.ArgumentParser(
         prog="jaxinfer", description="LLM inference on JAX/XLA.", formatter_class=HelpFormatter
@@ -267,15 +270,16 @@ def _parser() -> argparse.ArgumentParser:
     serve_main.add_arguments(s)
     s.set_defaults(options=frozenset(s._option_string_actions))
 
-    from jaxinfer import bench
-
     b = sub.add_parser(
         "bench",
         help="measure TTFT, decode throughput and bandwidth utilisation",
-        description=bench.__doc__,
         formatter_class=HelpFormatter,
     )
-    bench.add_arguments(b)
+    if bench_flags:
+        from jaxinfer import bench
+
+        b.description = bench.__doc__
+        bench.add_arguments(b)
 
     c = sub.add_parser(
         "convert",
@@ -326,9 +330,10 @@ _LOCAL_ONLY = (
 
 
 def _generate(args) -> int:
-    from jaxinfer import LLM, SamplingParams
+    # The flags are checked with what imports no JAX: a bad one is answered before JAX loads.
     from jaxinfer.errors import InvalidRequestError
-    from jaxinfer.kv_cache import check_cache_salt
+    from jaxinfer.limits import check_cache_salt
+    from jaxinfer.sampling_params import SamplingParams
 
     if args.server is not None:
         from jaxinfer.client import check_target
@@ -377,6 +382,8 @@ def _generate(args) -> int:
     if args.server:
         return _generate_remote(args, params_over)
     check_engine_flags(args)
+    from jaxinfer import LLM
+
     with in_flag_names(args):
         llm = LLM(args.model, dtype=args.dtype, generation_config=args.generation_config, **engine_kwargs(args))
         params = params_over(llm.generation_overrides)
@@ -665,7 +672,7 @@ def _main(argv: list[str]) -> int:
         return _bench_mesh(argv[2:])
     if argv[:2] == ["bench", "window-pools"]:  # hybrid models' pools: see jaxinfer.bench.window_pools
         return _bench_window_pools(argv[2:])
-    args = _parser().parse_args(argv)
+    args = _parser(bench_flags=argv[:1] not in (["generate"], ["serve"], ["convert"])).parse_args(argv)
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":

@@ -29,8 +29,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import InvalidRequestError
-from jaxinfer.tokenizer import require_unicode
+from jaxinfer.limits import MAX_CACHE_SALT_CHARS, check_cache_salt  # noqa: F401 - re-exported
 
 SCRATCH_PAGE = 0
 
@@ -167,9 +166,6 @@ def page_hash(parent: bytes, tokens) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
 
 
-MAX_CACHE_SALT_CHARS = 1024
-
-
 def salt_digest(cache_salt: str | None) -> bytes:
     """The parent key of a request's first page: b"" without a salt, else a digest of the salt.
 
@@ -179,20 +175,6 @@ def salt_digest(cache_salt: str | None) -> bytes:
     if cache_salt is None:
         return b""
     return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
-
-
-def check_cache_salt(cache_salt, field: str = "cache_salt") -> None:
-    """Refuses a salt that is not a non-empty string of at most MAX_CACHE_SALT_CHARS characters."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str):
-        raise InvalidRequestError(f"{field} must be a string, got {type(cache_salt).__name__}")
-    if not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidRequestError(
-            f"{field} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
-            f"got {len(cache_salt)} characters"
-        )
-    require_unicode(cache_salt, field)
 
 
 class PagePool:

@@ -27,7 +27,7 @@ from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Logprob, Request, SeqUpdate
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 from jaxinfer.kv_cache import check_cache_salt, pages_needed
-from jaxinfer.sampling import SamplingParams, generation_defaults, is_int
+from jaxinfer.sampling_params import GENERATION_CONFIG_CHOICES, SamplingParams, generation_defaults, is_int
 from jaxinfer.sharding import make_mesh
 from jaxinfer.tokenizer import (
     check_chat_options,
@@ -196,9 +196,6 @@ def _auto_dtype(model) -> str:
     except (OSError, ValueError, RecursionError, CheckpointError):
         return "float32"  # restoring names what is wrong with the checkpoint
     return loading.auto_dtype(path)
-
-
-GENERATION_CONFIG_CHOICES = ("auto", "none")
 
 
 def _generation_overrides(model, generation_config: str) -> dict:

@@ -15,7 +15,7 @@ import traceback
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jaxinfer.cli import DTYPE_HELP, add_engine_arguments
     from jaxinfer.config import DTYPES
-    from jaxinfer.llm import GENERATION_CONFIG_CHOICES
+    from jaxinfer.sampling_params import GENERATION_CONFIG_CHOICES
 
     p.add_argument(
         "--model", help="Hugging Face or `jaxinfer convert` checkpoint directory (default: the embedded default model)"
@@ -139,13 +139,14 @@ def configure_logging(level: str) -> None:
 def run(args) -> int:
     from jaxinfer.cli import flag_names
     from jaxinfer.errors import InvalidRequestError
-    from serving.server import Server
 
     try:
-        check_flags(args)
+        check_flags(args)  # before anything imports JAX: a bad flag is answered at once
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from serving.server import Server
+
     configure_logging(args.log_level)
     multi = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(v is not None for v in multi):  # a 0 or "" is refused by name, not ignored
