@@ -21,6 +21,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), "LLM", "RequestOutput"})
+
+
 __all__ = [
     "LLM",
     "CheckpointError",
