@@ -6,23 +6,24 @@ from jaxinfer._xla_flags import apply_defaults as _apply_xla_defaults
 _apply_xla_defaults()  # before anything below can start the JAX backend
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError, JaxinferError, UnsupportedModelError  # noqa: E402
+from jaxinfer.outputs import RequestOutput  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
 # isort: on
 
 
 def __getattr__(name: str):
-    # LLM and RequestOutput import JAX (seconds on a small CPU), so only when first asked for: the
-    # command line checks its flags, and a client its SamplingParams, without it.
-    if name in ("LLM", "RequestOutput"):
-        from jaxinfer import llm
+    # LLM imports JAX (seconds on a small CPU), so only when first asked for: the command line
+    # checks its flags, and the gRPC client (jaxinfer.client) runs, without it.
+    if name == "LLM":
+        from jaxinfer.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "LLM", "RequestOutput"})
+    return sorted({*globals(), "LLM"})
 
 
 __all__ = [

@@ -37,11 +37,10 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxinfer.engine import Logprob
 from jaxinfer.errors import InvalidRequestError, JaxinferError
-from jaxinfer.kv_cache import check_cache_salt
-from jaxinfer.llm import CompletionOutput, RequestOutput, StreamDelta
-from jaxinfer.sampling import SamplingParams, _is_number, is_finite_number, is_int
+from jaxinfer.limits import check_cache_salt
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
+from jaxinfer.sampling_params import SamplingParams, _is_number, is_finite_number, is_int
 from jaxinfer.tokenizer import require_unicode
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 from jaxinfer.v1 import jaxinfer_pb2_grpc as pb_grpc

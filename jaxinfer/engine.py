@@ -56,6 +56,7 @@ from jaxinfer.kv_cache import (
     salt_digest,
 )
 from jaxinfer.metrics import EngineMetrics
+from jaxinfer.outputs import Logprob  # noqa: F401 - re-exported: its home before outputs.py
 from jaxinfer.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -138,13 +139,6 @@ def _merge_tokens(host: jax.Array, first: jax.Array, second: jax.Array, src: jax
     before's sampled tokens (its two calls' padded vectors, end to end)."""
     prev = jnp.concatenate([first, second])
     return jnp.where(use[:, None], prev[src][:, None], host)
-
-
-@dataclasses.dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    top: dict[int, float]  # the top-n token ids and their log-probabilities, most likely first
 
 
 @dataclasses.dataclass(eq=False)

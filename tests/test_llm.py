@@ -1123,23 +1123,25 @@ def test_cli_errors_are_one_line_no_traceback(argv, message):
 
 _FLAG_ERRORS_WITHOUT_JAX = """
 import sys
-from jaxinfer import SamplingParams, cli
+from jaxinfer import RequestOutput, SamplingParams, cli
+from jaxinfer.client import AsyncClient, Client
 SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, stop=["x"])
 for argv in (["generate", "--top-p", "0", "x"], ["generate", "--cache-salt", "", "x"], ["serve", "--port", "70000"],
              ["serve", "--page-size", "0"], ["generate", "--stream", "--n", "2", "x"]):
     assert cli.main(argv) == 2, argv
-print(sorted(m for m in ("jax", "jaxlib", "flax", "grpc") if m in sys.modules))
+assert cli.main(["generate", "--server", "127.0.0.1:1", "x"]) == 2  # the client's refusal: nothing listens there
+print(sorted(m for m in ("jax", "jaxlib", "flax") if m in sys.modules))
 """
 
 
 def test_bad_flags_are_answered_before_jax_loads():
     """`generate` and `serve` check their flags (and SamplingParams its fields) with modules that import
     no JAX, so a typo is answered in a fraction of a second, not after the seconds JAX takes to load
-    (2.1 s -> 0.4 s per command on the 2-core machine, 2026-12-03)."""
+    (2.1 s -> 0.4 s per command on the 2-core machine, 2026-12-03); the gRPC client runs without it."""
     r = subprocess.run([sys.executable, "-c", _FLAG_ERRORS_WITHOUT_JAX], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[-2] == "[]", r.stdout
-    assert r.stderr.count("error: ") == 5, r.stderr
+    assert r.stderr.count("error: ") == 6, r.stderr
 
 
 @pytest.mark.parametrize(
