@@ -12,7 +12,6 @@ import jax
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.limits import check_capacity  # noqa: F401 - re-exported: its home before limits.py
 from jaxinfer.scheduler import bucket, most_pages_held, pow2_floor
 
 

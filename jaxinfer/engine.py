@@ -36,7 +36,6 @@ from jaxinfer import _interrupts
 from jaxinfer import model as model_lib
 from jaxinfer.capacity import (
     check_cache_fits,
-    check_capacity,
     check_max_model_len,
     default_window_kv_pages,
     prefill_token_limit,
@@ -51,12 +50,12 @@ from jaxinfer.kv_cache import (
     KVCache,
     PagePool,
     QuantizedPages,
-    check_cache_salt,
     pages_needed,
     salt_digest,
 )
+from jaxinfer.limits import check_cache_salt, check_capacity
 from jaxinfer.metrics import EngineMetrics
-from jaxinfer.outputs import Logprob  # noqa: F401 - re-exported: its home before outputs.py
+from jaxinfer.outputs import Logprob
 from jaxinfer.sampling import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,

@@ -29,7 +29,6 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.limits import MAX_CACHE_SALT_CHARS, check_cache_salt  # noqa: F401 - re-exported
 
 SCRATCH_PAGE = 0
 

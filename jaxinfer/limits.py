@@ -2,7 +2,7 @@
 
 The command line runs them on its flags before anything heavy imports, so a bad flag is answered at
 once instead of after the seconds JAX takes to load; the engine and the server run the same checks
-(jaxinfer.capacity and jaxinfer.kv_cache re-export them).
+(the engine, LLM, the server and the client import them from here).
 """
 
 from __future__ import annotations

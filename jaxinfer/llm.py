@@ -15,7 +15,6 @@ import numpy as np
 from jaxinfer import _interrupts, default_model
 from jaxinfer.capacity import (
     cache_bytes_to_fit,
-    check_capacity,
     check_max_model_len,
     default_max_model_len,
     default_window_kv_pages,
@@ -26,8 +25,9 @@ from jaxinfer.capacity import (
 from jaxinfer.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine import Engine, Request
 from jaxinfer.errors import CheckpointError, InvalidRequestError
-from jaxinfer.kv_cache import check_cache_salt, pages_needed
-from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta  # noqa: F401 - re-exported
+from jaxinfer.kv_cache import pages_needed
+from jaxinfer.limits import check_cache_salt, check_capacity
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta  # noqa: F401 - Logprob: its old home
 from jaxinfer.sampling_params import GENERATION_CONFIG_CHOICES, SamplingParams, generation_defaults, is_int
 from jaxinfer.sharding import make_mesh
 from jaxinfer.tokenizer import (

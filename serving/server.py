@@ -34,7 +34,7 @@ import jaxinfer
 from jaxinfer.client import MIN_KEEPALIVE, check_request_id
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.jetstream import jetstream_pb2 as js
-from jaxinfer.kv_cache import check_cache_salt
+from jaxinfer.limits import check_cache_salt
 from jaxinfer.llm import StreamDelta
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import format_mesh

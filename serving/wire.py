@@ -12,7 +12,7 @@ import dataclasses
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
-from jaxinfer.engine import Logprob
+from jaxinfer.outputs import Logprob
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.v1 import jaxinfer_pb2 as pb
 

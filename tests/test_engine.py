@@ -687,7 +687,8 @@ def test_n_samples_compute_their_shared_prompt_once(params):
 def test_capacity_ranges_are_closed_and_named():
     """Each capacity setting is accepted at both ends of its documented range and refused one past
     them, by name; a bool is no integer (True would pass as 1)."""
-    from jaxinfer.capacity import check_capacity, check_max_model_len
+    from jaxinfer.capacity import check_max_model_len
+    from jaxinfer.limits import check_capacity
 
     ok = dict(page_size=16, max_num_seqs=8, num_kv_pages=None, max_num_batched_tokens=64, num_window_kv_pages=None)
     ranges = dict(
