@@ -4,7 +4,8 @@ Every projection of the model (and the LM head) is an einsum of activations x [.
 weight whose contracted letters C lead (`"BTD,DNH->BTNH"`) or, for a tied head, trail
 (`"BD,VD->BV"`). On accelerators and for float32 models that einsum goes to XLA as it is. On the CPU
 a bfloat16 product of few rows - a decode step's: up to 8, or 64 where the kernel has a wide path
-(AMX tiles, AVX-512 BF16 or, without AVX-512, AVX2: `native.matmul_max_rows`) - goes to the C++
+(AMX tiles, AVX-512 BF16 or, without AVX-512, AVX2), or 512, prompt chunks too, on AVX-512 without
+BF16 (`native.matmul_max_rows`) - goes to the C++
 kernel of jaxinfer.native (`bf16_matmul`), since XLA CPU's own bfloat16 matrix-vector product reads
 its weights at ~1.4 GB/s (a float32 one at ~25 GB/s) and its YNNPACK GEMM is slower than the
 kernel's AMX path at 9-64 rows (WORKSPACE.md, 2026-12-01, 2026-12-02); every other bfloat16 product

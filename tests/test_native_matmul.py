@@ -6,6 +6,7 @@ and without the native parts."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -72,14 +73,15 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(transposed, k):
 
 
 @pytest.mark.skipif(
-    native.wide_path() is None, reason="no wide path here: no AMX, AVX-512 BF16 or AVX2 (or no native library)"
+    native.wide_path() is None, reason="no wide path here: no AMX, AVX-512 or AVX2 (or no native library)"
 )
 @pytest.mark.parametrize("k", [2101, 2112], ids=["k2101", "k2112"])  # 2112: the AVX2 "nk" loops (K a multiple of 16)
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 def test_a_row_is_the_same_bits_in_any_batch_of_the_wide_path(transposed, k):
     """From wide_path()[1] rows on, the tiles or dot products sum each output alone: a row of a
-    64-row batch is the same bits in a batch of the fewest rows that path takes, whatever the other
-    rows hold. The AVX2 path sums in the few-row loops' order: there a row is also the same bits alone."""
+    batch of the most rows that path takes is the same bits in one of the fewest, whatever the other
+    rows hold. The AVX2 and AVX-512 strips sum in the few-row loops' order: there a row is also the
+    same bits alone."""
     name, lo, hi = native.wide_path()
     rng = np.random.default_rng(8)
     w = _bf16(rng, (k, 300))  # past one 2048-row block of w, and one 256-column strip
@@ -90,30 +92,53 @@ def test_a_row_is_the_same_bits_in_any_batch_of_the_wide_path(transposed, k):
         others = _bf16(rng, (lo - 1, k))
         few = np.asarray(_matmul(jnp.concatenate([others, x[row : row + 1]]), w, transposed=transposed))
         np.testing.assert_array_equal(few[-1], whole[row])
-        if name == "avx2":
+        if name in ("avx2", "avx512"):
             alone = np.asarray(_matmul(x[row : row + 1], w, transposed=transposed))
             np.testing.assert_array_equal(alone[0], whole[row])
+
+
+# /proc/cpuinfo's names of the features the wide paths hang on, and the compiler's macros for them.
+_FEATURE_MACROS = {
+    "amx_bf16": "__AMX_BF16__",
+    "avx512_bf16": "__AVX512BF16__",
+    "avx512f": "__AVX512F__",
+    "avx2": "__AVX2__",
+    "fma": "__FMA__",
+}
+
+
+def _targeted(flags: list[str]) -> list[str]:
+    """The CPU's feature flags less those $JAXINFER_NATIVE_CXXFLAGS turned off for the build (say
+    `-mno-avx512bf16`), as the compiler's predefined macros under the same flags say."""
+    if not native.extra_flags():
+        return flags
+    cmd = [native.find_compiler(), "-march=native", *native.extra_flags(), "-dM", "-E", "-x", "c++", "/dev/null"]
+    macros = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+    return [f for f in flags if f not in _FEATURE_MACROS or _FEATURE_MACROS[f] in macros]
 
 
 def test_the_wide_path_is_claimed_only_where_the_cpu_has_it():
     """The wide path follows the CPU: AMX only with amx_bf16 in /proc/cpuinfo, the AVX-512 BF16 dot
     products only with avx512_bf16 (and no AMX granted), the AVX2 loops only with avx2 and without
-    AVX-512; jaxinfer.matmul sends a decode step's 64-row bucket to the kernel only where there is one."""
+    AVX-512, the AVX-512 strips only with avx512f and without avx512_bf16; jaxinfer.matmul sends a
+    decode step's 64-row bucket to the kernel only where there is one."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
         flags = []
+    flags = _targeted(flags)
     wide = native.wide_path()
     if wide is None:
         assert native.matmul_max_rows() == native.MATMUL_MAX_ROWS
         assert "avx512_bf16" not in flags
-        assert "avx512f" in flags or not {"avx2", "fma"} <= set(flags)
+        assert "avx512f" not in flags and not {"avx2", "fma"} <= set(flags)
     else:
         name, lo, hi = wide
-        assert {"amx": "amx_bf16", "avx512_bf16": "avx512_bf16", "avx2": "avx2"}[name] in flags
+        assert {"amx": "amx_bf16", "avx512_bf16": "avx512_bf16", "avx2": "avx2", "avx512": "avx512f"}[name] in flags
         assert name != "avx2" or "avx512f" not in flags
-        assert (lo, hi) == (native.MATMUL_MAX_ROWS + 1, 64)
-        assert native.matmul_max_rows() == 64
+        assert name != "avx512" or "avx512_bf16" not in flags
+        assert (lo, hi) == (native.MATMUL_MAX_ROWS + 1, 512 if name == "avx512" else 64)  # avx512: prompt chunks too
+        assert native.matmul_max_rows() == hi
 
 
 def test_bf16_matmul_refuses_what_it_does_not_take():

@@ -6,7 +6,9 @@
 - `matmul.cc`, `bf16_matmul`: the bfloat16 product of few rows a bfloat16 model's decode step is
   made of (used by jaxinfer.matmul), where XLA CPU's own reads its weights at a tenth of memory speed:
   AVX-512 loops up to 8 rows; for 9-64 rows Intel's AMX tiles or AVX-512 BF16 dot products, where
-  the CPU has them (`wide_path`). Without AVX-512 the same loops in AVX2 (8 lanes), to 64 rows.
+  the CPU has them (`wide_path`), else the few-row loops' order in column strips: in AVX-512 where
+  the CPU has it without BF16 (to 512 rows: prompt chunks too), in AVX2 (8 lanes, to 64 rows) where
+  it has no AVX-512.
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
 
@@ -15,7 +17,10 @@ ships (`jax.ffi.include_dir()`), once per source, jaxlib and CPU, into a cache d
 (`$JAXINFER_CACHE_DIR`, default `~/.cache/jaxinfer`). Where there is no compiler, or the build
 fails, `available()` is False, `why_unavailable()` says why, and "auto" keeps the pure-JAX tiled
 attention ("xla") and XLA's own products and scatters; asking for "native" attention explicitly
-then raises that reason. `JAXINFER_NATIVE=0` turns it off.
+then raises that reason. `JAXINFER_NATIVE=0` turns it off. `JAXINFER_NATIVE_CXXFLAGS` adds compiler
+flags after the defaults (its own library in the cache): `-mno-amx-tile -mno-avx512bf16` builds, on a
+CPU with AMX, the paths a CPU with plain AVX-512 takes, so one machine can test every path its
+instruction set covers (WORKSPACE.md, "Run, test, benchmark").
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ _KV_WRITE_TARGET = "jaxinfer_kv_write"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 
+def extra_flags() -> tuple[str, ...]:
+    """The compiler flags `$JAXINFER_NATIVE_CXXFLAGS` adds after the defaults (none by default)."""
+    return tuple(os.environ.get("JAXINFER_NATIVE_CXXFLAGS", "").split())
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels are built with: `$CXX`, else the first of g++, c++, clang++."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
 class NativeUnavailableError(RuntimeError):
     """The native kernels could not be built or loaded here; the message says why."""
 
@@ -61,7 +76,8 @@ def _cpu_model() -> str:
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     parts = [source.read_bytes() for source in _SOURCES]
-    for part in (*parts, " ".join(_FLAGS).encode(), compiler.encode(), jax.lib.__version__.encode()):
+    flags = " ".join((*_FLAGS, *extra_flags()))
+    for part in (*parts, flags.encode(), compiler.encode(), jax.lib.__version__.encode()):
         key.update(part)
     key.update(_cpu_model().encode())  # -march=native: a library built for one CPU may not run on another
     root = Path(os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer")
@@ -74,7 +90,7 @@ def _build(compiler: str, target: Path) -> None:
     # half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(out)]
+        cmd = [compiler, *_FLAGS, *extra_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             names = " and ".join(source.name for source in _SOURCES)
@@ -86,7 +102,7 @@ def _build(compiler: str, target: Path) -> None:
 def _load() -> ctypes.CDLL | NativeUnavailableError:
     if os.environ.get("JAXINFER_NATIVE", "1") == "0":
         return NativeUnavailableError("turned off by JAXINFER_NATIVE=0")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    compiler = find_compiler()
     if compiler is None:
         return NativeUnavailableError("no C++ compiler found (set CXX, or install g++)")
     try:
@@ -172,7 +188,7 @@ def paged_attention(
     )
 
 
-_WIDE_PATHS = {1: "amx", 2: "avx512_bf16", 3: "avx2"}
+_WIDE_PATHS = {1: "amx", 2: "avx512_bf16", 3: "avx2", 4: "avx512"}
 
 
 @functools.cache
@@ -180,7 +196,8 @@ def wide_path() -> tuple[str, int, int] | None:
     """(name, from, to): the path `bf16_matmul` takes here for from..to rows of x (matmul.cc) -
     "amx", Intel's AMX tiles, where the CPU has them and the OS grants them, else "avx512_bf16", the
     AVX-512 BF16 dot products (AMD Zen 4 and later), else "avx2" on a CPU without AVX-512 (AMD Zen 3:
-    the few-row loops' 8-lane form, in column strips, the few-row path's bits) - or None where none
+    the few-row loops' 8-lane form, in column strips, the few-row path's bits), else "avx512" on one
+    with AVX-512 but without its BF16 instructions (the same strips in 16 lanes) - or None where none
     applies, or when the library is unavailable."""
     loaded = _load()
     if isinstance(loaded, NativeUnavailableError):
@@ -192,7 +209,9 @@ def wide_path() -> tuple[str, int, int] | None:
 
 def matmul_max_rows() -> int:
     """Rows up to which jaxinfer.matmul sends a bfloat16 product to `bf16_matmul`: the wide path's
-    last where there is one (a decode step's largest bucket), else MATMUL_MAX_ROWS."""
+    last where there is one (a decode step's largest bucket; prompt chunks of up to 512 tokens on the
+    "avx512" path, where XLA's own bfloat16 dot has no bfloat16 instructions either), else
+    MATMUL_MAX_ROWS."""
     wide = wide_path()
     return wide[2] if wide else MATMUL_MAX_ROWS
 

@@ -11,7 +11,8 @@
 // in registers, and is bound by memory bandwidth at the few rows of a decode step.
 // Where the CPU has AMX, 9..64 rows run on its tiles instead (the AMX path, below), or on AVX-512
 // BF16 dot products. Without AVX-512 (AMD Zen 3) the same loops run in AVX2's 8-lane vectors, and
-// 9..64 rows of "kn" in column strips (avx2_kn_strip) in the few-row path's order.
+// 9..64 rows of "kn" in column strips (avx2_kn_strip) in the few-row path's order; with AVX-512 but
+// neither AMX nor its BF16 dot products, the same strips in 16 lanes (avx512_kn_strip).
 //
 // Work is split into blocks of output columns ("kn") or rows of w ("nk"), taken from one atomic
 // counter by the calling thread and by tasks on XLA's intra-op thread pool. Every output element is
@@ -49,6 +50,11 @@
 #if defined(JAXINFER_AMX) || defined(JAXINFER_DOT)
 #define JAXINFER_WIDE 1
 #endif
+#if defined(__AVX512F__) && !defined(JAXINFER_DOT)
+// 9..64 rows of "kn" in column strips, the few-row path's bits, where AVX-512 has no bfloat16 dot
+// products (an Intel Xeon whose VM shows neither AMX nor AVX-512 BF16): the last wide path.
+#define JAXINFER_AVX512 1
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -67,10 +73,10 @@ struct Problem {
   int64_t items = 0;
   // The wide paths (AMX tiles or AVX-512 BF16 dot products): x zero-padded to [Mp, Kp] ("kn") or
   // packed in pairs of k as [Kp/2][Mp][2] ("nk"), Mp and Kp rounded up to 16 rows and 32 columns.
-  enum class Wide { kNone, kAmx, kDot, kAvx2 } wide = Wide::kNone;
+  enum class Wide { kNone, kAmx, kDot, kAvx2, kAvx512 } wide = Wide::kNone;
   const uint16_t* xp = nullptr;
   int64_t Mp = 0, Kp = 0;
-  const float* xf = nullptr;  // the AVX2 path's "kn": x in float32, [M, K]
+  const float* xf = nullptr;  // the AVX2 and AVX-512 strips' "kn": x in float32, [M, K]
 };
 
 struct Shared {
@@ -99,7 +105,8 @@ constexpr int64_t kPassRows = 8;
 constexpr int64_t kLanes = 16;
 // Rows of x a wide path takes, where there is one: from kWideMinRows (below it the AVX-512 loops
 // are faster: the whole 150M model's products took 10 ms at one row there, AMX tiles ~24 ms at 16)
-// to kWideMaxRows (a decode step's largest bucket; prompts go to XLA). jaxinfer.native reads both.
+// to kWideMaxRows (a decode step's largest bucket; prompts go to XLA; the AVX-512 strips take more,
+// kAvx512MaxRows). jaxinfer.native reads both.
 constexpr int64_t kWideMinRows = 9;
 constexpr int64_t kWideMaxRows = 64;
 
@@ -232,14 +239,15 @@ void kn_chunk(const Problem& p, int64_t k0, int64_t rows, float* acc) {
 }
 
 #if defined(__AVX512F__)
-// nk_block's sums for the G <= 8 rows of x and rows [n, n + R) of w, K a multiple of 16: the same
+// nk_block's sums for rows [m0, m0 + G) of x (G <= 8) and rows [n, n + R) of w, K a multiple of 16: the same
 // chains, R rows of w at a time (G x R <= 16 accumulators), so that few rows of x keep several FMA
 // chains in flight and each loaded piece of x serves R rows of w. A tied head [32000, 1024] at 2, 4
 // rows: 2.50 -> 2.08, 3.67 -> 2.46 ms (2026-12-02).
 template <int G, int R>
-void nk_rows(const Problem& p, const float* xf, int64_t n) {
+void nk_rows(const Problem& p, const float* xf, int64_t m0, int64_t n) {
   const int64_t K = p.K, N = p.N;
   const uint16_t* wn = p.w + n * K;
+  xf += m0 * K;
   __m512 s[R][G];
   for (int j = 0; j < R; ++j) {
     for (int i = 0; i < G; ++i) s[j][i] = _mm512_setzero_ps();
@@ -253,7 +261,7 @@ void nk_rows(const Problem& p, const float* xf, int64_t n) {
     }
   }
   for (int j = 0; j < R; ++j) {
-    for (int i = 0; i < G; ++i) p.out[i * N + n + j] = _mm512_reduce_add_ps(s[j][i]);
+    for (int i = 0; i < G; ++i) p.out[(m0 + i) * N + n + j] = _mm512_reduce_add_ps(s[j][i]);
   }
 }
 #endif
@@ -383,6 +391,103 @@ void avx2_kn_strip(const Problem& p, int64_t n0) {
 }
 #endif
 
+#if defined(JAXINFER_AVX512)
+// avx2_kn_strip in AVX-512's 16 lanes, for 9..64 rows of "kn" on a CPU with AVX-512 but no bfloat16
+// dot products, where XLA's own bfloat16 dot is Eigen's (a 47-row step of the 150M Llama took 184
+// against float32's 108 ms). The same order as kn_chunk - each chunk of kChunkRows rows of w summed
+// from zero in k order, one FMA per row, the chunks' sums added in chunk order - so a row is the
+// few-row path's bits in any batch. A chunk of the strip is converted to float32 once (32 KB), then
+// register tiles of up to 6 rows of x x 64 columns (24 accumulators of AVX-512's 32) run down each
+// 64-column slab of it in turn, so the slab (16 KB) stays in L1 while every row of x passes.
+constexpr int64_t kAvx512StripCols = 128;  // 256-byte runs of each row of w (64 and 256: no better)
+// Unlike the other wide paths it also takes prompt chunks: the 150M Llama's 33 products, one call
+// each, 2 threads, 2026-12-03 (Intel Xeon model 207 without AMX or AVX-512 BF16): 61-66 against
+// 124-129 ms at 48 rows, 133 against 238 at 128, 255 against 339 at 256, 567 against 557 at 512
+// (XLA's bfloat16 dot), and a tied head [32000, 1024] "nk" 65 against 303 ms at 128 rows. A chunk
+// then gets the decode rows' bits too.
+constexpr int64_t kAvx512MaxRows = 512;
+constexpr int kAvx512TileRows = 6;
+constexpr int kAvx512TileVectors = 4;
+
+// total[m0 + i, c + 16v + l] (+)= sum over the chunk's rows r of x[m0 + i, k0 + r] * wf[r, c + 16v + l].
+template <int R, int V>
+void avx512_tile(const Problem& p, int64_t k0, int64_t rows, const float* wf, int64_t m0, int64_t c, float* total,
+                 bool first) {
+  __m512 acc[R][V];
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  const int64_t K = p.K;
+  const float* x0 = p.xf + m0 * K + k0;
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(wf + r * kAvx512StripCols + c + v * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const __m512 b = _mm512_set1_ps(x0[i * K + r]);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(b, w[v], acc[i][v]);
+    }
+  }
+  // (A chain from +0 is never -0, so the first chunk's 0 + acc is acc's bits.)
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < V; ++v) {
+      float* t = total + (m0 + i) * kAvx512StripCols + c + v * kLanes;
+      _mm512_storeu_ps(t, first ? acc[i][v] : _mm512_add_ps(_mm512_loadu_ps(t), acc[i][v]));
+    }
+  }
+}
+
+template <int V, int... R>
+constexpr auto avx512_tiles(std::integer_sequence<int, R...>) {
+  using Tile = void (*)(const Problem&, int64_t, int64_t, const float*, int64_t, int64_t, float*, bool);
+  return std::array<Tile, sizeof...(R)>{avx512_tile<R + 1, V>...};
+}
+
+void avx512_kn_strip(const Problem& p, int64_t n0) {
+  const int64_t M = p.M, K = p.K, N = p.N;
+  const int64_t cols = std::min(kAvx512StripCols, N - n0);
+  constexpr int64_t kSlab = kAvx512TileVectors * kLanes;
+  static constexpr auto kWide = avx512_tiles<kAvx512TileVectors>(std::make_integer_sequence<int, kAvx512TileRows>{});
+  static constexpr auto kOne = avx512_tiles<1>(std::make_integer_sequence<int, kAvx512TileRows>{});
+  thread_local std::vector<float> wf, total;
+  wf.resize(kChunkRows * kAvx512StripCols);
+  total.resize(M * kAvx512StripCols);
+  const int64_t slabs = cols - cols % kSlab, one = cols - cols % kLanes;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, K - k0);
+    const bool first = k0 == 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* wr = p.w + (k0 + r) * N + n0;
+      if (k0 + r + kPrefetchRows < K) {
+        const char* ahead = reinterpret_cast<const char*>(wr + kPrefetchRows * N);
+        for (int64_t line = 0; line < cols * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
+      int64_t j = 0;
+      for (; j < one; j += kLanes) _mm512_storeu_ps(wf.data() + r * kAvx512StripCols + j, load_bf16x16(wr + j));
+      for (; j < cols; ++j) wf[r * kAvx512StripCols + j] = bf16_to_f32(wr[j]);
+    }
+    for (int64_t c = 0; c < slabs; c += kSlab) {
+      for (int64_t m0 = 0; m0 < M; m0 += kAvx512TileRows) {
+        const int64_t g = std::min<int64_t>(kAvx512TileRows, M - m0);
+        kWide[g - 1](p, k0, rows, wf.data(), m0, c, total.data(), first);
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kAvx512TileRows) {
+      const int64_t g = std::min<int64_t>(kAvx512TileRows, M - m0);
+      for (int64_t c = slabs; c < one; c += kLanes) kOne[g - 1](p, k0, rows, wf.data(), m0, c, total.data(), first);
+      for (int64_t c = one; c < cols; ++c) {  // the last columns of w, one at a time, in the same order
+        for (int64_t m = m0; m < m0 + g; ++m) {
+          float a = 0.0f;
+          for (int64_t r = 0; r < rows; ++r) a = std::fma(p.xf[m * K + k0 + r], wf[r * kAvx512StripCols + c], a);
+          float& t = total[m * kAvx512StripCols + c];
+          t = first ? a : t + a;
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::copy_n(total.data() + m * kAvx512StripCols, cols, p.out + m * N + n0);
+}
+#endif
+
 // out[m, n] = x[m, :] . w[n, :] for n in [n0, n1): 16 lanes (lane = k mod 16), each summed in k
 // order, then the lanes in a fixed tree. Up to 8 rows of x share each converted piece of w.
 void nk_block(const Problem& p, int64_t n0, int64_t n1) {
@@ -395,12 +500,19 @@ void nk_block(const Problem& p, int64_t n0, int64_t n1) {
   float lanes[kGroup][kLanes];
   int64_t n = n0;
 #if defined(__AVX512F__)
-  if (M <= kGroup && K % kLanes == 0) {
-    using Rows = void (*)(const Problem&, const float*, int64_t);
+  if (K % kLanes == 0) {  // any M, eight rows of x at a time (a row's sums do not depend on its group)
+    using Rows = void (*)(const Problem&, const float*, int64_t, int64_t);
     constexpr Rows kRows[] = {nk_rows<1, 4>, nk_rows<2, 4>, nk_rows<3, 4>, nk_rows<4, 4>,
                               nk_rows<5, 2>, nk_rows<6, 2>, nk_rows<7, 2>, nk_rows<8, 2>};
-    const int64_t r = M <= 4 ? 4 : 2;
-    for (; n + r <= n1; n += r) kRows[M - 1](p, xf.data(), n);
+    constexpr Rows kOne[] = {nk_rows<1, 1>, nk_rows<2, 1>, nk_rows<3, 1>, nk_rows<4, 1>,
+                             nk_rows<5, 1>, nk_rows<6, 1>, nk_rows<7, 1>, nk_rows<8, 1>};
+    for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
+      const int64_t g = std::min(kGroup, M - m0), r = g <= 4 ? 4 : 2;
+      n = n0;
+      for (; n + r <= n1; n += r) kRows[g - 1](p, xf.data(), m0, n);
+      for (; n < n1; ++n) kOne[g - 1](p, xf.data(), m0, n);
+    }
+    return;
   }
 #elif defined(JAXINFER_AVX2)
   if (K % kLanes == 0) {  // any M, four rows at a time
@@ -807,7 +919,8 @@ void dot_nk_block(const Problem& p, int64_t n0, int64_t n1) {
 #endif  // JAXINFER_DOT
 
 // Which wide path runs 9..64 rows here: AMX where it was built for a CPU with AMX and the OS grants
-// the tiles, else the AVX-512 BF16 dot products where the CPU has them, else none.
+// the tiles, else the AVX-512 BF16 dot products where the CPU has them, else the AVX2 strips (no
+// AVX-512) or the AVX-512 ones (AVX-512 without BF16), else none.
 Problem::Wide wide_path() {
 #if defined(JAXINFER_AMX)
   if (amx_permitted()) return Problem::Wide::kAmx;
@@ -816,6 +929,8 @@ Problem::Wide wide_path() {
   return Problem::Wide::kDot;
 #elif defined(JAXINFER_AVX2)
   return Problem::Wide::kAvx2;
+#elif defined(JAXINFER_AVX512)
+  return Problem::Wide::kAvx512;
 #else
   return Problem::Wide::kNone;
 #endif
@@ -841,6 +956,11 @@ void drain(Shared& s) {
 #if defined(JAXINFER_AVX2)
     if (p.wide == Problem::Wide::kAvx2 && p.kn) {
       avx2_kn_strip(p, i * kAvx2StripCols);
+    } else
+#endif
+#if defined(JAXINFER_AVX512)
+    if (p.wide == Problem::Wide::kAvx512 && p.kn) {
+      avx512_kn_strip(p, i * kAvx512StripCols);
     } else
 #endif
     if (p.kn) {
@@ -896,9 +1016,10 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
     return ffi::Error::Success();
   }
 #if defined(JAXINFER_WIDE)
-  if (p.M >= kWideMinRows && p.M <= kWideMaxRows && wide_path() != Problem::Wide::kNone) {
+  const Problem::Wide tiles = wide_path();  // AMX or the dot products; else kAvx512 or kNone (below)
+  if (p.M >= kWideMinRows && p.M <= kWideMaxRows && (tiles == Problem::Wide::kAmx || tiles == Problem::Wide::kDot)) {
     thread_local std::vector<uint16_t> xbuf;
-    p.wide = wide_path();
+    p.wide = tiles;
     prepare_x(p, xbuf);
     p.items = kn ? (p.N + kStripCols - 1) / kStripCols : (p.N + kNkRows - 1) / kNkRows;
     run(pool, shared);
@@ -913,6 +1034,18 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
     p.wide = Problem::Wide::kAvx2;
     p.xf = xbuf.data();
     p.items = (p.N + kAvx2StripCols - 1) / kAvx2StripCols;
+    run(pool, shared);
+    return ffi::Error::Success();
+  }
+#endif
+#if defined(JAXINFER_AVX512)
+  if (kn && p.M >= kWideMinRows && p.M <= kAvx512MaxRows && wide_path() == Problem::Wide::kAvx512) {
+    thread_local std::vector<float> xbuf;
+    xbuf.resize(p.M * p.K);
+    for (int64_t i = 0; i < p.M * p.K; ++i) xbuf[i] = bf16_to_f32(p.x[i]);
+    p.wide = Problem::Wide::kAvx512;
+    p.xf = xbuf.data();
+    p.items = (p.N + kAvx512StripCols - 1) / kAvx512StripCols;
     run(pool, shared);
     return ffi::Error::Success();
   }
@@ -941,10 +1074,17 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 
 }  // namespace
 
-// For jaxinfer.native: the wide path here (0 none, 1 AMX, 2 AVX-512 BF16, 3 AVX2) and its [from, to] rows.
+// For jaxinfer.native: the wide path here (0 none, 1 AMX, 2 AVX-512 BF16, 3 AVX2, 4 AVX-512) and its
+// [from, to] rows.
 extern "C" int JaxinferMatmulWidePath(int64_t* from, int64_t* to) {
   const Problem::Wide wide = wide_path();
   *from = wide == Problem::Wide::kNone ? 0 : kWideMinRows;
+#if defined(JAXINFER_AVX512)
+  if (wide == Problem::Wide::kAvx512) {
+    *to = kAvx512MaxRows;
+    return static_cast<int>(wide);
+  }
+#endif
   *to = wide == Problem::Wide::kNone ? 0 : kWideMaxRows;
   return static_cast<int>(wide);
 }
