@@ -623,14 +623,13 @@ void prepare_x(Problem& p, std::vector<uint16_t>& buf) {
   p.Mp = (p.M + kWideRowAlign - 1) / kWideRowAlign * kWideRowAlign;
   p.Kp = (p.K + kWideKAlign - 1) / kWideKAlign * kWideKAlign;
   buf.assign(p.Mp * p.Kp, 0);
-  for (int64_t m = 0; m < p.M; ++m) {
-    for (int64_t k = 0; k < p.K; ++k) {
-      const uint16_t v = p.x[m * p.K + k];
-      if (p.kn) {
-        buf[m * p.Kp + k] = v;
-      } else {
-        buf[((k / 2) * p.Mp + m) * 2 + (k & 1)] = v;
-      }
+  // "kn" row by row: element by element, this copy and the call's other work outside the packs and
+  // tiles took ~5 ms of the 150M model's ~35 ms of products at 48 rows, row by row ~2 (2026-12-06).
+  if (p.kn) {
+    for (int64_t m = 0; m < p.M; ++m) std::memcpy(buf.data() + m * p.Kp, p.x + m * p.K, p.K * sizeof(uint16_t));
+  } else {
+    for (int64_t m = 0; m < p.M; ++m) {
+      for (int64_t k = 0; k < p.K; ++k) buf[((k / 2) * p.Mp + m) * 2 + (k & 1)] = p.x[m * p.K + k];
     }
   }
   p.xp = buf.data();
