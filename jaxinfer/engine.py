@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import _interrupts
+from jaxinfer import _interrupts, _malloc
 from jaxinfer import model as model_lib
 from jaxinfer.capacity import (
     check_cache_fits,
@@ -358,6 +358,8 @@ class Engine:
             )
             self._poison_step = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
             self._token_sharding = None  # every input is placed by sharding.batch_shardings
+        if (mesh.devices.flat[0] if mesh is not None else device).platform == "cpu":
+            _malloc.keep_large_blocks()  # each run's large temporaries reused, not faulted in anew
         self.cache = self._new_cache()
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
         # for the `model` axis, pages whole on every `data` device).

@@ -73,7 +73,17 @@ def test_argmax_last_axis_is_numpys_argmax_ties_nan_and_infinities_included():
             [0.0, -0.0, -1, -2], [-inf, -5, -inf, -5], [2, 2, 2, 2]]  # fmt: skip
     x = np.array(rows, np.float32)
     wide = np.random.default_rng(0).integers(-3, 4, (48, 32000)).astype(np.float32)  # many ties per row
-    for a in (x, wide, wide[:1]):
+    # Across its 64-value blocks (the last one partial): the largest value last, tied in the first and
+    # last blocks, NaN in a later block than the largest value, every value -inf, signed zeros apart.
+    blocks = np.zeros((6, 200), np.float32)
+    blocks[0, 199] = 1
+    blocks[1, [70, 3, 190]] = 4
+    blocks[2, 10], blocks[2, 150] = 9, nan
+    blocks[3] = -inf
+    blocks[4, :] = -1
+    blocks[4, 100], blocks[4, 5] = 0.0, -0.0
+    blocks[5, 128:] = inf
+    for a in (x, wide, wide[:1], blocks):
         assert np.asarray(jax.jit(sp.argmax_last_axis)(a)).tolist() == np.argmax(a, axis=-1).tolist()
 
 
@@ -144,6 +154,55 @@ def test_keep_mask_is_the_sorting_definition_on_a_large_vocabulary():
         ref, _ = allowed_set(x[i], 1.0, k, p, m)
         kept = set(np.flatnonzero(got[i]).tolist())
         assert kept == ref, (k, p, m, len(kept), len(ref))
+
+
+def test_keep_mask_on_the_candidate_blocks_is_the_sorting_definition():
+    """Where the blocks with the largest maxima hold every row's cut (peaked rows, small k, a
+    nucleus of a few tokens), the cut is searched among them alone - and keeps what a sort-and-cut
+    keeps; a row whose nucleus is wider than them sends the batch to the whole-row search, with the
+    same thresholds as that search would have found for the other rows."""
+    rng = np.random.RandomState(3)
+    v = 32000
+    combos = [(k, p, m) for k in (0, 1, 7, 50) for p in (1.0, 0.9, 0.5) for m in (0.0, 0.05)]
+    x = (rng.randn(len(combos), v) * 8).astype(np.float32)
+    top_k, top_p, min_p = (np.array(c, dt) for c, dt in zip(zip(*combos), (np.int32, np.float32, np.float32)))
+    got = np.asarray(keep_mask(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p)))
+    for i, (k, p, m) in enumerate(combos):
+        ref, _ = allowed_set(x[i], 1.0, k, p, m)
+        assert set(np.flatnonzero(got[i]).tolist()) == ref, (k, p, m)
+
+    keys = sp._order_keys(jnp.asarray(x))
+    k = jnp.asarray(np.where(top_k > 0, top_k, v))
+    count = lambda at_least, _: at_least.sum(-1) >= k  # noqa: E731
+    candidates = sp._candidates(keys, jnp.asarray(True))
+    at, inside = sp._cut(keys, count, None, jnp.asarray(top_k > 0), candidates)
+    assert bool(inside)
+    whole = sp._largest_threshold(keys, count)
+    np.testing.assert_array_equal(np.asarray(at)[top_k > 0], np.asarray(whole)[top_k > 0])
+
+    # A flat row's top-p nucleus (thousands of tokens) is wider than the candidates: searched whole.
+    flat = np.concatenate([x[:1], (rng.randn(1, v) * 0.5).astype(np.float32)])
+    keys = sp._order_keys(jnp.asarray(flat))
+    probs = jax.nn.softmax(jnp.asarray(flat), axis=-1)
+    p = jnp.asarray([0.9, 0.9], jnp.float32)
+    mass = lambda at_least, pr: jnp.where(at_least, pr, 0.0).sum(-1) >= p  # noqa: E731
+    uses = jnp.asarray([True, True])
+    at, inside = sp._cut(keys, mass, probs, uses, sp._candidates(keys, jnp.asarray(True)))
+    assert not bool(inside)
+    np.testing.assert_array_equal(np.asarray(at), np.asarray(sp._largest_threshold(keys, mass, probs)))
+    got = np.asarray(keep_mask(jnp.asarray(flat), jnp.asarray([0, 0]), p, jnp.asarray([0.0, 0.0])))
+    for i in range(2):
+        assert set(np.flatnonzero(got[i]).tolist()) == allowed_set(flat[i], 1.0, 0, 0.9, 0.0)[0]
+
+
+def test_keep_mask_keeps_every_tie_at_a_cut_among_the_candidates():
+    """A large vocabulary of few distinct values: blocks tie at their maxima and tokens at the cut;
+    every token tied with the k-th largest stays, and the bound taken from the blocks left out keeps
+    the search exact (here it cannot hold the cut: the whole rows are searched)."""
+    rng = np.random.RandomState(4)
+    x = rng.randint(0, 6, size=(2, 32000)).astype(np.float32)
+    got = np.asarray(keep_mask(jnp.asarray(x), jnp.asarray([50, 1]), jnp.asarray([1.0, 1.0]), jnp.asarray([0.0, 0.0])))
+    np.testing.assert_array_equal(got, x >= 5)  # the 50th largest is a 5, as is the largest
 
 
 def test_keep_mask_keeps_every_token_tied_at_the_cut():
