@@ -334,19 +334,24 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
         return keys >= jnp.where(uses_k, at, 0)[:, None]
 
     keep = jax.lax.cond(jnp.any(uses_k), top_k_cut, lambda: keep)
-    probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
 
     # A p below float32's range (a valid double) is 0 here, and "at least 0 of the mass" would keep
     # no token at all: at least the smallest positive float keeps the most likely one.
     p = jnp.maximum(top_p, jnp.finfo(jnp.float32).tiny)
 
-    def top_p_cut():
-        mass = lambda at_least, pr: jnp.where(at_least, pr, 0.0).sum(-1) >= p  # noqa: E731
-        at, _ = _cut(keys, mass, probs, uses_p, candidates)
-        return keep & ((keys >= at[:, None]) | ~uses_p[:, None])  # p = 1 keeps all, whatever the sums' rounding
+    def by_probability(keep):  # top-p, then min-p: the two filters on the renormalised distribution
+        probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
 
-    keep = jax.lax.cond(jnp.any(uses_p), top_p_cut, lambda: keep)
-    return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
+        def top_p_cut():
+            mass = lambda at_least, pr: jnp.where(at_least, pr, 0.0).sum(-1) >= p  # noqa: E731
+            at, _ = _cut(keys, mass, probs, uses_p, candidates)
+            return keep & ((keys >= at[:, None]) | ~uses_p[:, None])  # p = 1 keeps all, whatever the rounding
+
+        keep = jax.lax.cond(jnp.any(uses_p), top_p_cut, lambda: keep)
+        return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
+
+    # min-p 0 keeps every probability (>= 0): a batch with neither filter skips the softmax too.
+    return jax.lax.cond(jnp.any(uses_p | (min_p > 0)), by_probability, lambda keep: keep, keep)
 
 
 def argmax_last_axis(x: jax.Array, *, block: int = 64) -> jax.Array:
