@@ -354,20 +354,42 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     return jax.lax.cond(jnp.any(uses_p | (min_p > 0)), by_probability, lambda keep: keep, keep)
 
 
+# Up to this many logits a row takes one level: the second costs a gather, ~0.07 s more to compile
+# per sampler program (the test suite compiles hundreds, most for a 259-token vocabulary), and saves
+# nothing there; at [48, 4096] (the default model's) it saves 0.35 -> 0.08 ms a step.
+_ONE_LEVEL_ARGMAX = 1024
+
+
 def argmax_last_axis(x: jax.Array, *, block: int = 64) -> jax.Array:
     """jnp.argmax(x, axis=-1) for [B, V] x - the first index of the largest value, the first NaN
     where there is one - in two levels: each block of `block` values' maximum (one pass over x, a
     single-operand reduction XLA CPU vectorizes), the first block holding the row's maximum, then the
     first index inside it. XLA CPU's variadic argmax reduce took 3.4-4.5 ms for [48-64, 32000]
     float32 logits; a max and then a min over the indices holding it, 1.6-2.5 ms (it writes a [B, V]
-    array of indices between the two); this, 0.4-0.5 ms (2 vCPUs, 2026-12-06)."""
+    array of indices between the two); this, 0.4-0.5 ms (2 vCPUs, 2026-12-06).
+
+    XLA CPU's max reduction (YNNPACK's) may skip a NaN (the blocks' maxima here did, at [6, 2000]:
+    the max's index came back, not the NaN's), so the maxima say nothing of NaN. A row's sum does (one more pass, 0.1 ms
+    at [48, 32000]): a batch where some row's sum is NaN (a NaN, or both infinities) is answered by
+    `_exact_argmax` instead, which looks for NaN on its own.
+    """
     b, v = x.shape
+    if v <= _ONE_LEVEL_ARGMAX:
+        return _exact_argmax(x)
     blocks = jnp.pad(x, ((0, 0), (0, -v % block)), constant_values=-jnp.inf).reshape(b, -1, block)
-    maxima = blocks.max(axis=-1)  # [B, NB]; NaN where a block holds one
+    maxima = blocks.max(axis=-1)  # [B, NB]
     top = maxima.max(axis=-1, keepdims=True)
-    first = _first_true((maxima == top) | jnp.isnan(maxima))  # NaN: the max is NaN, argmax takes the first
+    first = _first_true(maxima == top)
     inner = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [B, block]
-    return first * block + _first_true((inner == top) | jnp.isnan(inner))
+    fast = first * block + _first_true(inner == top)
+    return jax.lax.cond(jnp.any(jnp.isnan(x.sum(axis=-1))), _exact_argmax, lambda _: fast, x)
+
+
+def _exact_argmax(x: jax.Array) -> jax.Array:
+    """argmax by its rule with every NaN looked for (two passes over x and a [B, V] mask between)."""
+    nan = jnp.isnan(x)
+    top = x.max(axis=-1, keepdims=True)
+    return _first_true(jnp.where(nan.any(axis=-1, keepdims=True), nan, x == top))
 
 
 def _first_true(mask: jax.Array) -> jax.Array:

@@ -75,14 +75,15 @@ def test_argmax_last_axis_is_numpys_argmax_ties_nan_and_infinities_included():
     wide = np.random.default_rng(0).integers(-3, 4, (48, 32000)).astype(np.float32)  # many ties per row
     # Across its 64-value blocks (the last one partial): the largest value last, tied in the first and
     # last blocks, NaN in a later block than the largest value, every value -inf, signed zeros apart.
-    blocks = np.zeros((6, 200), np.float32)
-    blocks[0, 199] = 1
-    blocks[1, [70, 3, 190]] = 4
-    blocks[2, 10], blocks[2, 150] = 9, nan
+    blocks = np.zeros((6, 2000), np.float32)  # past the one-level width: two levels
+    assert blocks.shape[1] > sp._ONE_LEVEL_ARGMAX
+    blocks[0, 1999] = 1
+    blocks[1, [70, 3, 1990]] = 4
+    blocks[2, 10], blocks[2, 1500] = 9, nan
     blocks[3] = -inf
     blocks[4, :] = -1
-    blocks[4, 100], blocks[4, 5] = 0.0, -0.0
-    blocks[5, 128:] = inf
+    blocks[4, 1000], blocks[4, 5] = 0.0, -0.0
+    blocks[5, 1280:] = inf
     for a in (x, wide, wide[:1], blocks):
         assert np.asarray(jax.jit(sp.argmax_last_axis)(a)).tolist() == np.argmax(a, axis=-1).tolist()
 
