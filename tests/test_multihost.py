@@ -52,10 +52,10 @@ class Job:
     def __init__(
         self, tmp_path, model: str, mesh: str, *extra: str, leader_extra=(), follower_extra=(), wait: bool = True
     ):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        # 4 devices per process, and LLVM at -O0 as conftest sets for the tests' own processes.
-        flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+        env = dict(os.environ)
+        # 4 devices per process, and the compile flags conftest sets for the tests' own processes.
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4", *flags]))
         coordinator = f"127.0.0.1:{_free_port()}"
         common = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", model, "--mesh", mesh, *ENGINE, *extra]
         common += ["--coordinator-address", coordinator, "--num-processes", "2"]
