@@ -21,8 +21,15 @@ if "xla_force_host_platform_device_count" not in flags:
 # time (one randomized engine test's compiles 21.8-23.3 -> 13.8-14.3 s; the 4x2 pallas mesh 28.8 ->
 # 17.1 s; 2026-12-06). Tests only: at XLA's default level the older emitters compiled slower (a
 # warmed LLM: 57-71 against 75-77 s), and the programs' speed was the same within the noise.
+# And one LLVM module per program, not split for parallel codegen: two workers already share the two
+# cores (the same engine test's compiles, alternating runs: 12.4-13.1 -> 9.7-10.6 s; 2026-12-06).
+_TEST_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 if os.environ["JAX_PLATFORMS"] == "cpu":
-    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    for flag in _TEST_FLAGS:
         if flag.split("=")[0] not in flags:
             flags = os.environ["XLA_FLAGS"] = f"{flags} {flag}"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
