@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -49,6 +50,37 @@ def test_batch_gives_same_greedy_tokens_as_alone(llm):
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
     together = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
     assert together == alone
+
+
+_BATCH_VS_ALONE = """
+import json
+from jaxinfer import LLM, SamplingParams, default_model
+llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=64, max_num_seqs=4)
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+prompts = [[1, 40 + i] * (i + 1) for i in range(7)]
+outs = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
+outs += llm.generate(prompt_token_ids=prompts, sampling_params=params)
+print(json.dumps([[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in outs]))
+"""
+
+
+def test_batches_are_invariant_under_the_librarys_own_compile_settings():
+    """The tests compile with LLVM at -O0 and XLA's older fusion emitters (conftest); a user's
+    programs get XLA's defaults. Under those, in a process of its own: a batch gives each prompt
+    the greedy tokens it gets alone, and log-probabilities that differ at most in float32's last
+    bits (a row decoding alone runs XLA's matrix-vector product, which sums in another order than
+    the matrix product of several rows: WORKSPACE.md, "Batch invariance")."""
+    test_only = ("xla_backend_optimization_level", "xla_cpu_use_fusion_emitters", "xla_cpu_parallel_codegen_split")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not any(name in f for name in test_only)]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+    r = subprocess.run([sys.executable, "-c", _BATCH_VS_ALONE], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs = json.loads(r.stdout.splitlines()[-1])
+    alone, together = outs[:7], outs[7:]
+    assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone]
+    for (_, got), (_, want) in zip(together, alone, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len({tuple(tokens) for tokens, _ in alone}) > 1  # the prompts really differ
 
 
 def test_threads_share_one_llm_safely(llm):
