@@ -81,7 +81,10 @@ def test_kernel_under_shard_map_over_kv_heads():
 @pytest.mark.skip(
     reason="Pallas' GPU interpret mode (jax 0.11.2) deadlocks when two CPU devices interpret the kernel at "
     "once: this test hung in 1 of 3 runs on 2026-11-30 (py-spy: waiting on the sharded result, every thread "
-    "idle), past pytest-timeout's reach; the kernel's shard_map wrapper is the Triton kernel's, tested above"
+    "idle), past pytest-timeout's reach; on jax 0.10.2 (2026-12-06) it hung in 4 of 6 runs, and with conftest's "
+    "NumPy callbacks it failed 1 of 6 on the interpreter's own 'Barrier remains allocated' assertion (its "
+    "shared state is not safe for two devices at once); the kernel's shard_map wrapper is the Triton kernel's, "
+    "tested above"
 )
 def test_mosaic_kernel_under_shard_map_over_kv_heads():
     """In GPU interpret mode, as the "pallas" backend runs it inside a mesh with a model axis."""
