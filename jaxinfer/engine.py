@@ -20,11 +20,13 @@ each prefill shape's compiles at its first use.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 
@@ -121,6 +123,28 @@ _poison_pages_jit = jax.jit(_poison_pages, static_argnames=("layers",))
 
 # ----------------------------------------------------------------------------------------------
 # Async scheduling: a decode row's input token read from the previous step's output on the device.
+
+# Threads the warm-up compiles on, at most (one per core below that).
+_MAX_COMPILE_THREADS = 8
+
+
+def _in_parallel(calls: list) -> list:
+    """[call() for call in calls], run on up to one thread per core: what the warm-up compiles.
+
+    XLA compiles with the GIL released, so two programs compile side by side while a third is
+    traced: the default model's 49 step programs took 26.5 against 35.9 s on 2 cores, with 2
+    threads (2026-12-06). The first failure is raised; on it or a Ctrl-C no call not yet started
+    starts."""
+    workers = min(len(calls), os.cpu_count() or 1, _MAX_COMPILE_THREADS)
+    if workers < 2:
+        return [call() for call in calls]
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-warmup")
+    try:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
 
 _PLACEHOLDER = -1  # a sequence's last token while the step that samples it runs (Sequence.ahead)
 
@@ -428,24 +452,40 @@ class Engine:
         self._after_step()  # the gauges, compilations included, as of the end of the warm-up
         return compiled
 
+    def _warmup_inputs(self, b: int, t: int, mp: int, with_targets: bool) -> tuple[Batch, np.ndarray | None]:
+        """An empty step of one shape: (batch, prompt-logprobs targets or None)."""
+        table = np.full((b, mp), SCRATCH_PAGE, np.int32)
+        tokens = np.zeros((b, t), np.int32)
+        if t == 1 and self._token_sharding is not None:
+            tokens = jax.device_put(tokens, self._token_sharding)  # as `_decode_tokens` passes them
+        batch = Batch(
+            tokens=tokens,
+            q_lens=np.zeros(b, np.int32),
+            kv_lens=np.zeros(b, np.int32),
+            page_table=table,
+            window_page_table=None if self.window_pool is None else table.copy(),
+        )
+        return batch, (np.zeros((b, t), np.int32) if with_targets else None)
+
+    def _precompile(self, shapes: list[tuple[int, int, int, bool]]) -> None:
+        """Compiles the step programs of `shapes` side by side (`_in_parallel`); the warm-up's calls
+        then find them compiled (`_compiled_shapes`, and jit's own cache)."""
+
+        def compile_one(shape):
+            batch, targets = self._warmup_inputs(*shape)
+            self._compile(*self._step_call(batch, shape[1], targets))
+
+        _in_parallel([functools.partial(compile_one, shape) for shape in shapes])
+
     def _warmup(self, sampler: bool, prompt_logprobs: bool) -> int:
         before = num_compiles()
         step_logits = {}  # rows -> logits exactly as a step returns them
         shapes = [(*shape, False) for shape in self.decode_shapes() + self.prefill_shapes()]
         shapes += [(*shape, True) for shape in self.prefill_shapes()] if prompt_logprobs else []
+        if jax.process_count() == 1:  # (a multi-process job compiles in the order its peers do)
+            self._precompile(shapes)
         for b, t, mp, with_targets in shapes:
-            table = np.full((b, mp), SCRATCH_PAGE, np.int32)
-            tokens = np.zeros((b, t), np.int32)
-            if t == 1 and self._token_sharding is not None:
-                tokens = jax.device_put(tokens, self._token_sharding)  # as `_decode_tokens` passes them
-            batch = Batch(
-                tokens=tokens,
-                q_lens=np.zeros(b, np.int32),
-                kv_lens=np.zeros(b, np.int32),
-                page_table=table,
-                window_page_table=None if self.window_pool is None else table.copy(),
-            )
-            targets = np.zeros((b, t), np.int32) if with_targets else None
+            batch, targets = self._warmup_inputs(b, t, mp, with_targets)
             if jax.process_count() > 1:  # the leader's broadcast of a step's inputs: a program per shape
                 from jaxinfer.distributed import warm_step_broadcast
 
@@ -456,14 +496,18 @@ class Engine:
         # The sampler is warmed on the steps' own logits: a jitted function's cache is keyed on its
         # arguments' placement too, and logits from committed parameters are committed arrays: a
         # sampler warmed on host arrays would be another program than the one requests call.
+        calls = []
         for b, logits in sorted(step_logits.items()):
             if self._sample_device is not None:  # multi-host leader: its local copy, as _model_step takes
                 logits = next(s.data for s in logits.addressable_shards if s.device == self._sample_device)
             for w in history_widths(self.max_model_len):
-                out = sample(logits, SamplingBatch.from_rows([], b, w))
+                calls.append(functools.partial(sample, logits, SamplingBatch.from_rows([], b, w)))
             for allowed_width in (1, self._allowed_width):  # logit_bias, min_tokens, allowed_token_ids
-                sample(logits, SamplingBatch.from_rows([], b, bias_width=self._bias_width, allowed_width=allowed_width))
-            if self.channel is None:  # async scheduling: every call's tokens padded for the next step
+                batch = SamplingBatch.from_rows([], b, bias_width=self._bias_width, allowed_width=allowed_width)
+                calls.append(functools.partial(sample, logits, batch))
+        outs = _in_parallel(calls)
+        if self.channel is None:  # async scheduling: every call's tokens padded for the next step
+            for out in outs:
                 padded = _pad_tokens(out.tokens, size=self._token_slots)
         if self.channel is None:  # ... and every decode bucket's merge of them
             for b in sorted({b for b, _, _ in self.decode_shapes()}):
@@ -528,26 +572,48 @@ class Engine:
         `multi_process_warmup`: compile first, then run and wait for the step as a wait on the other
         processes (`peer_wait`), so that the startup watchdog times the collective, not this
         process's own compilation."""
-        if targets is None:
-            step, inputs, kw = self._steps[t == 1], (batch,), dict(cfg=self.cfg)
-        else:
-            step, inputs, kw = self._prompt_lp_step, (batch, targets), dict(cfg=self.cfg, top_n=self._top_n)
+        step, inputs, kw = self._step_call(batch, t, targets)
         if self.mesh is None:
-            return self._donating_call(step, *inputs, **kw)
-        from jaxinfer import sharding
+            return self._donating_call(step, inputs, kw)
         from jaxinfer.distributed import peer_wait
 
-        inputs = jax.device_put(inputs, sharding.batch_shardings(inputs, self.mesh))
         with jax.set_mesh(self.mesh):
             if multi_process_warmup:
-                step.lower(self.params, self.cache, *inputs, **kw).compile()  # jit's own cache keeps it
+                self._compile(step, inputs, kw)
             with peer_wait() if multi_process_warmup else contextlib.nullcontext():
-                out = self._donating_call(step, *inputs, **kw)
+                out = self._donating_call(step, inputs, kw)
                 if multi_process_warmup:
                     jax.block_until_ready(out)
         return out
 
-    def _donating_call(self, step, *inputs, **kw):
+    def _step_call(self, batch: Batch, t: int, targets=None) -> tuple:
+        """(jitted step, its inputs after params and cache, its keywords) for one step; the inputs
+        placed on the mesh where there is one."""
+        if targets is None:
+            step, inputs, kw = self._steps[t == 1], (batch,), dict(cfg=self.cfg)
+        else:
+            step, inputs, kw = self._prompt_lp_step, (batch, targets), dict(cfg=self.cfg, top_n=self._top_n)
+        if self.mesh is not None:
+            from jaxinfer import sharding
+
+            inputs = jax.device_put(inputs, sharding.batch_shardings(inputs, self.mesh))
+        return step, inputs, kw
+
+    @staticmethod
+    def _shapes(step, inputs: tuple) -> tuple:
+        return (step, jax.tree.structure(inputs), *(np.shape(x) for x in jax.tree.leaves(inputs)))
+
+    def _compile(self, step, inputs: tuple, kw: dict) -> None:
+        """Compiles `step` for these inputs unless this engine has already (jit's own cache keeps
+        the program). Safe on several threads at once."""
+        shapes = self._shapes(step, inputs)
+        if shapes in self._compiled_shapes:
+            return
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            step.lower(self.params, self.cache, *inputs, **kw).compile()
+        self._compiled_shapes.add(shapes)
+
+    def _donating_call(self, step, inputs: tuple, kw: dict):
         """`step(params, cache, *inputs, **kw) -> (logits, cache[, prompt_logprobs])`, a jitted call
         that donates the cache: keeps the new cache, returns (logits, prompt_logprobs or None).
 
@@ -556,11 +622,9 @@ class Engine:
         over. The call only enqueues work; a shape this engine has not run yet is compiled first,
         with Ctrl-C let through (nothing is donated yet).
         """
-        shapes = (step, jax.tree.structure(inputs), *(np.shape(x) for x in jax.tree.leaves(inputs)))
-        if shapes not in self._compiled_shapes:
+        if self._shapes(step, inputs) not in self._compiled_shapes:
             with _interrupts.allowed():
-                step.lower(self.params, self.cache, *inputs, **kw).compile()  # jit's own cache keeps it
-            self._compiled_shapes.add(shapes)
+                self._compile(step, inputs, kw)
         with _interrupts.deferred():
             logits, self.cache, *plp = step(self.params, self.cache, *inputs, **kw)
         return logits, (plp[0] if plp else None)

@@ -1,6 +1,7 @@
 """The continuous-batching engine: batch invariance, preemption, isolation, prefix reuse, recompiles."""
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -520,9 +521,12 @@ def test_a_program_loaded_from_the_persistent_cache_counts_once(tmp_path):
 
 
 @pytest.mark.parametrize("placed", [False, True], ids=["host-params", "device-params"])
-def test_no_compilation_after_warmup(params, placed):
+def test_no_compilation_after_warmup(params, placed, monkeypatch):
     # Restored checkpoints are committed to a device, which changes the jit cache key of everything
     # downstream of the parameters (the sampler's logits included): both kinds must be fully warmed.
+    # The warm-up compiles on one thread per core: 4 here whatever this machine has, so the programs
+    # that requests run must be the ones compiled on the warm-up's threads.
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     if placed:
         params = jax.device_put(params, jax.devices()[0])
     e = make_engine(params, num_kv_pages=60, max_num_seqs=8, max_model_len=128)  # the workload fits in 101
@@ -1524,3 +1528,16 @@ def test_window_pages_of_a_model_without_window_layers_are_ignored(params):
     engine = make_engine(params, num_kv_pages=64, num_window_kv_pages=8)
     assert engine.window_pool is None and len(engine.scheduler.groups) == 1
     assert run(engine, prompts, sps)[0] == want
+
+
+def test_the_warmups_threads_return_in_order_and_raise_the_first_failure():
+    from jaxinfer.engine import _in_parallel
+
+    assert _in_parallel([functools.partial(lambda i: i * i, i) for i in range(20)]) == [i * i for i in range(20)]
+
+    def fail(i):
+        raise ValueError(f"call {i}")
+
+    with pytest.raises(ValueError, match="call 3"):
+        calls = [functools.partial(lambda i: i, i) for i in range(3)]
+        _in_parallel(calls + [functools.partial(fail, i) for i in (3, 4)])
