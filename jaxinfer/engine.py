@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxinfer import _interrupts, _malloc
 from jaxinfer import model as model_lib
+from jaxinfer.attention import resolve_backend
 from jaxinfer.capacity import (
     check_cache_fits,
     check_max_model_len,
@@ -382,7 +383,12 @@ class Engine:
             )
             self._poison_step = jax.jit(_poison_pages, static_argnames=("layers",), out_shardings=cache_sh)
             self._token_sharding = None  # every input is placed by sharding.batch_shardings
-        if (mesh.devices.flat[0] if mesh is not None else device).platform == "cpu":
+        platform = (mesh.devices.flat[0] if mesh is not None else device).platform
+        # The C++ kernel reads a row's pages up to its length whatever the table's width, so its
+        # decode calls all take the widest table: a quarter of the decode programs to compile where
+        # a model's context spans four widths (the others read, or loop over, the whole table).
+        self._one_decode_width = resolve_backend(cfg.attention_backend, platform) == "native"
+        if platform == "cpu":
             _malloc.keep_large_blocks()  # each run's large temporaries reused, not faulted in anew
         self.cache = self._new_cache()
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
@@ -415,6 +421,8 @@ class Engine:
     # -- shapes -----------------------------------------------------------------------------
 
     def _decode_mp(self, max_kv_len: int) -> int:
+        if self._one_decode_width:
+            return self.max_pages_per_seq
         return bucket(pages_needed(max_kv_len, self.page_size), minimum=self._min_mp, maximum=self.max_pages_per_seq)
 
     def _decode_rows(self, n: int) -> int:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import InvalidRequestError, SamplingParams
+from jaxinfer import InvalidRequestError, SamplingParams, native
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, num_compiles
 from jaxinfer.kv_cache import pages_needed
@@ -1541,3 +1541,19 @@ def test_the_warmups_threads_return_in_order_and_raise_the_first_failure():
     with pytest.raises(ValueError, match="call 3"):
         calls = [functools.partial(lambda i: i, i) for i in range(3)]
         _in_parallel(calls + [functools.partial(fail, i) for i in (3, 4)])
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no native kernels here: {native.why_unavailable()}")
+def test_the_native_kernel_decodes_with_one_table_width_the_others_with_several(params):
+    """The C++ kernel stops at each row's length, so its decode calls all take the widest page table
+    (one program per row bucket); the tiled pure-JAX attention loops over the table, so its widths
+    follow the context - and both give the same tokens."""
+    prompts, sps = workload(6, seed=5)
+    tokens = {}
+    for backend in ("native", "xla"):
+        args = dict(max_model_len=256, page_size=8, num_kv_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+        e = Engine(dataclasses.replace(CFG, attention_backend=backend), params, **args)
+        widths = {mp for _, _, mp in e.decode_shapes()}
+        assert (widths == {e.max_pages_per_seq}) == (backend == "native"), (backend, widths)
+        tokens[backend], _ = run(e, prompts, sps)
+    assert tokens["native"] == tokens["xla"]
