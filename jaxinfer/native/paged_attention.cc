@@ -458,11 +458,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   }
 
   shared->items = p.B * p.K * p.T;
-  // One drainer per thread of XLA's pool (as many as cores), the caller included, as in matmul.cc:
-  // chained in one jit, alternating with one helper more (2 vCPUs, Intel Xeon model 207, two runs,
-  // 2026-12-06), decode of 16 rows x 1024 tokens 1758-1853 against 2080-2199 us, 32 x 256 818-909
-  // against 959-988, a 512-token prompt 7992-9959 against 10057-10190.
-  const int64_t helpers = std::clamp<int64_t>(pool.num_threads() - 1, 0, shared->items - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items - 1);
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared] { drain(*shared); });
   }
