@@ -123,7 +123,7 @@ def _poison_pages(cache: KVCache, pages: jax.Array, layers: tuple[int, ...]) -> 
 _poison_pages_jit = jax.jit(_poison_pages, static_argnames=("layers",))
 
 # ----------------------------------------------------------------------------------------------
-# Async scheduling: a decode row's input token read from the previous step's output on the device.
+# Warm-up: compilations side by side.
 
 # Threads the warm-up compiles on, at most (one per core below that).
 _MAX_COMPILE_THREADS = 8
@@ -146,6 +146,9 @@ def _in_parallel(calls: list) -> list:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
+
+# ----------------------------------------------------------------------------------------------
+# Async scheduling: a decode row's input token read from the previous step's output on the device.
 
 _PLACEHOLDER = -1  # a sequence's last token while the step that samples it runs (Sequence.ahead)
 
@@ -515,8 +518,8 @@ class Engine:
                 calls.append(functools.partial(sample, logits, batch))
         outs = _in_parallel(calls)
         if self.channel is None:  # async scheduling: every call's tokens padded for the next step
-            for out in outs:
-                padded = _pad_tokens(out.tokens, size=self._token_slots)
+            for tokens in {out.tokens.shape[0]: out.tokens for out in outs}.values():  # a program per row count
+                padded = _pad_tokens(tokens, size=self._token_slots)
         if self.channel is None:  # ... and every decode bucket's merge of them
             for b in sorted({b for b, _, _ in self.decode_shapes()}):
                 zeros = np.zeros(b, np.int32)

@@ -1538,9 +1538,9 @@ def test_the_warmups_threads_return_in_order_and_raise_the_first_failure():
     def fail(i):
         raise ValueError(f"call {i}")
 
+    calls = [functools.partial(lambda i: i, i) for i in range(3)] + [functools.partial(fail, i) for i in (3, 4)]
     with pytest.raises(ValueError, match="call 3"):
-        calls = [functools.partial(lambda i: i, i) for i in range(3)]
-        _in_parallel(calls + [functools.partial(fail, i) for i in (3, 4)])
+        _in_parallel(calls)
 
 
 @pytest.mark.skipif(not native.available(), reason=f"no native kernels here: {native.why_unavailable()}")
