@@ -724,11 +724,14 @@ SAMPLER_SETTINGS = {
 def _sampler_times(vocab: int, batch_sizes: list[int], SamplingParams) -> list[dict]:
     """Time of the sampler alone on [batch, vocab] logits, per setting: part of every decode step
     (the decode table above is greedy, which skips everything but an argmax)."""
-    from jaxinfer.sampling import SamplingBatch, sample
+    from jaxinfer.sampling import SamplingBatch, native_cuts, sample
 
     print("\nsampler: one call on [batch, vocab] logits (inside every decode step), ms. The logits are N(0, 9),")
-    print("flatter than a trained model's: top-p 0.95 keeps thousands of tokens of them (each row searched whole),")
-    print("top-k 50 and Llama 3's k 50 p 0.9 a few dozen (searched among the 2048 of each row's top blocks)")
+    print("flatter than a trained model's: top-p 0.95 keeps thousands of tokens of them, top-k 50 and Llama 3's")
+    if native_cuts():
+        print("k 50 p 0.9 a few dozen; every cut by the C++ radix kernel (native.cut_thresholds), two passes per row")
+    else:
+        print("k 50 p 0.9 a few dozen (searched among the 2048 of each row's top blocks; top-p 0.95's rows whole)")
     print(f"{'batch':>6} " + " ".join(f"{name:>12}" for name in SAMPLER_SETTINGS))
     rows = []
     for b in batch_sizes:

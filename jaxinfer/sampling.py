@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer import native
 from jaxinfer.sampling_params import (  # noqa: F401 - re-exported: jaxinfer.sampling has always named them
     GENERATION_CONFIG_KEYS,
     GREEDY_TEMPERATURE,
@@ -308,6 +309,14 @@ def _cut(keys, reaches, values, uses, candidates: _Candidates | None) -> tuple[j
     return at, inside
 
 
+def native_cuts() -> bool:
+    """Whether keep_mask's cuts run in the C++ kernel (`native.cut_thresholds`): three radix passes
+    per row, where the pure-JAX search takes 32 over every row whose cut the candidate blocks do not
+    hold (a flat row's top-p nucleus): top-p 0.95 on [48, 32000] flat logits took 38 ms so
+    (WORKSPACE.md, "Sampler"). On the CPU, outside a multi-device mesh, where the kernels built."""
+    return native.runs_here()
+
+
 def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """[B, V] bool: the tokens each row may draw after top-k, then top-p on the top-k renormalised
     distribution, then min-p; x is [B, V] temperature-scaled logits.
@@ -319,18 +328,23 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     tied tokens stay, where a sort would keep an arbitrary subset of them. Why: XLA's CPU sort of a
     32k vocabulary costs ~10 ms per row, more than the decode step it follows; these are 32 linear
     passes per stage, over the few thousand candidates that hold the cut where they do (`_cut`), and
-    a stage no row uses is skipped.
+    a stage no row uses is skipped. On the CPU the same thresholds come from a C++ kernel
+    (`native_cuts`), three radix passes per row.
     """
     b, v = x.shape
     keys = _order_keys(x)
     keep = jnp.ones((b, v), jnp.bool_)
     uses_k = (top_k > 0) & (top_k < v)
     uses_p = top_p < 1.0
-    candidates = _candidates(keys, jnp.any(uses_k | uses_p))
+    in_native = native_cuts()
+    candidates = None if in_native else _candidates(keys, jnp.any(uses_k | uses_p))
 
     def top_k_cut():
         k = jnp.where(uses_k, top_k, v)
-        at, _ = _cut(keys, lambda at_least, _: at_least.sum(-1) >= k, None, uses_k, candidates)
+        if in_native:
+            at = native.cut_thresholds(keys, k)
+        else:
+            at, _ = _cut(keys, lambda at_least, _: at_least.sum(-1) >= k, None, uses_k, candidates)
         return keys >= jnp.where(uses_k, at, 0)[:, None]
 
     keep = jax.lax.cond(jnp.any(uses_k), top_k_cut, lambda: keep)
@@ -343,8 +357,11 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
         probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
 
         def top_p_cut():
-            mass = lambda at_least, pr: jnp.where(at_least, pr, 0.0).sum(-1) >= p  # noqa: E731
-            at, _ = _cut(keys, mass, probs, uses_p, candidates)
+            if in_native:
+                at = native.cut_thresholds(keys, p, probs)
+            else:
+                mass = lambda at_least, pr: jnp.where(at_least, pr, 0.0).sum(-1) >= p  # noqa: E731
+                at, _ = _cut(keys, mass, probs, uses_p, candidates)
             return keep & ((keys >= at[:, None]) | ~uses_p[:, None])  # p = 1 keeps all, whatever the rounding
 
         keep = jax.lax.cond(jnp.any(uses_p), top_p_cut, lambda: keep)

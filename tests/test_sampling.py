@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import native
 from jaxinfer import sampling as sp
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.sampling import SamplingBatch, SamplingParams, keep_mask, sample
@@ -141,7 +142,22 @@ def test_mixed_rows_and_seed_independent_of_batch_mates():
     assert len({int(draw([p], [s])[0]) for s in range(20)}) > 1
 
 
-def test_keep_mask_is_the_sorting_definition_on_a_large_vocabulary():
+NO_NATIVE = f"no native kernels here: {native.why_unavailable()}"
+
+
+@pytest.fixture(params=["native", "jax"])
+def cuts(request, monkeypatch):
+    """keep_mask's cuts in the C++ kernel (the CPU's path) or in pure JAX (every other backend's)."""
+    if request.param == "native":
+        if not native.available():
+            pytest.skip(NO_NATIVE)
+        assert sp.native_cuts()
+    else:
+        monkeypatch.setattr(sp, "native_cuts", lambda: False)
+    return request.param
+
+
+def test_keep_mask_is_the_sorting_definition_on_a_large_vocabulary(cuts):
     """The sort-free thresholds keep exactly the tokens a sort-and-cut keeps (NumPy, float64), per
     row, for a 32k vocabulary and every mix of the three filters, rows differing within one batch."""
     rng = np.random.RandomState(1)
@@ -196,7 +212,7 @@ def test_keep_mask_on_the_candidate_blocks_is_the_sorting_definition():
         assert set(np.flatnonzero(got[i]).tolist()) == allowed_set(flat[i], 1.0, 0, 0.9, 0.0)[0]
 
 
-def test_keep_mask_keeps_every_tie_at_a_cut_among_the_candidates():
+def test_keep_mask_keeps_every_tie_at_a_cut_among_the_candidates(cuts):
     """A large vocabulary of few distinct values: blocks tie at their maxima and tokens at the cut;
     every token tied with the k-th largest stays, and the bound taken from the blocks left out keeps
     the search exact (here it cannot hold the cut: the whole rows are searched)."""
@@ -206,13 +222,13 @@ def test_keep_mask_keeps_every_tie_at_a_cut_among_the_candidates():
     np.testing.assert_array_equal(got, x >= 5)  # the 50th largest is a 5, as is the largest
 
 
-def test_keep_mask_keeps_every_token_tied_at_the_cut():
+def test_keep_mask_keeps_every_token_tied_at_the_cut(cuts):
     x = jnp.asarray([[3.0, 2.0, 2.0, 1.0, -1.0], [1.0, 1.0, 1.0, 1.0, 0.0]])
     got = keep_mask(x, jnp.asarray([2, 1]), jnp.asarray([1.0, 1.0]), jnp.asarray([0.0, 0.0]))
     assert np.asarray(got).tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
 
 
-def test_keep_mask_cuts_exactly_at_top_p_and_min_p():
+def test_keep_mask_cuts_exactly_at_top_p_and_min_p(cuts):
     """At the boundaries: top-p keeps a token while the mass before it is below p (a first token of
     exactly p is kept alone, as in vLLM), and min-p keeps a token of exactly min_p times the largest
     probability."""
@@ -225,6 +241,64 @@ def test_keep_mask_cuts_exactly_at_top_p_and_min_p():
     assert np.asarray(got).tolist() == [[True, True, False, False]]
     ties = jnp.asarray([[1.0, 1.0, 0.0]])
     assert np.asarray(keep_mask(ties, no[0], no[1], jnp.asarray([1.0]))).tolist() == [[True, True, False]]
+
+
+def _threshold_reference(keys: np.ndarray, target: float, weights: np.ndarray | None) -> int:
+    """NumPy: the largest key m with weight(keys >= m) >= target (float64 sums), 0 if none."""
+    if target <= 0:  # even the empty set of keys >= the largest uint32 weighs that much
+        return 0xFFFFFFFF
+    w = np.ones(len(keys)) if weights is None else weights.astype(np.float64)
+    order = np.argsort(-keys.astype(np.int64), kind="stable")
+    k, cum = keys[order], np.cumsum(w[order])
+    # A candidate m is a key itself (a larger m between two keys selects the same, lighter set).
+    last = np.r_[k[1:] != k[:-1], True]  # the last of each run of equal keys: the set >= that key
+    reached = np.flatnonzero(last & (cum >= target))
+    return int(k[reached[0]]) if len(reached) else 0
+
+
+@pytest.mark.skipif(not native.available(), reason=NO_NATIVE)
+def test_native_cut_thresholds_are_the_largest_threshold_reaching_the_target():
+    """The radix kernel against NumPy and against the pure-JAX bit-by-bit search, on rows of ties,
+    infinities, NaN and zero weights, widths that are no multiple of the kernel's four bin sets, and
+    targets from nothing to past the whole row."""
+    rng = np.random.RandomState(7)
+    for v in (1, 3, 5, 257, 4099, 32000):
+        rows = [
+            rng.randn(v) * 3,
+            rng.randint(0, 4, v).astype(np.float64),  # a few distinct values: ties at every cut
+            np.where(rng.rand(v) < 0.3, -np.inf, rng.randn(v)),
+            np.where(rng.rand(v) < 0.1, np.nan, rng.randn(v) * 0.01),  # NaN keys rank above +inf
+            np.full(v, 2.5),
+        ]
+        x = np.stack(rows).astype(np.float32)
+        b = len(x)
+        keys = sp._order_keys(jnp.asarray(x))
+        k = rng.randint(0, v + 3, b)
+        got = np.asarray(native.cut_thresholds(keys, jnp.asarray(k)))
+        kj = jnp.asarray(k)
+        count = lambda at_least, _, kj=kj: at_least.sum(-1) >= kj  # noqa: E731
+        jax_at = np.asarray(sp._largest_threshold(keys, count))
+        np.testing.assert_array_equal(got, jax_at)
+        for i in range(b):
+            assert got[i] == _threshold_reference(np.asarray(keys[i]), k[i], None), (v, i, k[i])
+
+        probs = np.array(jax.nn.softmax(jnp.asarray(np.where(np.isnan(x), -np.inf, x)), axis=-1))
+        probs[:, ::7] = 0.0  # tokens of no weight (those top-k dropped) weigh nothing
+        for p in (0.0, 1e-9, 0.3, 0.9, 0.999, 2.0):
+            target = jnp.full((b,), p, jnp.float32)
+            got = np.asarray(native.cut_thresholds(keys, target, jnp.asarray(probs)))
+            for i in range(b):
+                want = _threshold_reference(np.asarray(keys[i]), np.float32(p), probs[i])
+                assert got[i] == want, (v, i, p)
+
+
+@pytest.mark.skipif(not native.available(), reason=NO_NATIVE)
+def test_native_cut_thresholds_name_a_bad_argument():
+    keys = jnp.zeros((2, 8), jnp.uint32)
+    with pytest.raises(ValueError, match="keys must be"):
+        native.cut_thresholds(keys.astype(jnp.int32), jnp.ones((2,)))
+    with pytest.raises(ValueError, match=r"weights \[2, 4\] must have the keys' shape \[2, 8\]"):
+        native.cut_thresholds(keys, jnp.ones((2,)), jnp.ones((2, 4)))
 
 
 def test_draws_across_vocabulary_blocks_have_the_right_frequencies():

@@ -11,6 +11,9 @@
   it has no AVX-512.
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
+- `cut.cc`, `cut_thresholds`: the sampler's top-k and top-p cuts (jaxinfer.sampling.keep_mask) in
+  three radix passes per row, where the pure-JAX search takes 32 passes over a row whose nucleus the
+  candidate blocks cannot hold.
 
 All are built into one library with the machine's C++ compiler against the FFI headers jaxlib
 ships (`jax.ffi.include_dir()`), once per source, jaxlib and CPU, into a cache directory
@@ -42,10 +45,13 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cc", "matmul.cc", "kv_write.cc"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_attention.cc", "matmul.cc", "kv_write.cc", "cut.cc")
+)
 _TARGET = "jaxinfer_paged_attention"
 _MATMUL_TARGET = "jaxinfer_bf16_matmul"
 _KV_WRITE_TARGET = "jaxinfer_kv_write"
+_CUT_TARGET = "jaxinfer_cut"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -114,6 +120,7 @@ def _load() -> ctypes.CDLL | NativeUnavailableError:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxinferPagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxinferBf16Matmul), platform="cpu")
         jax.ffi.register_ffi_target(_KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxinferKvWrite), platform="cpu")
+        jax.ffi.register_ffi_target(_CUT_TARGET, jax.ffi.pycapsule(lib.JaxinferCut), platform="cpu")
     except (OSError, NativeUnavailableError) as e:
         log.warning("native CPU kernels unavailable: %s", e)
         return e if isinstance(e, NativeUnavailableError) else NativeUnavailableError(str(e))
@@ -258,3 +265,25 @@ def kv_write(pool: jax.Array, values: jax.Array, page: jax.Array, offset: jax.Ar
         raise loaded
     call = jax.ffi.ffi_call(_KV_WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0})
     return call(pool, values.astype(pool.dtype), page.astype(jnp.int32), offset.astype(jnp.int32))
+
+
+def cut_thresholds(keys: jax.Array, target: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Per row of `keys` ([B, V] uint32, jaxinfer.sampling's order keys), the largest key m such that
+    the row's tokens with key >= m weigh at least `target` ([B]): count k of them where `weights` is
+    None (top-k), else sum `weights` ([B, V] float32, the probabilities: top-p) to p, in float64.
+    0 where even the whole row falls short. [B] uint32.
+
+    Raises NativeUnavailableError when the kernel could not be built here.
+    """
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        raise loaded
+    if keys.ndim != 2 or keys.dtype != jnp.uint32:
+        raise ValueError(f"keys must be [B, V] uint32, got {keys.dtype}{list(keys.shape)}")
+    counts = weights is None
+    if counts:
+        weights = jnp.zeros((1,), jnp.float32)
+    elif weights.shape != keys.shape:
+        raise ValueError(f"weights {list(weights.shape)} must have the keys' shape {list(keys.shape)}")
+    call = jax.ffi.ffi_call(_CUT_TARGET, jax.ShapeDtypeStruct(keys.shape[:1], jnp.uint32))
+    return call(keys, weights.astype(jnp.float32), target.astype(jnp.float32), counts=counts)
