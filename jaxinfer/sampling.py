@@ -310,10 +310,11 @@ def _cut(keys, reaches, values, uses, candidates: _Candidates | None) -> tuple[j
 
 
 def native_cuts() -> bool:
-    """Whether keep_mask's cuts run in the C++ kernel (`native.cut_thresholds`): three radix passes
-    per row, where the pure-JAX search takes 32 over every row whose cut the candidate blocks do not
-    hold (a flat row's top-p nucleus): top-p 0.95 on [48, 32000] flat logits took 38 ms so
-    (WORKSPACE.md, "Sampler"). On the CPU, outside a multi-device mesh, where the kernels built."""
+    """Whether keep_mask's cuts run in the C++ kernel (`native.cut_thresholds`): a radix select, two
+    passes over each row, where the pure-JAX search takes 32 over every row whose cut the candidate
+    blocks do not hold (a flat row's top-p nucleus): top-p 0.95 on [48, 32000] flat logits took
+    24.6-25.6 ms so, 6.2-7.0 in the kernel (WORKSPACE.md, "Sampler"). On the CPU, outside a
+    multi-device mesh, where the kernels built."""
     return native.runs_here()
 
 
@@ -329,7 +330,7 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     32k vocabulary costs ~10 ms per row, more than the decode step it follows; these are 32 linear
     passes per stage, over the few thousand candidates that hold the cut where they do (`_cut`), and
     a stage no row uses is skipped. On the CPU the same thresholds come from a C++ kernel
-    (`native_cuts`), three radix passes per row.
+    (`native_cuts`), two passes over each row that uses the stage.
     """
     b, v = x.shape
     keys = _order_keys(x)
@@ -340,10 +341,10 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     candidates = None if in_native else _candidates(keys, jnp.any(uses_k | uses_p))
 
     def top_k_cut():
-        k = jnp.where(uses_k, top_k, v)
-        if in_native:
-            at = native.cut_thresholds(keys, k)
+        if in_native:  # a target of 0 skips the rows without top-k
+            at = native.cut_thresholds(keys, jnp.where(uses_k, top_k, 0))
         else:
+            k = jnp.where(uses_k, top_k, v)
             at, _ = _cut(keys, lambda at_least, _: at_least.sum(-1) >= k, None, uses_k, candidates)
         return keys >= jnp.where(uses_k, at, 0)[:, None]
 
@@ -357,8 +358,8 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
         probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
 
         def top_p_cut():
-            if in_native:
-                at = native.cut_thresholds(keys, p, probs)
+            if in_native:  # a target of 0 skips the rows without top-p
+                at = native.cut_thresholds(keys, jnp.where(uses_p, p, 0.0), probs)
             else:
                 mass = lambda at_least, pr: jnp.where(at_least, pr, 0.0).sum(-1) >= p  # noqa: E731
                 at, _ = _cut(keys, mass, probs, uses_p, candidates)

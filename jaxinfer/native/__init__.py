@@ -11,9 +11,9 @@
   it has no AVX-512.
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
-- `cut.cc`, `cut_thresholds`: the sampler's top-k and top-p cuts (jaxinfer.sampling.keep_mask) in
-  three radix passes per row, where the pure-JAX search takes 32 passes over a row whose nucleus the
-  candidate blocks cannot hold.
+- `cut.cc`, `cut_thresholds`: the sampler's top-k and top-p cuts (jaxinfer.sampling.keep_mask) by
+  radix select, two passes over each row, where the pure-JAX search takes 32 over a row whose
+  nucleus the candidate blocks cannot hold.
 
 All are built into one library with the machine's C++ compiler against the FFI headers jaxlib
 ships (`jax.ffi.include_dir()`), once per source, jaxlib and CPU, into a cache directory
@@ -271,7 +271,8 @@ def cut_thresholds(keys: jax.Array, target: jax.Array, weights: jax.Array | None
     """Per row of `keys` ([B, V] uint32, jaxinfer.sampling's order keys), the largest key m such that
     the row's tokens with key >= m weigh at least `target` ([B]): count k of them where `weights` is
     None (top-k), else sum `weights` ([B, V] float32, the probabilities: top-p) to p, in float64.
-    0 where even the whole row falls short. [B] uint32.
+    0 where even the whole row falls short; 0xFFFFFFFF, without reading the row, where the target is
+    not positive (how a caller skips rows that do not use the cut). [B] uint32.
 
     Raises NativeUnavailableError when the kernel could not be built here.
     """

@@ -148,7 +148,11 @@ void drain(Shared& s) {
   thread_local Scratch<int64_t> counts;
   for (int64_t b; (b = s.next.fetch_add(1, std::memory_order_relaxed)) < p.B;) {
     const uint32_t* keys = p.keys + b * p.V;
-    if (p.weights != nullptr) {
+    if (!(p.target[b] > 0.0f)) {
+      // Nothing to reach: even the empty set of keys >= the largest one weighs that much. (How a
+      // caller marks the rows that do not use the cut: they cost no pass.)
+      p.out[b] = 0xFFFFFFFFu;
+    } else if (p.weights != nullptr) {
       p.out[b] = row_threshold<double>(keys, p.weights + b * p.V, p.V, double{p.target[b]}, masses);
     } else {
       // A count of k tokens: k is a whole number in float32 up to 2^24, far past any vocabulary.
