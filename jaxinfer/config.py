@@ -362,6 +362,9 @@ def _rope_params(params: dict[str, Any], hf: dict[str, Any]) -> tuple[float, Rop
     # Some configs spell the kind "type" (older transformers), some "rope_type".
     kind = params.get("rope_type", params.get("type", "default"))
     theta = _rope_number(params, "rope_theta", kind)
+    # transformers 5 keeps partial_rotary_factor in the RoPE object as well as at the top level.
+    if _float_field(params, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 (in the RoPE parameters) is not supported")
     if kind == "default":
         return theta, None
     if kind == "linear":

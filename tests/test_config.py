@@ -208,6 +208,12 @@ def test_architectures_as_a_bare_string_is_read_as_a_list():
         (dict(rope_parameters="default"), "'rope_parameters' must be a JSON object, got 'default'"),
         (dict(rope_scaling="linear", rope_parameters=None), "'rope_scaling' must be a JSON object, got 'linear'"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor != 1 is not supported"),
+        # The same key inside the RoPE object (where transformers 5 reads it) was accepted and ignored.
+        (
+            dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4, partial_rotary_factor=0.5)),
+            r"partial_rotary_factor != 1 \(in the RoPE parameters\) is not supported",
+        ),
+        (dict(rope_scaling=dict(rope_type="default", partial_rotary_factor=0.25)), "partial_rotary_factor != 1"),
     ],
 )
 def test_unsupported_is_refused_by_name(change, message):
