@@ -39,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "last at once); >1 trades smoothness for less per-token transport work",
     )
     p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest unary Generate response (default 4 MiB: gRPC's default limit on a message a client "
+        "receives); a larger one ends with RESOURCE_EXHAUSTED as soon as it passes the limit. Raise it only "
+        "for clients that raise theirs (jaxinfer.client does); GenerateStream has no such limit",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         choices=GENERATION_CONFIG_CHOICES,
@@ -90,6 +98,7 @@ def check_flags(args) -> None:
         ("metrics_port", 0, 65535),
         ("max_queued_requests", 0, 10**6),
         ("stream_interval", 1, 10**6),
+        ("max_response_bytes", 1024, 2**31 - 1),
     ):
         v = getattr(args, name)
         if v is not None and not lo <= v <= hi:
@@ -122,6 +131,7 @@ def server_config(args):
         max_queued_requests=args.max_queued_requests,
         drain_timeout=args.drain_timeout,
         stream_interval=args.stream_interval,
+        max_response_bytes=args.max_response_bytes,
         peer_timeout=args.peer_timeout,
         peer_startup_timeout=args.peer_startup_timeout,
         warmup_prompt_logprobs=args.warmup_prompt_logprobs,

@@ -45,6 +45,7 @@ from serving.async_engine import AsyncEngine, DrainingError, EngineFailedError, 
 
 log = logging.getLogger("jaxinfer.serving")
 _DEADLINE_SLACK_S = 0.1
+_UNARY_INTERVAL = 16  # tokens of a sample a unary Generate's handler takes at once
 _TOKENIZE_THREADS = 2  # prompt texts tokenized at once (the tokenizers release the GIL)
 
 SERVICE = "jaxinfer.v1.InferenceService"
@@ -65,6 +66,9 @@ class ServerConfig:
     max_queued_requests: int = 256
     drain_timeout: float = 30.0
     stream_interval: int = 1  # GenerateStream sends a sample's tokens once this many have accumulated
+    # The largest unary Generate response: gRPC's default limit on a received message, which most
+    # clients keep (a larger response would reach them as an error after all the work was done).
+    max_response_bytes: int = 4 * 1024 * 1024
     peer_timeout: float = 60.0  # multi-host: a step waiting this long on the other processes breaks the job
     peer_startup_timeout: float = 600.0  # the same while loading and warming up (load and compile times differ)
     # Warm up the prompt-logprobs programs too (a multi-process job always does: see Engine.warmup).
@@ -98,6 +102,15 @@ class RpcError(Exception):
 
 def _invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _too_large(size: str, limit: int) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the response is {size} bytes, past this server's max_response_bytes of {limit} (by default gRPC's "
+        "limit on a message a client receives); use GenerateStream, which sends the tokens as they come, or "
+        "lower n, logprobs or max_tokens",
+    )
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -408,11 +421,21 @@ class Server:
         *,
         interval: int = 1,
         cache_salt: str | None = None,
+        param_fields: dict[str, str] | None = None,
     ) -> RequestStream:
+        """Validates and submits. A refusal about a sampling parameter names `sampling_params`, or
+        where the request has no such field, the request's own field `param_fields` maps it to."""
         try:
             self.llm.engine.validate(prompt_ids, params)
         except InvalidRequestError as e:  # about the prompt, or about a sampling parameter
-            raise _invalid(f"{'sampling_params' if str(e).startswith('SamplingParams.') else field}: {e}") from None
+            message = str(e)
+            if not message.startswith("SamplingParams."):
+                raise _invalid(f"{field}: {message}") from None
+            if param_fields is None:
+                raise _invalid(f"sampling_params: {message}") from None
+            for ours, theirs in param_fields.items():
+                message = message.replace(f"SamplingParams.{ours}", theirs)
+            raise _invalid(message) from None
         try:
             return self.async_engine.submit(
                 prompt_ids, params, request_id=rpc.id, interval=interval, cache_salt=cache_salt
@@ -553,8 +576,9 @@ class Server:
             check_cache_salt(salt)
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
-        # A unary call only needs the end: holding every delta until then spares a wake-up per step.
-        interval = self.config.stream_interval if streaming else 2**31
+        # A unary call only needs the end: holding its deltas spares a wake-up per step. It takes them
+        # every _UNARY_INTERVAL tokens all the same, to end a response growing past max_response_bytes.
+        interval = self.config.stream_interval if streaming else _UNARY_INTERVAL
         stream = rpc.stream = self._admit(ids, params, which, rpc, interval=interval, cache_salt=salt)
         return stream
 
@@ -567,13 +591,19 @@ class Server:
         comps = [pb.Completion(index=i) for i in range(n)]
         texts = [[] for _ in range(n)]
         prompt_logprobs = []
+        limit = self.config.max_response_bytes
+        size = 0  # a lower bound of the response's size so far: ends the request once past the limit
         try:
             async for d in stream:
                 prompt_logprobs += (d.prompt_logprobs or [None])[1:]  # the first prompt token has none
                 c = comps[d.index]
                 c.token_ids.extend(d.token_ids)
                 texts[d.index].append(d.text)
-                c.logprobs.extend(wire.logprobs_proto(d.logprobs or []))
+                lps = wire.logprobs_proto(d.logprobs or [])
+                c.logprobs.extend(lps)
+                size += len(d.token_ids) + len(d.text) + sum(x.ByteSize() for x in lps)
+                if size > limit:
+                    raise _too_large(f"more than {size}", limit)
                 if d.finish_reason is not None:
                     c.finish_reason = wire.FINISH_REASONS[d.finish_reason]
                     wire.set_stop_reason(c, d.stop_reason)
@@ -581,13 +611,16 @@ class Server:
             raise _engine_failed(e) from None
         for c, t in zip(comps, texts):
             c.text = "".join(t)
-        return pb.GenerateResponse(
+        response = pb.GenerateResponse(
             request_id=rpc.cid or stream.request_id,
             prompt_token_ids=stream.prompt_ids,
             completions=comps,
             usage=self._usage(stream),
             prompt_logprobs=wire.logprobs_proto(prompt_logprobs),
         )
+        if response.ByteSize() > limit:
+            raise _too_large(str(response.ByteSize()), limit)
+        return response
 
     async def _generate_stream(self, request, ctx, rpc):
         stream = await self._start_generate(request, rpc, streaming=True)
@@ -708,7 +741,8 @@ class Server:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=max(1, request.num_samples))
         except InvalidRequestError as e:
             raise _invalid(str(e).replace("SamplingParams.n", "num_samples")) from None
-        stream = rpc.stream = self._admit(ids, params, which, rpc)
+        fields = {"max_tokens": "max_tokens", "n": "num_samples"}
+        stream = rpc.stream = self._admit(ids, params, which, rpc, param_fields=fields)
         n = params.n
         pending_ids = [[] for _ in range(n)]
         pending_text = [[] for _ in range(n)]

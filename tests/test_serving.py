@@ -1119,6 +1119,54 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def test_a_unary_response_past_max_response_bytes_is_refused_as_soon_as_it_passes(llm):
+    """A unary response larger than the client's receive limit (gRPC's default: 4 MiB) reached the
+    client as an error only after all the work, and the server counted it OK. It now ends with
+    RESOURCE_EXHAUSTED naming the limit once past it, and frees its pages; streams are not limited.
+    Also here, on a small cache: JetStream's Decode names its own fields, not SamplingParams'."""
+    small = LLM(default_model.TINY_RANDOM, max_model_len=128, num_kv_pages=6, max_num_seqs=2, max_num_batched_tokens=64)
+    s = ServerThread(small, max_response_bytes=4096)
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.InferenceServiceStub(ch)
+            big = pb.SamplingParams(max_tokens=75, temperature=0, ignore_eos=True, logprobs=20)
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling_params=big)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Generate(req, timeout=60)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "max_response_bytes of 4096" in e.value.details() and "GenerateStream" in e.value.details()
+            s.wait_idle()
+            # Ended once past the limit (~21 tokens here, seen at 33: a unary handler takes 16 at once).
+            assert s.server.registry.get_sample_value("jaxinfer_generation_tokens_total") < 50
+            streamed = [t for m in stub.GenerateStream(req, timeout=60) for t in m.token_ids]
+            ref = llm.generate(
+                prompt_token_ids=[[5, 6, 7]],
+                sampling_params=SamplingParams(max_tokens=75, temperature=0, ignore_eos=True),
+            )
+            assert streamed == ref[0].outputs[0].token_ids
+            small_req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                sampling_params=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2),
+            )
+            reply = stub.Generate(small_req, timeout=60)
+            assert list(reply.completions[0].token_ids) == ref[0].outputs[0].token_ids[:4]
+            assert reply.ByteSize() <= 4096
+            body = s.server.registry.get_sample_value(
+                "jaxinfer_requests_total", {"method": "Generate", "code": "RESOURCE_EXHAUSTED"}
+            )
+            assert body == 1.0
+
+            decode = js.DecodeRequest(max_tokens=100, token_content=js.DecodeRequest.TokenContent(token_ids=[5, 6, 7]))
+            with pytest.raises(grpc.RpcError) as e:
+                list(js_grpc.OrchestratorStub(ch).Decode(decode, timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("max_tokens = 100 with a 3-token prompt needs 7 KV pages"), (
+                e.value.details()
+            )
+    finally:
+        s.stop()
+
+
 def test_jetstream_decode(server, llm):
     stub = js_grpc.OrchestratorStub(grpc.insecure_channel(server.address))
     assert stub.HealthCheck(js.HealthCheckRequest(), timeout=5).is_live
@@ -1219,6 +1267,15 @@ def test_cli_generate_against_server(server, llm, capsys):
     assert "--server must be HOST:PORT" in capsys.readouterr().err
     assert cli.main(["generate", "hi", "--timeout", "5"]) == 2
     assert "--timeout applies to --server calls only" in capsys.readouterr().err
+
+    # As locally: a --max-tokens past the wire's int32 runs to the model's length limit, and a
+    # refusal the client finds names the flag typed.
+    big = ["generate", "--server", server.address, "--prompt-ids", "5,6,7", "--ignore-eos", "--json"]
+    assert cli.main([*big, "--max-tokens", str(10**20), "--temperature", "0"]) == 0
+    out = json.loads(capsys.readouterr().out.strip())
+    assert (len(out["token_ids"]), out["finish_reason"]) == (128 - 3, "length")  # max_model_len 128
+    assert cli.main(["generate", "--server", server.address, "--prompt-ids", "5,99999999999"]) == 2
+    assert capsys.readouterr().err.startswith("error: --prompt-ids[1] = 99999999999 is outside")
 
 
 def _serve(*args: str) -> subprocess.Popen:
@@ -1796,7 +1853,7 @@ def test_every_serve_flag_reaches_the_server_config():
     argv = ["serve", "--model", "m", "--dtype", "bfloat16", "--host", "::1", "--port", "7", "--metrics-port", "8"]
     argv += ["--max-queued-requests", "0", "--drain-timeout", "0", "--stream-interval", "3", "--max-num-seqs", "4"]
     argv += ["--generation-config", "none", "--warmup-prompt-logprobs", "--peer-timeout", "5"]
-    argv += ["--peer-startup-timeout", "6"]
+    argv += ["--peer-startup-timeout", "6", "--max-response-bytes", "5000"]
     args = cli._parser().parse_args(argv)
     main.check_flags(args)
     config = main.server_config(args)
@@ -1811,6 +1868,7 @@ def test_every_serve_flag_reaches_the_server_config():
         max_queued_requests=0,
         drain_timeout=0.0,
         stream_interval=3,
+        max_response_bytes=5000,
         peer_timeout=5.0,
         peer_startup_timeout=6.0,
         warmup_prompt_logprobs=True,
@@ -1869,6 +1927,7 @@ def test_log_level_sets_jaxinfers_loggers_and_keeps_other_libraries_at_warning(l
         (["--peer-timeout", "inf"], "--peer-timeout must be a finite number of seconds > 0, got inf"),
         (["--peer-startup-timeout", "0"], "--peer-startup-timeout must be a finite number of seconds > 0, got 0.0"),
         (["--metrics-port", "65536"], "--metrics-port must be in [0, 65535], got 65536"),
+        (["--max-response-bytes", "1000"], "--max-response-bytes must be in [1024, 2147483647], got 1000"),
     ],
 )
 def test_serve_flags_out_of_range_are_named(flags, message):
@@ -1941,9 +2000,11 @@ def test_serve_load_failure_is_one_error_line_in_flag_names():
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, (out, err)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --max-model-len must be in [2, 1024 for this model], got 5000"], err
+    assert errors == ["error: --max-model-len must be an integer in [2, 1024 for this model], got 5000"], err
     (logged,) = [json.loads(x) for x in err.splitlines() if x.startswith('{"event": "load_failed"')]
-    assert logged["error"] == "InvalidRequestError: max_model_len must be in [2, 1024 for this model], got 5000"
+    assert (
+        logged["error"] == "InvalidRequestError: max_model_len must be an integer in [2, 1024 for this model], got 5000"
+    )
 
 
 @pytest.mark.parametrize("where", ["warmup", "engine thread"])
