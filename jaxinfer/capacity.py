@@ -141,4 +141,4 @@ def check_max_model_len(cfg, max_model_len) -> None:
             if cfg.max_position_embeddings <= MAX_MODEL_LEN_LIMIT
             else f"{MAX_MODEL_LEN_LIMIT} (the engine's limit; this model's is {cfg.max_position_embeddings})"
         )
-        raise InvalidRequestError(f"max_model_len must be in [2, {limit}], got {max_model_len!r}")
+        raise InvalidRequestError(f"max_model_len must be an integer in [2, {limit}], got {max_model_len!r}")

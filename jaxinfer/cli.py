@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -93,6 +94,9 @@ def check_engine_flags(args) -> None:
         )
 
 
+_FLAG_OF_FIELD = {"bad_words": "bad_word"}  # SamplingParams fields whose repeatable flag is singular
+
+
 def flag_names(message: str, options) -> str:
     """An API refusal in the words of the command line: each argument or `SamplingParams.field` it
     names that the command takes as a flag in `options` (its option strings) becomes that flag:
@@ -101,7 +105,7 @@ def flag_names(message: str, options) -> str:
     "the --model's limit"."""
 
     def flag(m: re.Match) -> str:
-        name = "--" + m.group(2).replace("_", "-")
+        name = "--" + _FLAG_OF_FIELD.get(m.group(2), m.group(2)).replace("_", "-")
         is_name = m.group(1) or "_" in m.group(2) or m.start() == 0
         return name if is_name and name in options else m.group(0)
 
@@ -418,14 +422,30 @@ def _prompt_named_as_given(message: str, args) -> str:
 def _generate_remote(args, params_over) -> int:
     import grpc
 
-    from jaxinfer.client import Client, ServerError, _request
+    from jaxinfer.client import INT32_MAX, Client, ServerError, _request
+    from jaxinfer.errors import InvalidRequestError
 
-    # Every request is checked as the client will send it before the first RPC.
+    local_params = params_over
+
+    def params_over(recommended: dict):
+        """As locally: a length past what the wire carries (int32) runs to the model's limit, which
+        the largest int32 asks for too."""
+        p = local_params(recommended)
+        clamped = {k: INT32_MAX for k in ("max_tokens", "min_tokens") if (getattr(p, k) or 0) > INT32_MAX}
+        return dataclasses.replace(p, **clamped) if clamped else p
+
+    # Every request is checked as the client will send it before the first RPC; a refusal names the
+    # flag, as a local run's does.
     checked = params_over({})
-    for prompt in args.prompt:
-        _request(prompt, checked, None, None, args.cache_salt)
-    for ids in args.prompt_ids or []:
-        _request(None, checked, ids, None, args.cache_salt)
+    try:
+        for prompt in args.prompt:
+            _request(prompt, checked, None, None, args.cache_salt)
+        for ids in args.prompt_ids or []:
+            _request(None, checked, ids, None, args.cache_salt)
+    except InvalidRequestError as e:
+        message = re.sub(r"^sampling_params\.", "SamplingParams.", str(e))
+        message = re.sub(r"^prompt_token_ids", "--prompt-ids", message)
+        raise InvalidRequestError(flag_names(message, args.options)) from None
     with Client(args.server, timeout=args.timeout) as client:
         # The model info says what the served model recommends for the flags left out, and whether it
         # has a tokenizer: without one, its token ids are printed, as locally.
@@ -462,16 +482,18 @@ def _print_stream(args, deltas, *, has_text: bool = True) -> None:
     without a tokenizer streams its token ids."""
     if not args.json and args.prompt:
         print(args.prompt[0], end="", flush=True)
-    for d in deltas:
-        if args.json:
-            obj = {"token_ids": list(d.token_ids), "text": d.text, "finish_reason": d.finish_reason}
-            print(json.dumps(obj), flush=True)
-        elif has_text:
-            print(d.text, end="", flush=True)
-        elif d.token_ids:
-            print(",".join(map(str, d.token_ids)), end=",", flush=True)
-    if not args.json:
-        print()
+    try:
+        for d in deltas:
+            if args.json:
+                obj = {"token_ids": list(d.token_ids), "text": d.text, "finish_reason": d.finish_reason}
+                print(json.dumps(obj), flush=True)
+            elif has_text:
+                print(d.text, end="", flush=True)
+            elif d.token_ids:
+                print(",".join(map(str, d.token_ids)), end=",", flush=True)
+    finally:  # also before an error's line (a deadline mid-stream), which would run on from the text
+        if not args.json:
+            print(flush=True)
 
 
 def _logprob_json(lp) -> dict:

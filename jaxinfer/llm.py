@@ -262,6 +262,9 @@ class LLM:
             num_kv_pages=num_kv_pages,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
+            # The upper limit is the model's (checked once its config is read); the type is not.
+            raise InvalidRequestError(f"max_model_len must be None or an integer >= 2, got {max_model_len!r}")
         multi_process = jax.process_count() > 1
         if multi_process:  # before loading: a different model or mesh would fail there, unnamed
             from jaxinfer import distributed
@@ -611,6 +614,10 @@ class LLM:
             )
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or prompt_token_ids")
+        if isinstance(sampling_params, (list, tuple)):  # one per prompt is generate's form
+            raise InvalidRequestError(
+                f"stream takes one SamplingParams (or None), got a {type(sampling_params).__name__}"
+            )
         name = "prompt" if prompt is not None else "prompt_token_ids"  # its one prompt, named as passed
         texts, ids, params, salts = self._prompts(
             None if prompt is None else [prompt],

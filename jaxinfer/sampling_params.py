@@ -186,6 +186,8 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
+        if isinstance(ids, np.ndarray) and ids.ndim == 1:  # as allowed_token_ids and prompt ids take it
+            ids = ids.tolist()
         if not isinstance(ids, (list, tuple)) or not all(is_int(t) and 0 <= t < 2**31 for t in ids):
             bad("stop_token_ids", ids, "must be a list of integers in [0, 2**31)")
         if len(ids) > MAX_STOP_TOKEN_IDS:

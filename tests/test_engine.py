@@ -713,11 +713,13 @@ def test_capacity_ranges_are_closed_and_named():
         check_max_model_len(CFG, edge)
     limit = f"[2, {CFG.max_position_embeddings} for this model]"
     for bad in (1, CFG.max_position_embeddings + 1, 2.0):
-        with pytest.raises(InvalidRequestError, match=re.escape(f"max_model_len must be in {limit}, got {bad!r}")):
+        with pytest.raises(
+            InvalidRequestError, match=re.escape(f"max_model_len must be an integer in {limit}, got {bad!r}")
+        ):
             check_max_model_len(CFG, bad)
     # A model at the engine's own limit (2**24 positions) names its own; one past it, the engine's.
     for positions, limit in ((2**24, "16777216 for this model"), (2**24 + 1, "16777216 (the engine's limit; this")):
-        with pytest.raises(InvalidRequestError, match=re.escape(f"max_model_len must be in [2, {limit}")):
+        with pytest.raises(InvalidRequestError, match=re.escape(f"max_model_len must be an integer in [2, {limit}")):
             check_max_model_len(dataclasses.replace(CFG, max_position_embeddings=positions), 2**25)
 
 

@@ -882,8 +882,11 @@ def test_bad_constructor_arguments():
         LLM(max_num_seqs=10**9)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         LLM(max_model_len=10**6)
-    with pytest.raises(InvalidRequestError, match=r"max_model_len must be in \[2, 1024 for this model\], got 1"):
-        LLM(max_model_len=1)  # room for a prompt token but none for an output
+    # Below 2 (room for a prompt token but none for an output) or not an integer: refused before the
+    # weights load; past the model's own limit, once its config is read.
+    for bad in (1, "512", 2.0):
+        with pytest.raises(InvalidRequestError, match=rf"max_model_len must be None or an integer >= 2, got {bad!r}"):
+            LLM("/nonexistent", max_model_len=bad)
     with pytest.raises(InvalidRequestError, match="model must be a directory path"):
         LLM(5)
     with pytest.raises(InvalidRequestError, match=r"generation_config must be one of \('auto', 'none'\), got 'vllm'"):
@@ -1107,7 +1110,10 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--prompt-logprobs", "21", "x"], "error: --prompt-logprobs must be None or an integer"),
         (["generate", "--top-p", "0", "x"], "error: --top-p must be in (0, 1]"),
         # The API's refusals in the flags' names (they said max_model_len, SamplingParams.max_tokens):
-        (["generate", "--max-model-len", "5000", "x"], "error: --max-model-len must be in [2, 1024 for this model]"),
+        (
+            ["generate", "--max-model-len", "5000", "x"],
+            "error: --max-model-len must be an integer in [2, 1024 for this model]",
+        ),
         (
             ["generate", "--num-kv-pages", "2", "--max-model-len", "512", "--max-tokens", "40", "x"],
             "--max-tokens = 40 with a 3-token prompt needs 3 KV pages; the cache has 1 (--num-kv-pages less",
@@ -1384,8 +1390,9 @@ def test_bench_serve_says_why_its_server_did_not_start():
     args = _bench_args(["serve", "--num-requests", "2", "--prompt-len-range", "600", "--output-len-range", "600"])
     with pytest.raises(SystemExit) as e:
         bench.run(args)
-    assert "exited with status 2 while starting: max_model_len must be in [2, 1024 for this model], got 1201" in str(
-        e.value
+    assert (
+        "exited with status 2 while starting: max_model_len must be an integer in [2, 1024 for this model], got 1201"
+        in str(e.value)
     )
     assert "--prompt-len-range plus that of --output-len-range, plus 1" in str(e.value)
 
@@ -1661,7 +1668,7 @@ def test_bench_without_the_hf_stack_says_which_install_adds_it(argv, tmp_path, m
 )
 def test_bench_sizes_the_model_refuses_name_the_flags(argv, flag):
     """The bench derives max_model_len and max_num_seqs from its flags; the engine's refusal named
-    only those (`max_model_len must be in [2, 1024 for this model], got 100001`)."""
+    only those (`max_model_len must be an integer in [2, 1024 for this model], got 100001`)."""
     from jaxinfer import bench
 
     with pytest.raises(InvalidRequestError, match=r"must be .*, got \d+ \(.*" + flag):

@@ -327,6 +327,8 @@ def test_stream_matches_generate(llm):
     # A list of prompts is a natural slip: named as such (it used to blame "prompts[0]", a string).
     with pytest.raises(InvalidRequestError, match="stream takes one prompt .* got a list; generate takes several"):
         llm.stream(["a", "b"], sp)  # refused by the call itself, not at the first next()
+    with pytest.raises(InvalidRequestError, match=r"stream takes one SamplingParams \(or None\), got a list"):
+        llm.stream("a", [sp])  # generate's one-per-prompt form: it ran, where a list of prompts did not
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.stream("", sp)
 
