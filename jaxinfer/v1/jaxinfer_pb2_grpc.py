@@ -60,7 +60,9 @@ class InferenceServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generates for one prompt; answers once, when every sample has finished.
+        """Generates for one prompt; answers once, when every sample has finished. A response that would
+        pass the server's --max-response-bytes (default 4 MiB, gRPC's default limit on a received
+        message) ends with RESOURCE_EXHAUSTED as soon as it passes; GenerateStream has no such limit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
