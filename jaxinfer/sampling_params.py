@@ -84,7 +84,8 @@ class SamplingParams:
             divided by it, negative ones multiplied), in (0, 2]; 1 is off.
         seed: makes sampling reproducible for this request, independent of its batch mates.
         stop: strings that end generation when they appear in the text (not included in the text
-            unless `include_stop_str_in_output`); at most 64, of at most 1024 characters each.
+            unless `include_stop_str_in_output`); at most 64, of at most 1024 characters each. None,
+            here and for `stop_token_ids` and `bad_words`, is none (as in vLLM).
         stop_token_ids: extra token ids that end generation (not included in the output); at most 256.
         include_stop_str_in_output: the text ends after the stop string that ended it, not before
             (vLLM's); what followed it in the same token is still cut.
@@ -169,6 +170,10 @@ class SamplingParams:
         number_in("repetition_penalty", 0, 2, lo_open=True)
         if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**32)):
             bad("seed", self.seed, "must be an integer in [0, 2**32)")
+        # None is "none", as vLLM declares these three (code passes `stop=request.get("stop")`).
+        for field in ("stop", "stop_token_ids", "bad_words"):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, ())
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)

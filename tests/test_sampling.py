@@ -632,6 +632,8 @@ def test_logit_bias_and_allowed_token_ids_normalise():
     assert p.logit_bias == {4: 1.5, 9: 0.0} and all(type(k) is int for k in p.logit_bias)
     assert p.allowed_token_ids == (4, 9)
     assert SamplingParams(logit_bias={}).logit_bias is None
+    # None is empty for the list fields, as vLLM declares them (it was refused).
+    assert SamplingParams(stop=None, stop_token_ids=None, bad_words=None) == SamplingParams()
     # A NumPy array of ids is taken for stop_token_ids too (it was refused as if out of range).
     stop = SamplingParams(stop_token_ids=np.array([7, 2], np.int32)).stop_token_ids
     assert stop == (7, 2) and all(type(t) is int for t in stop)
