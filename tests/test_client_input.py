@@ -329,12 +329,12 @@ def test_valid_input_reaches_the_wire(address):
 
 
 def test_cli_generate_server_names_the_bad_field(address, capsys):
-    """`jaxinfer generate --server` goes through the client: one `error:` line naming the field, exit 2."""
+    """`jaxinfer generate --server` goes through the client: one `error:` line naming the flag, exit 2.
+    (A --max-tokens past int32 is not refused: as locally, it runs to the length limit.)"""
     from jaxinfer import cli
 
     for argv, pattern in [
-        (["--prompt-ids", "1,2147483648"], r"error: prompt_token_ids\[1\] = 2147483648 is outside"),
-        (["--max-tokens", "2147483648", "x"], r"error: .*max_tokens.*2147483648"),
+        (["--prompt-ids", "1,2147483648"], r"error: --prompt-ids\[1\] = 2147483648 is outside"),
         (["In the \udcff"], r"error: prompt is not valid Unicode: lone surrogate"),
     ]:
         assert cli.main(["generate", "--server", address, *argv]) == 2
