@@ -1477,6 +1477,7 @@ def test_bench_mbu_is_the_bytes_a_step_reads_over_the_read_ceiling(monkeypatch, 
     runs = iter([(0.01, 1.0, 1.5), (0.02, 1.0, 1.5)])  # step s, total s, rows per step
     monkeypatch.setattr(bench, "ReadCeiling", Ceiling)
     monkeypatch.setattr(bench, "_decode_once", lambda *a: next(runs))
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 2**30)  # whatever this machine has
     args = ["--preset", "llama-tiny", "--prompt-lens", "8", "--batch-sizes", "2", "--new-tokens", "4"]
     report = bench.run(_bench_args(args + ["--context", "8", "--repeats", "2"]))
     d, f, v, layers = 128, 384, 512, 2
@@ -1493,6 +1494,27 @@ def test_bench_mbu_is_the_bytes_a_step_reads_over_the_read_ceiling(monkeypatch, 
     assert row["mbu_vs_best"] == pytest.approx(step_bytes / 0.015 / 4e9, rel=1e-12)
     assert report["read_bandwidth_GBps"] == {"reduce": 4.0, "matvec": 3.0}
     assert row["tokens_per_s"] == pytest.approx(1.5 / 0.015)
+
+    # A step that fits in the CPU's last-level cache is flagged: its MBU can pass 100%.
+    out = capsys.readouterr().out
+    assert "fits in this CPU's" in out, out
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: int(step_bytes) - 1)
+    runs, ceilings = iter([(0.01, 1.0, 1.5)] * 2), iter([(1e9, 2e9)] * 4)
+    bench.run(_bench_args(args + ["--context", "8", "--repeats", "2"]))
+    assert "last-level cache" not in capsys.readouterr().out
+
+
+def test_last_level_cache_is_read_from_sysfs(monkeypatch, tmp_path):
+    from jaxinfer import bench
+
+    for i, size in enumerate(["48K", "2048K", "307200K", "oops"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    real_glob = bench.glob.glob
+    monkeypatch.setattr(bench.glob, "glob", lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
+    assert bench.last_level_cache_bytes() == 300 * 2**20
+    monkeypatch.setattr(bench.glob, "glob", lambda pattern: [])
+    assert bench.last_level_cache_bytes() is None
 
 
 @pytest.mark.parametrize("rounds", [1, 2])
