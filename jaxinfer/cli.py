@@ -225,12 +225,14 @@ def _parser(*, bench_flags: bool = True) -> argparse.ArgumentParser:
         default=None,
         help="share prefix-cache pages only with requests of the same salt (vLLM's cache_salt)",
     )
-    g.add_argument("--logprobs", type=int, default=None, help="top-n log-probabilities per token (JSON output)")
+    g.add_argument(
+        "--logprobs", type=int, default=None, help="top-n log-probabilities per token (printed with --json only)"
+    )
     g.add_argument(
         "--prompt-logprobs",
         type=int,
         default=None,
-        help="top-n log-probabilities of every prompt token after the first (JSON output)",
+        help="top-n log-probabilities of every prompt token after the first (printed with --json only)",
     )
     g.add_argument(
         "--truncate-prompt-tokens",

@@ -5,7 +5,8 @@
 - ragged_paged_attention_gpu: the same contract on GPU (Pallas' Triton lowering); also testable in
   interpret mode.
 - ragged_paged_attention_mgpu: its Mosaic GPU (Hopper: TMA + wgmma) variant for bfloat16/float16
-  pools, tested in Pallas' GPU interpret mode; not yet compiled on a GPU, so nothing dispatches to it.
+  pools, tested in Pallas' GPU interpret mode and compiled and timed on an H200 (2026-11-29/30);
+  Hopper steps run through it where it was measured faster (`jaxinfer.attention._gpu_kernel`).
 - kv_write: the new tokens' K/V (float or int8 with scales) written into their pages in place (TPU).
 - sharded: both under shard_map over the mesh's KV-head axis.
 

@@ -8,13 +8,14 @@ so its yardstick is memory bandwidth: for each variant we report the median time
 move (the rows' K/V pages + queries + outputs), the achieved bandwidth, and MBU = achieved / the
 bandwidth of a plain device copy (read + write of a 512 MiB buffer) timed in the same rounds.
 
-Variants: `reference` (plain pure JAX, jitted), `xla` (the tiled pure-JAX attention, CPU's default),
-`ours` (on TPU and CPU pallas_kernels.ragged_paged_attention, on GPU
-pallas_kernels.ragged_paged_attention_gpu), `mosaic` (GPU only: the Mosaic GPU variant,
-pallas_kernels.ragged_paged_attention_mgpu, bfloat16/float16 pools; a compile failure is printed
-and the other variants still run), and `upstream` (jax.experimental.pallas.ops.tpu or
-.gpu paged_attention, decode only). On CPU the kernels can only run in TPU interpret mode: their
-times are then a simulation's, printed for completeness and marked, never a speed.
+Variants: `reference` (plain pure JAX, jitted), `xla` (the tiled pure-JAX attention), `native` (CPU
+only: the C++ kernel of jaxinfer.native, what the model runs on CPU by default), `ours` (on TPU and
+CPU pallas_kernels.ragged_paged_attention, on GPU pallas_kernels.ragged_paged_attention_gpu),
+`mosaic` (GPU only: the Mosaic GPU variant, pallas_kernels.ragged_paged_attention_mgpu,
+bfloat16/float16 pools; a compile failure is printed and the other variants still run), and
+`upstream` (jax.experimental.pallas.ops.tpu or .gpu paged_attention, decode only). On CPU the Pallas
+kernels can only run in TPU interpret mode: their times are then a simulation's, printed for
+completeness and marked, never a speed.
 
 Timing: each variant is jitted (the kernels' eager input checks run once, outside the clock), and
 when one call is short, several are queued back to back per sample so launch gaps do not count.
@@ -63,7 +64,7 @@ def _blocks(s: str) -> dict[str, int]:
     return out
 
 
-VARIANTS = ("copy", "reference", "xla", "ours", "mosaic", "upstream")
+VARIANTS = ("copy", "reference", "xla", "native", "ours", "mosaic", "upstream")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variants",
         default=None,
         help=f"comma-separated subset of {','.join(VARIANTS)} (copy: a plain copy of the same bytes); "
-        "default all, on CPU all but the interpret-mode kernels (ours, upstream)",
+        "default all, on CPU all but the interpret-mode kernels (ours, mosaic, upstream)",
     )
 
 
@@ -251,6 +252,19 @@ def _variants(args, ctx: int, variants: list[str], rng, platform: str):
             "reference",
             lambda q, k, v: tiled_paged_attention(q, k, v, table, positions, lens, scale=scale, kind=kind),
         )
+    if "native" in variants:
+        from jaxinfer import native
+
+        if platform != "cpu" or not native.available():
+            why = f"a CPU kernel, not run on {platform}" if platform != "cpu" else "not built here"
+            print(f"  (native: {why}; skipped)")
+        else:
+            window = args.window  # `static` below is the Pallas kernels' own
+
+            def run_native(q, kp, vp, sc):
+                return native.paged_attention(q, kp, vp, table, lens, ones, scale=scale, window=window, **sc)
+
+            attn["native"] = "kernel", run_native
     if "ours" in variants:
         kernel = ragged_paged_attention_gpu if on_gpu else ragged_paged_attention
         static = dict(scale=scale, window=args.window, interpret=not (on_tpu or on_gpu))
@@ -353,7 +367,7 @@ def run(args) -> list[dict]:
     _check_pools_fit(args)
     named = args.variants
     if named is None:  # CPU: the kernels only as a simulation, so only when asked for
-        named = "copy,reference,xla" if simulated_kernels else ",".join(VARIANTS)
+        named = "copy,reference,xla,native" if simulated_kernels else ",".join(v for v in VARIANTS if v != "native")
     variants = [v.strip() for v in named.split(",") if v.strip()]
     if not variants:
         raise InvalidRequestError(f"--variants names none; pick from {', '.join(VARIANTS)}")

@@ -1,7 +1,8 @@
 """Ragged paged attention for Hopper GPUs on Pallas' Mosaic GPU backend (TMA + wgmma).
 
-The Triton-lowered kernel (`ragged_paged_attention_gpu`) is the one the model runs on GPUs; this is
-its Mosaic GPU variant, written because Pallas' Triton lowering is deprecated upstream. It keeps
+The Triton-lowered kernel (`ragged_paged_attention_gpu`) is the one the model runs on GPUs other
+than Hopper, and on Hopper where this one is not faster (see "Status" below); this is its Mosaic GPU
+variant, written because Pallas' Triton lowering is deprecated upstream. It keeps
 that kernel's contract, wrapper, grid and masking, and swaps the loop body:
 
 - Grid (row b, KV head k, row block x KV split), one warpgroup per program. A row block is 64

@@ -330,8 +330,12 @@ def test_kernel_bench_smoke(capsys):
         (v, 2 * 2 * 8 * (128 + 4) + 2 * (2 * 2 * 128 * 2)) for v in ("reference", "ours")
     ]
     # Unasked, CPU runs only the real speeds: interpret mode takes minutes per realistic shape.
+    # The C++ kernel, what the model runs on CPU, is among them where it is built.
+    from jaxinfer import native
+
     rows = bench.run(p.parse_args([*args[2:], "--repeats", "1"]))
-    assert [r["variant"] for r in rows] == ["copy", "reference", "xla"] and "--variants ours" in capsys.readouterr().out
+    expected = ["copy", "reference", "xla"] + (["native"] if native.available() else [])
+    assert [r["variant"] for r in rows] == expected and "--variants ours" in capsys.readouterr().out
 
 
 def test_kernel_bench_figures_on_made_up_times(monkeypatch):
@@ -447,10 +451,13 @@ def test_kernel_bench_prefill_chunks_time_the_same_attention_in_every_variant(ca
     bench.add_arguments(p)
     argv = ["--batch", "2", "--heads", "4,2", "--head-dim", "64", "--layers", "2", "--query-len", "5"]
     args = p.parse_args([*argv, "--dtype", "float32"])
-    moved, calls = bench._variants(args, 21, ["reference", "xla", "ours"], np.random.default_rng(0), "cpu")
+    from jaxinfer import native
+
+    others = ["xla", "ours"] + (["native"] if native.available() else [])
+    moved, calls = bench._variants(args, 21, ["reference", *others], np.random.default_rng(0), "cpu")
     outs = {name: np.asarray(fn()) for name, fn in calls.items()}
-    assert outs["reference"].shape == (2, 5, 4, 64)
-    for name in ("xla", "ours"):
+    assert outs["reference"].shape == (2, 5, 4, 64) and set(outs) == {"reference", *others}
+    for name in others:
         np.testing.assert_allclose(outs[name], outs["reference"], atol=2e-5, rtol=2e-5)
     assert moved == 2 * 2 * 21 * 2 * 64 * 4 + 2 * (2 * 5) * 4 * 64 * 4
     # Query i of 5 (positions 16..20) sees 17 + i keys: 17+18+19+20+21 = 95 per row and head.
