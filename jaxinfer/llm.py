@@ -120,6 +120,9 @@ def _generation_overrides(model, generation_config: str) -> dict:
     return defaults
 
 
+_announced_default = False  # the embedded default model's line is printed once per process
+
+
 def _load(model, dtype: str, mesh):
     """(cfg, params, tokenizer) of `model`: None (the embedded default), an embedded name, a jaxinfer
     (orbax) checkpoint directory or a Hugging Face one. On a mesh, parameters are read straight onto
@@ -141,7 +144,9 @@ def _load(model, dtype: str, mesh):
     tokenizer = load_tokenizer(path, eos_ids=cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_ids != cfg.eos_token_ids:  # the tokenizer's own EOS stops too
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
-    if model is None:
+    global _announced_default
+    if model is None and not _announced_default:  # once: `bench mesh` loads it once per mesh
+        _announced_default = True
         print(
             f"jaxinfer: using the embedded default model {cfg.name!r} ({cfg.num_params / 1e6:.1f}M "
             "parameters trained on the King James Bible: it writes KJV-style English, nothing more)",

@@ -213,10 +213,18 @@ def test_tokenizer_round_trips_any_text(text):
     assert ids[0] == tok.bos_id and tok.decode(ids[1:]) == text
 
 
-def test_cli_uses_the_trained_default(capsys):
+def test_cli_uses_the_trained_default(capsys, monkeypatch):
+    from jaxinfer import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_announced_default", False)  # as in a fresh process
     assert main(["generate", "--max-tokens", "12", "--json", "--max-model-len", "64", "In the beginning"]) == 0
-    obj = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    obj = json.loads(captured.out)
     assert obj["model"] == "jaxinfer-kjv-6m"
+    # Said on stderr, once per process (`bench mesh` loads it once per mesh: it was said each time).
+    assert captured.err.count("using the embedded default model 'jaxinfer-kjv-6m'") == 1, captured.err
+    llm_module._load(None, "float32", None)
+    assert "embedded default model" not in capsys.readouterr().err
     assert english_check([obj["text"]])[0] >= 0.8, obj["text"]
 
 
