@@ -23,6 +23,7 @@ without arguments lets `jax.distributed.initialize` detect TPU pods and SLURM by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import ipaddress
@@ -165,6 +166,9 @@ def _check_can_listen(host: str, port: int, address: str) -> None:
     try:
         family = socket.AF_INET6 if host == "::1" else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            # As a listener binds: a port a crashed leader left in TIME_WAIT is free (a restarted job
+            # reuses its address), one another process listens on is not.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
         raise ValueError(f"--coordinator-address {address}: process 0 cannot listen there ({e.strerror})") from None
@@ -197,6 +201,15 @@ def check_same_job(settings: dict) -> None:
     naming the settings, the processes, and this process's values."""
     from jax.experimental import multihost_utils
 
+    # Known to every process without a collective (the one below assumes equal counts, and failed
+    # with NumPy's "cannot reshape array of size 6 into shape (2,4)").
+    counts = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:
+        each = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise JobMismatchError(
+            f"the processes of this job have different numbers of devices ({each}); "
+            "a multi-host job needs the same number on every process"
+        )
     names = sorted(settings)
     blobs = [json.dumps(settings[k], sort_keys=True, default=str) for k in names]
     mine = np.asarray(

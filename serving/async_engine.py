@@ -242,8 +242,11 @@ class AsyncEngine:
     def _close_engine(self) -> None:
         try:
             self.engine.close()  # multi-host: the followers exit
-        except Exception:
-            log.exception("telling the followers to stop failed")
+        except Exception as e:  # a follower died while the job idled (between heartbeats): broken
+            from jaxinfer.distributed import PeerFailureError
+
+            log.error("telling the followers to stop failed: %s: %s", type(e).__name__, str(e).splitlines()[0][:300])
+            self.broken = PeerFailureError(f"telling the followers to stop failed ({type(e).__name__})")
 
     def _deliver(self, batch: list[tuple[str, object]]) -> None:
         """Runs on the event loop: routes one step's deltas (or a failure) to their streams."""

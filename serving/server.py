@@ -297,7 +297,10 @@ class Server:
             while not done.done():
                 await asyncio.sleep(min(0.5, limit / 4))
                 if peer_wait.seconds() > limit:
-                    why = f"while loading, a collective has waited {limit:.0f} s for the other processes (one hung?)"
+                    why = (
+                        f"while loading, a collective has waited {limit:.0f} s for the other processes "
+                        "(one exited or hung?)"
+                    )
                     settle(error=PeerFailureError(why))
 
         self._load_thread = threading.Thread(target=load, name="jaxinfer-load", daemon=True)

@@ -50,12 +50,20 @@ class Job:
     """Leader + follower subprocesses; logs to files under tmp_path; always killed at the end."""
 
     def __init__(
-        self, tmp_path, model: str, mesh: str, *extra: str, leader_extra=(), follower_extra=(), wait: bool = True
+        self,
+        tmp_path,
+        model: str,
+        mesh: str,
+        *extra: str,
+        leader_extra=(),
+        follower_extra=(),
+        wait: bool = True,
+        devices=(4, 4),
     ):
         env = dict(os.environ)
-        # 4 devices per process, and the compile flags conftest sets for the tests' own processes.
+        # 4 devices per process (`devices`), and the compile flags conftest sets for the tests' own processes.
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4", *flags]))
+        env.update(JAX_PLATFORMS="cpu")
         coordinator = f"127.0.0.1:{_free_port()}"
         common = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", model, "--mesh", mesh, *ENGINE, *extra]
         common += ["--coordinator-address", coordinator, "--num-processes", "2"]
@@ -66,8 +74,13 @@ class Job:
             err = open(tmp_path / f"{role}.err", "w+")
             self.logs[role] = (out, err)
             own = ["--port", "0", *leader_extra] if pid == 0 else list(follower_extra)
+            xla = " ".join([f"--xla_force_host_platform_device_count={devices[pid]}", *flags])
             self.procs[role] = subprocess.Popen(
-                [*common, "--process-id", str(pid), *own], stdout=out, stderr=err, env=env, cwd=tmp_path
+                [*common, "--process-id", str(pid), *own],
+                stdout=out,
+                stderr=err,
+                env=env | {"XLA_FLAGS": xla},
+                cwd=tmp_path,
             )
         if not wait:
             return
@@ -275,6 +288,40 @@ def test_sigterm_stops_a_healthy_job_cleanly(tmp_path):
         job.close()
 
 
+def test_a_follower_that_died_while_the_job_idled_makes_sigterm_exit_1(tmp_path):
+    """Killed between two heartbeats (the default --peer-timeout: every 10 s), the follower's death
+    is found by the leader's broadcast of the stop on SIGTERM. That failure was only logged, with a
+    traceback, and the leader exited 0, which tells a supervisor the job ended well."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4")
+    try:
+        client = Client(job.address)
+        assert len(client.generate(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY).token_ids) == 10
+        job.procs["follower"].kill()
+        job.procs["follower"].wait(timeout=30)
+        job.procs["leader"].send_signal(signal.SIGTERM)
+        assert job.procs["leader"].wait(timeout=60) == 1, job.log("leader")[-2000:]
+        out, err = job.log("leader", 0), job.log("leader")
+        assert "the multi-host job was broken" in out and "Traceback" not in out + err, (out + err)[-2000:]
+    finally:
+        job.close()
+
+
+def test_processes_with_different_device_counts_are_refused_by_name(tmp_path):
+    """A mesh over 4 + 2 devices: the settings check's collective assumes equal counts and failed
+    with NumPy's "cannot reshape array of size 6 into shape (2,4)" (on the follower as an
+    "unexpected" error). Both processes now say what differs."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=3", wait=False, devices=(4, 2))
+    try:
+        codes = {role: p.wait(timeout=READY_TIMEOUT) for role, p in job.procs.items()}
+        assert codes == {"leader": 2, "follower": 2}, (codes, job.log("leader")[-2000:], job.log("follower")[-2000:])
+        for role in codes:
+            log = job.log(role)
+            assert "different numbers of devices (process 0: 4, process 1: 2)" in log, log[-2000:]
+            assert "unexpected" not in log and "reshape" not in log
+    finally:
+        job.close()
+
+
 def test_a_hung_leader_is_caught_by_its_followers(tmp_path):
     """SIGSTOP the idle leader: its heartbeats stop, so the follower exits (status 1) once it has heard
     nothing for --peer-timeout, instead of waiting forever. Resumed, the leader's next heartbeat
@@ -392,6 +439,21 @@ def test_bad_process_counts_and_a_taken_coordinator_port_are_refused():
         s.listen()
         with pytest.raises(ValueError, match=r"--coordinator-address 127\.0\.0\.1:\d+: process 0 cannot listen"):
             distributed.initialize(f"127.0.0.1:{s.getsockname()[1]}", 2, 0)
+    # A port that a crashed leader's connections left in TIME_WAIT is free again: a restarted job
+    # reuses its coordinator address (it was refused for ~60 s, though JAX's coordinator binds it).
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's coordinator listens
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the listening side closes first: its end waits in TIME_WAIT
+        client.close()
+    time.sleep(0.2)  # the FINs exchanged
+    with pytest.raises(OSError), socket.socket() as plain:  # what the check's bind met before
+        plain.bind(("127.0.0.1", port))
+    distributed._check_can_listen("127.0.0.1", port, f"127.0.0.1:{port}")
 
 
 def test_the_model_fingerprint_reads_the_files_contents(tmp_path):
