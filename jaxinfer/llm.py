@@ -29,7 +29,7 @@ from jaxinfer.kv_cache import pages_needed
 from jaxinfer.limits import check_cache_salt, check_capacity
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta  # noqa: F401 - Logprob: its old home
 from jaxinfer.sampling_params import GENERATION_CONFIG_CHOICES, SamplingParams, generation_defaults, is_int
-from jaxinfer.sharding import make_mesh
+from jaxinfer.sharding import format_mesh, make_mesh, parse_mesh
 from jaxinfer.tokenizer import (
     check_chat_options,
     check_documents,
@@ -278,7 +278,8 @@ class LLM:
                 {
                     "model (files)": distributed.model_fingerprint(model),
                     "dtype": dtype,
-                    "mesh": mesh,
+                    # As parsed: "model=4,data=2" and "data=2,model=4" are one mesh.
+                    "mesh": None if mesh is None else format_mesh(parse_mesh(mesh)),
                     "max_model_len": max_model_len,
                     "page_size": page_size,
                     "num_kv_pages": num_kv_pages,

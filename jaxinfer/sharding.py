@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.sampling_params import is_int
 
 MESH_AXES = ("data", "model")
 
@@ -70,9 +71,9 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = N
     for name, size in sizes.items():
         if name not in MESH_AXES:
             raise InvalidRequestError(f"mesh axis {name!r} is not one of {MESH_AXES}")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if not is_int(size) or size < 1:
             raise InvalidRequestError(f"mesh axis {name!r} must be a positive integer, got {size!r}")
-    sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
+    sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}  # NumPy integers too, as elsewhere
     total = math.prod(sizes.values())
     if total > num_devices:
         available = f"only {num_devices} is" if num_devices == 1 else f"only {num_devices} are"

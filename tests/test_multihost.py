@@ -273,8 +273,16 @@ def test_a_hung_follower_is_caught_by_the_peer_timeout_with_no_traffic(tmp_path)
 
 
 def test_sigterm_stops_a_healthy_job_cleanly(tmp_path):
-    """The leader drains, tells the followers to stop (after idle heartbeats), and both exit 0."""
-    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", "--peer-timeout", "4")
+    """The leader drains, tells the followers to stop (after idle heartbeats), and both exit 0. (The
+    follower spells the mesh another way: the same mesh, which the settings check once refused.)"""
+    job = Job(
+        tmp_path,
+        "embedded:tiny-random",
+        "data=2,model=4",
+        "--peer-timeout",
+        "4",
+        follower_extra=["--mesh", "model=4,data=2"],
+    )
     try:
         client = Client(job.address)
         stream = client.stream(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY)

@@ -253,6 +253,9 @@ def test_bad_meshes_are_refused_by_name(monkeypatch):
         with pytest.raises(InvalidRequestError, match="mesh axis 'model' must be a positive integer"):
             parse_mesh(bad)
     assert parse_mesh("model=8") == {"data": 1, "model": 8}
+    # NumPy integers, as every other integer argument takes them (were refused); plain ints out.
+    sizes = parse_mesh({"model": np.int64(4), "data": np.int32(2)})
+    assert sizes == {"data": 2, "model": 4} and all(type(v) is int for v in sizes.values())
     with pytest.raises(InvalidRequestError, match="has 9 devices"):
         LLM(mesh="data=3,model=3")
     # Across processes every device takes part: a mesh on some of them is refused (seen from one of
