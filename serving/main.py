@@ -271,6 +271,11 @@ def _follow(args) -> int:
     except SystemExit as e:
         return _exit_now(e.code if isinstance(e.code, int) else 1)
     except BaseException as e:  # answered as cli.main answers it (a bug's traceback printed, not raised)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        if isinstance(e, jax.errors.JaxRuntimeError) and any(w in first for w in ("Gloo", "coordination", "onnect")):
+            # A collective or the coordinator gone: the leader exited (its port taken, a bad setting, a crash).
+            log.error("jaxinfer serve: follower %d: lost the other processes (did the leader exit?): %s", me, first)
+            return _exit_now(1)
         if os.environ.get("JAXINFER_TRACEBACK") and not is_usage_error(e):
             traceback.print_exc()
         return _exit_now(error_status(e))

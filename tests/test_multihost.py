@@ -408,6 +408,29 @@ def test_processes_started_with_different_settings_are_refused_by_name(tmp_path,
         job.close()
 
 
+def test_a_leader_that_cannot_start_lets_its_follower_say_so(tmp_path):
+    """The leader's --port taken: it exits 2 naming the port; the follower, whose collective then
+    fails, says it lost the other processes (it said "unexpected JaxRuntimeError: ... Gloo ...")."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", leader_extra=["--port", str(port)], wait=False)
+        try:
+            codes = {role: p.wait(timeout=READY_TIMEOUT) for role, p in job.procs.items()}
+            assert codes == {"leader": 2, "follower": 1}, (
+                codes,
+                job.log("leader")[-2000:],
+                job.log("follower")[-2000:],
+            )
+            assert f"127.0.0.1:{port}" in job.log("leader")
+            follower = job.log("follower")
+            assert "lost the other processes (did the leader exit?)" in follower, follower[-2000:]
+            assert "unexpected" not in follower
+        finally:
+            job.close()
+
+
 def test_a_kv_cache_no_device_holds_is_refused_by_every_process(tmp_path, model_dir):
     """What must fit (on CPU: this process's devices' shares together) is checked against the least
     free memory of all processes, so every process refuses alike (one refusing alone would leave the
