@@ -499,7 +499,10 @@ class Server:
                 rpc = _Rpc(id=f"{next(self._rpc_ids):06d}")
                 try:
                     begin(request)
-                    return await handler(request, ctx, rpc)
+                    response = await handler(request, ctx, rpc)
+                    if _ended(ctx):  # its deadline passed meanwhile: a reply would fail inside grpc.aio
+                        raise asyncio.CancelledError
+                    return response
                 except BaseException as e:
                     await fail(ctx, e, rpc)
                 finally:

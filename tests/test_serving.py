@@ -660,6 +660,35 @@ def test_a_bug_in_a_handler_is_internal_and_the_server_serves_on(server, monkeyp
         assert c.tokenize("anything") == server.server.llm.tokenizer.encode("anything")
 
 
+def test_a_unary_answer_past_its_deadline_is_counted_as_such_and_not_sent(server, monkeypatch, caplog):
+    """A unary handler that returns after gRPC core has ended its call (the deadline passed while it
+    ran) sent its reply all the same: grpc.aio logged an ExecuteBatchError traceback, and the call
+    was counted OK though the client saw DEADLINE_EXCEEDED."""
+    caplog.set_level("INFO")
+    tokenize = server.server._tokenize
+
+    async def slow(*args):  # holds the event loop, so gRPC's cancellation of the call cannot land first
+        time.sleep(0.6)
+        return tokenize(*args)
+
+    def count() -> float:
+        labels = {"method": "Tokenize", "code": "DEADLINE_EXCEEDED"}
+        return server.server.registry.get_sample_value("jaxinfer_requests_total", labels) or 0.0
+
+    before = count()
+    monkeypatch.setattr(server.server, "_tokenize_off_loop", slow)
+    with Client(server.address, timeout=0.2) as c:
+        with pytest.raises(ServerError) as e:
+            c.tokenize("anything")
+        assert e.value.code == "DEADLINE_EXCEEDED"
+    deadline = time.monotonic() + 10
+    while count() != before + 1:  # the handler ends after the client gave up
+        assert time.monotonic() < deadline, count()
+        time.sleep(0.05)
+    time.sleep(0.2)  # grpc.aio's failed send, if any, is logged as the handler returns
+    assert "ExecuteBatchError" not in caplog.text and "Traceback" not in caplog.text
+
+
 def test_a_device_fault_fails_the_requests_in_flight_and_the_server_serves_on(server, monkeypatch):
     """A step that fails on the device consumes the KV cache donated to it: the engine makes a new
     one (tests/test_llm.py checks what it holds) and the server keeps answering with the same
