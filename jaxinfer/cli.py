@@ -427,18 +427,16 @@ def _generate_remote(args, params_over) -> int:
     from jaxinfer.client import INT32_MAX, Client, ServerError, _request
     from jaxinfer.errors import InvalidRequestError
 
-    local_params = params_over
-
-    def params_over(recommended: dict):
-        """As locally: a length past what the wire carries (int32) runs to the model's limit, which
-        the largest int32 asks for too."""
-        p = local_params(recommended)
+    def wire_params(recommended: dict):
+        """`params_over`'s, a length past what the wire carries (int32) sent as the largest int32:
+        as locally, it runs to the model's limit."""
+        p = params_over(recommended)
         clamped = {k: INT32_MAX for k in ("max_tokens", "min_tokens") if (getattr(p, k) or 0) > INT32_MAX}
         return dataclasses.replace(p, **clamped) if clamped else p
 
     # Every request is checked as the client will send it before the first RPC; a refusal names the
     # flag, as a local run's does.
-    checked = params_over({})
+    checked = wire_params({})
     try:
         for prompt in args.prompt:
             _request(prompt, checked, None, None, args.cache_salt)
@@ -460,7 +458,7 @@ def _generate_remote(args, params_over) -> int:
                     f"--server {args.server}: nothing answers there (is `jaxinfer serve` running?)",
                 ) from None
             raise
-        params = params_over(info["default_sampling_overrides"])
+        params = wire_params(info["default_sampling_overrides"])
         salt = args.cache_salt
         if args.stream:
             if args.prompt:

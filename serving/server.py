@@ -104,6 +104,17 @@ def _invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+# JetStream's DecodeRequest has no sampling_params: the SamplingParams fields it sets, by its names.
+_DECODE_FIELDS = {"max_tokens": "max_tokens", "n": "num_samples"}
+
+
+def _in_fields(message: str, fields: dict[str, str]) -> str:
+    """A SamplingParams refusal naming a request's own fields (`fields`: ours -> theirs)."""
+    for ours, theirs in fields.items():
+        message = message.replace(f"SamplingParams.{ours}", theirs)
+    return message
+
+
 def _too_large(size: str, limit: int) -> RpcError:
     return RpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -436,9 +447,7 @@ class Server:
                 raise _invalid(f"{field}: {message}") from None
             if param_fields is None:
                 raise _invalid(f"sampling_params: {message}") from None
-            for ours, theirs in param_fields.items():
-                message = message.replace(f"SamplingParams.{ours}", theirs)
-            raise _invalid(message) from None
+            raise _invalid(_in_fields(message, param_fields)) from None
         try:
             return self.async_engine.submit(
                 prompt_ids, params, request_id=rpc.id, interval=interval, cache_salt=cache_salt
@@ -624,8 +633,9 @@ class Server:
             usage=self._usage(stream),
             prompt_logprobs=wire.logprobs_proto(prompt_logprobs),
         )
-        if response.ByteSize() > limit:
-            raise _too_large(str(response.ByteSize()), limit)
+        size = response.ByteSize()
+        if size > limit:
+            raise _too_large(str(size), limit)
         return response
 
     async def _generate_stream(self, request, ctx, rpc):
@@ -746,9 +756,8 @@ class Server:
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=max(1, request.num_samples))
         except InvalidRequestError as e:
-            raise _invalid(str(e).replace("SamplingParams.n", "num_samples")) from None
-        fields = {"max_tokens": "max_tokens", "n": "num_samples"}
-        stream = rpc.stream = self._admit(ids, params, which, rpc, param_fields=fields)
+            raise _invalid(_in_fields(str(e), _DECODE_FIELDS)) from None
+        stream = rpc.stream = self._admit(ids, params, which, rpc, param_fields=_DECODE_FIELDS)
         n = params.n
         pending_ids = [[] for _ in range(n)]
         pending_text = [[] for _ in range(n)]
