@@ -750,7 +750,7 @@ def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
         s.stop()
 
 
-def test_an_event_loop_closed_without_shutdown_stops_the_engine_thread_quietly(llm, caplog):
+def test_an_event_loop_closed_without_shutdown_stops_the_engine_thread_quietly(llm, caplog, monkeypatch):
     """An owner whose event loop ends without `shutdown()` (a notebook cell, a test fixture): the
     engine thread's next delivery finds the loop closed. It stops, aborting what it ran so the
     engine's pages come back, and logs no critical "engine thread stopped" (before: it died on the
@@ -760,6 +760,11 @@ def test_an_event_loop_closed_without_shutdown_stops_the_engine_thread_quietly(l
     engine = llm.engine
     ae = AsyncEngine(engine)
     loop = asyncio.new_event_loop()
+    # Steps wait for the loop's close: on a loaded machine the whole request could otherwise finish
+    # (its deltas queued on the idle loop) before it, and nothing would be delivered after it.
+    gate = threading.Event()
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (gate.wait(60), step())[1])
 
     async def start():
         ae.start()
@@ -770,6 +775,7 @@ def test_an_event_loop_closed_without_shutdown_stops_the_engine_thread_quietly(l
         time.sleep(0.01)
     loop.close()
     with caplog.at_level("INFO", logger="jaxinfer.serving"):
+        gate.set()
         ae._thread.join(timeout=60)
     assert not ae._thread.is_alive()
     assert not [r for r in caplog.records if r.levelname == "CRITICAL"], caplog.text
