@@ -144,6 +144,7 @@ def _load(model, dtype: str, mesh):
     tokenizer = load_tokenizer(path, eos_ids=cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_ids != cfg.eos_token_ids:  # the tokenizer's own EOS stops too
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
+    cfg = _drop_unreachable_eos(cfg, path)
     global _announced_default
     if model is None and not _announced_default:  # once: `bench mesh` loads it once per mesh
         _announced_default = True
@@ -153,6 +154,22 @@ def _load(model, dtype: str, mesh):
             file=sys.stderr,
         )
     return cfg, params, tokenizer
+
+
+def _drop_unreachable_eos(cfg, path: str):
+    """An end-of-sequence id at or past the vocabulary can never be sampled, so it can never end a
+    request: drop it, and say so, rather than let the user wait for a stop that cannot come."""
+    outside = [t for t in cfg.eos_token_ids if t >= cfg.vocab_size]
+    if not outside:
+        return cfg
+    kept = tuple(t for t in cfg.eos_token_ids if t < cfg.vocab_size)
+    print(
+        f"jaxinfer: {path}: eos_token_id {', '.join(map(str, outside))} is outside the vocabulary "
+        f"(vocab_size {cfg.vocab_size}) and can never be generated; ignoring it"
+        + ("" if kept else " (no end-of-sequence token left: requests end at max_tokens or a stop)"),
+        file=sys.stderr,
+    )
+    return dataclasses.replace(cfg, eos_token_ids=kept)
 
 
 def _leader_channel():

@@ -401,6 +401,22 @@ def test_the_tokenizers_own_eos_stops_the_model_too(tmp_path):
     assert llm.engine.cfg.eos_token_ids == (2, 3) == llm.tokenizer.eos_ids
 
 
+def test_an_eos_id_outside_the_vocabulary_is_dropped_and_named(ckpt, tmp_path, capsys):
+    """generation_config.json listing an EOS id at or past vocab_size: it can never be sampled, so it
+    is left out of the stop set with a line saying so (the request still ends at max_tokens)."""
+    d = _copy(ckpt, tmp_path)
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    base = load_hf_checkpoint(str(d))[0].eos_token_ids
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [vocab, vocab - 1]}))
+    capsys.readouterr()
+    llm = LLM(str(d), num_kv_pages=16, max_model_len=32, warmup=False)
+    assert llm.engine.cfg.eos_token_ids == (*base, vocab - 1)
+    err = capsys.readouterr().err
+    assert f"eos_token_id {vocab} is outside the vocabulary (vocab_size {vocab})" in err and "ignoring it" in err
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].token_ids) <= 4
+
+
 def test_dtype_auto_follows_the_checkpoint(ckpt, tmp_path):
     """dtype="auto" (vLLM's default): a bfloat16 or float16 checkpoint computes in bfloat16, a float32
     one in float32, a jaxinfer checkpoint (the embedded default model too) in the dtype it stores, the
