@@ -85,7 +85,8 @@ class EngineMetrics:
     def __init__(self, *, kv_pages_total: int, kv_cache_bytes: int, kv_window_pages_total: int | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        Gauge("jaxinfer_kv_pages_total", "KV-cache pages that can be allocated", registry=r).set(kv_pages_total)
+        # "capacity", not "total": Prometheus keeps the _total suffix for counters (rate() over it is wrong).
+        Gauge("jaxinfer_kv_pages_capacity", "KV-cache pages that can be allocated", registry=r).set(kv_pages_total)
         Gauge("jaxinfer_kv_cache_bytes", "Device memory held by the KV cache", registry=r).set(kv_cache_bytes)
         self.kv_pages_free = Gauge(
             "jaxinfer_kv_pages_free", "KV pages free or held only by the prefix cache", registry=r
@@ -94,7 +95,7 @@ class EngineMetrics:
         self.kv_window_pages_free = self.kv_window_pages_used = None
         if kv_window_pages_total is not None:  # a hybrid model's sliding-window layers' own pools
             Gauge(
-                "jaxinfer_kv_window_pages_total",
+                "jaxinfer_kv_window_pages_capacity",
                 "Pages of the sliding-window layers' pools (hybrid models) that can be allocated",
                 registry=r,
             ).set(kv_window_pages_total)

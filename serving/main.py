@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=[*DTYPES, "auto"], help=DTYPE_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=9000, help="gRPC port (0: any free port, printed at start)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (bound to --host too)"
+    )
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -187,7 +189,11 @@ def run(args) -> int:
         from jaxinfer.distributed import is_loopback
 
         if not is_loopback(args.host):
-            print(f"jaxinfer serve: WARNING: bound to {args.host}, reachable beyond this machine", file=sys.stderr)
+            what = "gRPC and metrics ports" if server.metrics_port else "gRPC port"
+            print(
+                f"jaxinfer serve: WARNING: {what} bound to {args.host}, reachable beyond this machine",
+                file=sys.stderr,
+            )
         metrics = f", metrics on {args.host}:{server.metrics_port}" if server.metrics_port else ""
         print(f"jaxinfer serve: listening on {args.host}:{port}{metrics}; loading the model", flush=True)
         loop = asyncio.get_running_loop()

@@ -526,7 +526,8 @@ class Server:
             return
         rpc.ended = True
         stream = rpc.stream
-        if stream is not None and not stream.finished and self.async_engine is not None:
+        aborted = stream is not None and not stream.finished and self.async_engine is not None
+        if aborted:  # the engine ends it at its next step; the line says so now (tokens: those seen)
             self.async_engine.abort(stream)
         self._requests.labels(method, rpc.code.name).inc()
         if stream is None and method not in ("Generate", "GenerateStream", "Decode"):
@@ -538,7 +539,9 @@ class Server:
                 completion_tokens=stream.completion_tokens,
                 n=stream.params.n,
                 max_tokens=stream.params.max_tokens,
-                finish_reasons=[stream.finish_reasons.get(i) for i in range(stream.params.n)],
+                finish_reasons=[
+                    stream.finish_reasons.get(i, "abort" if aborted else None) for i in range(stream.params.n)
+                ],
                 ttft_s=None if stream.first_token_time is None else round(stream.first_token_time - stream.arrival, 6),
             )
         line["latency_s"] = round(time.perf_counter() - rpc.t0, 6)

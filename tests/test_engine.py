@@ -409,6 +409,10 @@ def test_gauges_are_true_before_the_first_step(params):
     e = make_engine(params, num_kv_pages=29)
     assert e.metrics.registry.get_sample_value("jaxinfer_kv_pages_free") == 28
     assert e.metrics.registry.get_sample_value("jaxinfer_kv_pages_used") == 0
+    # A gauge: no _total suffix, which Prometheus keeps for counters.
+    assert e.metrics.registry.get_sample_value("jaxinfer_kv_pages_capacity") == 28
+    gauges = [m.name for m in e.metrics.registry.collect() if m.type == "gauge"]
+    assert gauges and not [g for g in gauges if g.endswith("_total")]
 
 
 def test_a_waiting_request_holds_no_prefix_pages(params):
@@ -1138,6 +1142,7 @@ def test_a_hybrid_model_keeps_only_the_window_in_its_window_pools(hybrid):
     assert stats["kv_pages_free"] == stats["kv_pages_total"] == 63
     assert stats["kv_window_pages_free"] == stats["kv_window_pages_total"] == 8
     assert e.metrics.registry.get_sample_value("jaxinfer_kv_window_pages_free") == 8
+    assert e.metrics.registry.get_sample_value("jaxinfer_kv_window_pages_capacity") == 8
     assert e.metrics.registry.get_sample_value("jaxinfer_kv_window_pages_used") == 0
     # The poison itself lands in the layers of the page's own group, and only there: page 1 of the
     # global pool and page 2 of the window pools, in a fresh engine's cache.

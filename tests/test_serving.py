@@ -588,7 +588,7 @@ def test_cancel_and_deadline_free_pages(server, caplog):
         assert stats["kv_pages_free"] == stats["kv_pages_total"]
         assert _aborted(server) == aborted + 1  # aborted in the engine, not run to its end
         line = _wait_for_log(caplog, lambda x: x["code"] == "CANCELLED")
-        assert line["completion_tokens"] < 100
+        assert line["completion_tokens"] < 100 and line["finish_reasons"] == ["abort"]  # was [null]
 
         # The tiny model makes its 115 tokens in ~35 ms on an idle machine: each step is slowed to
         # 2 ms, so the 50 ms deadline surely comes first (the test failed when run alone).
@@ -605,7 +605,8 @@ def test_cancel_and_deadline_free_pages(server, caplog):
         assert e.value.code == e2.value.code == "DEADLINE_EXCEEDED"
         server.wait_idle()
         assert _aborted(server) == aborted + 3
-        assert _wait_for_log(caplog, lambda x: x["code"] == "DEADLINE_EXCEEDED")["completion_tokens"] < 120
+        line = _wait_for_log(caplog, lambda x: x["code"] == "DEADLINE_EXCEEDED")
+        assert line["completion_tokens"] < 120 and line["finish_reasons"] == ["abort"]
 
         # A deadline before the first token (the prompt's step takes 0.3 s): no time to first token.
         engine.step = lambda: (time.sleep(0.3), real_step())[1]
