@@ -123,12 +123,22 @@ class IncrementalDetokenizer:
         """The longest run of the window's tokens that decodes to more than `before` without ending in
         U+FFFD, and its text. A long run of byte pieces cut at the window's end decodes as invalid as a
         whole (every byte U+FFFD), so the cut goes back to where its last whole character ends: six CJK
-        characters spelled in bytes are 18 pieces. A run invalid throughout is taken in as it decodes."""
-        for end in range(len(self._ids), self._read, -1):
-            text = after if end == len(self._ids) else self._decode(self._ids[self._prefix : end])
+        characters spelled in bytes are 18 pieces.
+
+        A window invalid throughout (stray bytes) is taken in as it decodes, but for its last tokens
+        where they may begin a character the next ones complete: the cut is the last one whose text the
+        tokens after it only extend. (Taken in whole, a lead byte at the end came out as U+FFFD and the
+        character it began was lost: the next window's text was no longer than the one before it.)"""
+        ids = self._ids
+        texts = {len(ids): after}
+        for end in range(len(ids), self._read, -1):
+            text = texts[end] = after if end == len(ids) else self._decode(ids[self._prefix : end])
             if len(text) > len(before) and not text.endswith("\ufffd"):
                 return end, text
-        return len(self._ids), after
+        for end in range(len(ids) - 1, self._read, -1):
+            if len(before) < len(texts[end]) < len(after) and after.startswith(texts[end]):
+                return end, texts[end]
+        return len(ids), after
 
     def _find_stop(self, text: str, start: int) -> None:
         """Ends the text at the earliest stop string that begins at or after `start` and ends past

@@ -55,8 +55,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
     @property
-    def max_token_bytes(self) -> int:
-        """UTF-8 length of the longest token string: no token stands for more bytes of text."""
+    def max_token_bytes(self) -> int | None:
+        """No token stands for more bytes of the text than this; None where no such bound holds (an
+        unknown run of characters fused into one unknown token, a normaliser that may shrink text)."""
         ...
 
 
@@ -70,15 +71,16 @@ def encode_prompt(
     longest token's) is refused before the tokenizer runs: encoding megabytes only to refuse the
     result afterwards costs seconds, and on a server holds up every other request meanwhile.
     """
-    if max_tokens is None:
+    per_token = getattr(tok, "max_token_bytes", None)
+    if max_tokens is None or per_token is None:  # (no bound: the engine refuses what is too long)
         return tok.encode(text, add_special_tokens=add_special_tokens)
-    limit = max_tokens * tok.max_token_bytes
+    limit = max_tokens * per_token
     if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:  # chars <= bytes
         size = len(text.encode("utf-8", "surrogatepass"))
         raise InvalidRequestError(
             f"{field}: {size} bytes of text cannot fit in {max_tokens} tokens (the prompt limit, "
-            f"max_model_len - 1; this tokenizer's longest token is {tok.max_token_bytes} "
-            f"byte{'' if tok.max_token_bytes == 1 else 's'})"
+            f"max_model_len - 1; no token of this tokenizer stands for more than {per_token} "
+            f"byte{'' if per_token == 1 else 's'})"
         )
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
@@ -330,7 +332,8 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         settings = settings or TokenizerSettings()
-        if settings.tokenizer_class in _METASPACE_CLASSES and not _is_byte_level(path):
+        self._byte_level = _is_byte_level(path)
+        if settings.tokenizer_class in _METASPACE_CLASSES and not self._byte_level:
             _rebuild_as_llama_tokenizer(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
@@ -349,8 +352,18 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     @functools.cached_property
-    def max_token_bytes(self) -> int:
-        return max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+    def max_token_bytes(self) -> int | None:
+        """The longest token's UTF-8 length, where every byte of text has a token of its own (byte-level
+        BPE, all 256 byte-fallback pieces); a Unigram or WordPiece model without them folds a run of
+        unknown characters of any length into one unknown token. An NFC normaliser can shrink text
+        threefold (a Hangul syllable's three jamo, 9 bytes, compose into 3); any other, without bound."""
+        if not (self._byte_level or len(self.byte_ids) == 256):
+            return None
+        shrink = {"NoneType": 1, "NFC": 3}.get(type(self._tok.normalizer).__name__)
+        if shrink is None:
+            return None
+        longest = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * shrink
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -500,7 +513,11 @@ class SentencePieceTokenizer:
         return "added" if i in self._added else "special" if i in self._skipped else "piece"
 
     @functools.cached_property
-    def max_token_bytes(self) -> int:
+    def max_token_bytes(self) -> int | None:
+        """The longest piece's UTF-8 length with byte fallback; None without it, where a run of unknown
+        characters of any length is one <unk> (the model's normaliser is off: see the class)."""
+        if len(self._byte_of) < 256:
+            return None
         pieces = (self._sp.id_to_piece(i) for i in range(self._num_pieces))
         return max((len(p.encode("utf-8")) for p in (*pieces, *self._specials)), default=1)
 

@@ -44,6 +44,21 @@ def test_a_prompt_ending_mid_character_puts_no_stray_replacement_in_the_output()
     assert "".join(deltas) == d.text == tok.decode(prompt + out)[len(tok.decode(prompt)) :] == "ab"
 
 
+def test_a_character_begun_at_the_end_of_a_full_window_of_stray_bytes_is_kept():
+    """16 tokens (a full pending window) of bytes invalid throughout, the last a lead byte: the window
+    was taken in whole, the lead byte came out as U+FFFD and the character it began never did."""
+    tok = ByteTokenizer()
+
+    def raw(*bs):
+        return [b + tok.OFFSET for b in bs]
+
+    prompt = tok.encode("x")
+    for stray in (15, 14, 16, 31):
+        out = raw(*[0x80] * stray, 0xE2, 0x82, 0xAC) + raw(*b"ab")
+        deltas, d = feed(tok, prompt, out)
+        assert "".join(deltas) == d.text == "\ufffd" * stray + "\u20acab" == tok.decode(prompt + out)[1:], stray
+
+
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
     return SentencePieceTokenizer(train_sentencepiece(tmp_path_factory.mktemp("spm")))

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import pytest
 import transformers
-from hf_models import make_hf_model, save_hf_model
+from hf_models import make_hf_model, save_hf_model, train_sentencepiece
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.errors import CheckpointError, InvalidRequestError
@@ -1239,6 +1239,24 @@ def test_prompt_size_bound_refuses_before_encoding_and_never_a_text_that_fits(mo
     for text in ("a" * 9, "é" * 5):
         with pytest.raises(InvalidRequestError, match="p"):
             encode_prompt(tok, text, max_tokens=8, field="p")
+
+
+def test_prompt_size_bound_only_where_no_token_can_fold_a_run_of_text(tmp_path):
+    """A SentencePiece model without byte fallback folds a run of unknown characters of any length
+    into one <unk>: 4,200 bytes of rare CJK are a few tokens, and were refused as unable to fit in
+    100. Such tokenizers have no byte bound; ones with all 256 byte pieces keep it."""
+    from jaxinfer.tokenizer import SentencePieceTokenizer, encode_prompt, load_tokenizer
+
+    text = "鬱龘齉爨癵驫麤" * 200
+    no_fallback = SentencePieceTokenizer(train_sentencepiece(tmp_path))
+    assert no_fallback.max_token_bytes is None
+    ids = encode_prompt(no_fallback, text, max_tokens=100, field="p")
+    assert ids == no_fallback.encode(text) and len(ids) < 10
+    (tmp_path / "fallback").mkdir()
+    fallback = load_tokenizer(str(_spm_dir(tmp_path / "fallback")))
+    assert fallback.max_token_bytes is not None and len(fallback.encode(text)) > 100
+    with pytest.raises(InvalidRequestError, match="4200 bytes of text cannot fit in 100 tokens"):
+        encode_prompt(fallback, text, max_tokens=100, field="p")
 
 
 def test_byte_tokenizer_decodes_every_byte_id_and_nothing_else():
