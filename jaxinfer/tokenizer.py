@@ -108,6 +108,8 @@ class TokenizerSettings:
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     extra_special_tokens: tuple[str, ...] = ()  # additional / added special tokens, matched inside text
     added_tokens: tuple[tuple[int, str, bool], ...] = ()  # (id, text, special), from added_tokens_decoder / .json
+    # added_tokens_decoder's AddedToken options by text: (lstrip, rstrip, single_word, normalized)
+    added_token_options: tuple[tuple[str, tuple[bool, bool, bool, bool]], ...] = ()
     add_bos: bool | None = None
     add_eos: bool | None = None
     add_prefix_space: bool | None = None
@@ -247,9 +249,13 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     if not isinstance(decoder, dict):
         raise CheckpointError(f"{model_dir}: tokenizer_config.json's added_tokens_decoder must be an object")
     added = {}  # id -> (text, special)
+    options = {}  # text -> (lstrip, rstrip, single_word, normalized)
     for key, entry in decoder.items():
         if isinstance(entry, dict) and (t := _token_text(entry)) is not None:
-            added[_token_id(key, f"{model_dir}: added_tokens_decoder key")] = (t, bool(entry.get("special")))
+            is_special = bool(entry.get("special"))
+            added[_token_id(key, f"{model_dir}: added_tokens_decoder key")] = (t, is_special)
+            flags = (entry.get("lstrip"), entry.get("rstrip"), entry.get("single_word"), entry.get("normalized"))
+            options[t] = (*(bool(f) for f in flags[:3]), not is_special if flags[3] is None else bool(flags[3]))
             if entry.get("special"):
                 extra.append(t)
     path = os.path.join(model_dir, "added_tokens.json")  # {text: id}, written by older transformers
@@ -269,6 +275,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         special_tokens=special,
         extra_special_tokens=tuple(dict.fromkeys(extra)),
         added_tokens=tuple((i, t, sp) for i, (t, sp) in sorted(added.items())),
+        added_token_options=tuple(options.items()),
         add_bos=flag("add_bos_token"),
         add_eos=flag("add_eos_token"),
         add_prefix_space=flag("add_prefix_space"),
@@ -303,6 +310,47 @@ def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
 
 
+def _add_config_tokens(tok, settings: TokenizerSettings) -> None:
+    """What transformers does on loading a tokenizer.json beside a tokenizer_config.json: the config's
+    added_tokens_decoder entries the file does not hold as they are written, the named special tokens
+    (bos_token, eos_token, ...) and the additional special tokens it holds as no added token are
+    added. A text the vocabulary has keeps its id, another gets the next one; it is special where its
+    entry says so or it is a named special token, and is then matched inside text and skipped by
+    decode.
+    (A chat model's <|im_end|> kept in the vocabulary, declared special only in the config, was
+    encoded as the characters of its text and kept by a skipping decode.)"""
+    from tokenizers import AddedToken
+
+    present = {t.content: t for t in tok.get_added_tokens_decoder().values()}
+    named = set(settings.special_tokens.values())  # bos_token, eos_token, ...: special whatever the file says
+    options = dict(settings.added_token_options)
+    wanted = {text: special or text in named for _, text, special in settings.added_tokens}
+    for text in named:
+        wanted[text] = True
+    for text in settings.extra_special_tokens:
+        if text not in present:
+            wanted.setdefault(text, True)
+    new = []
+    for text, special in wanted.items():
+        lstrip, rstrip, single_word, normalized = options.get(text, (False, False, False, not special))
+        have = present.get(text)
+        if have is not None and (have.special, have.lstrip, have.rstrip, have.single_word, have.normalized) == (
+            special,
+            lstrip,
+            rstrip,
+            single_word,
+            normalized,
+        ):
+            continue
+        new.append(
+            AddedToken(
+                text, special=special, lstrip=lstrip, rstrip=rstrip, single_word=single_word, normalized=normalized
+            )
+        )
+    if new:
+        tok.add_tokens(new)
+
+
 def _with_own_eos(eos_ids, own: int | None) -> tuple[int, ...]:
     """The model's EOS ids (config.json / generation_config.json) and the tokenizer's own eos_token, as
     vLLM stops on both: chat fine-tunes often name <|eot_id|> / <|im_end|> only in the tokenizer."""
@@ -335,6 +383,7 @@ class HFTokenizer:
         self._byte_level = _is_byte_level(path)
         if settings.tokenizer_class in _METASPACE_CLASSES and not self._byte_level:
             _rebuild_as_llama_tokenizer(self._tok, settings)
+        _add_config_tokens(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
         self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
@@ -438,6 +487,8 @@ class SentencePieceTokenizer:
             if (i := self._piece_id(token)) is not None:
                 specials[token] = i
         self._specials = specials
+        # AddedToken lstrip / rstrip (added_tokens_decoder): the whitespace on that side goes with the token.
+        self._strip = {t: o[:2] for t, o in settings.added_token_options if t in specials and any(o[:2])}
         self._split = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) or "(?!)")
         # For decode, as transformers: the special tokens it skips (control pieces, <unk>, the named and
         # additional special tokens), and the byte-fallback pieces "<0xNN>" with their byte.
@@ -470,9 +521,15 @@ class SentencePieceTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids, pos = [], 0
         for m in self._split.finditer(text):
-            ids += self._encode_text(text[pos : m.start()], pos == 0)
+            if m.start() < pos:  # (inside whitespace an rstrip token took)
+                continue
+            lstrip, rstrip = self._strip.get(m.group(), (False, False))
+            before = text[pos : m.start()]
+            ids += self._encode_text(before.rstrip() if lstrip else before, pos == 0)
             ids.append(self._specials[m.group()])
             pos = m.end()
+            while rstrip and pos < len(text) and text[pos].isspace():
+                pos += 1
         ids += self._encode_text(text[pos:], pos == 0)
         if add_special_tokens:
             ids = [self.bos_id, *ids] if self.add_bos else ids

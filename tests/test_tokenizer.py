@@ -455,6 +455,55 @@ def test_sentencepiece_added_tokens_have_their_own_ids(tmp_path, source):
         assert kept == theirs.decode(ids, skip_special_tokens=False), theirs.convert_ids_to_tokens(ids)
 
 
+def _random_strings(pieces, n=400, seed=0):
+    rng = random.Random(seed)
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))) for _ in range(n)]
+
+
+def test_sentencepiece_added_tokens_strip_the_whitespace_their_entries_say(tmp_path):
+    """added_tokens_decoder's lstrip / rstrip: the whitespace on that side of the token goes with it,
+    as transformers encodes it ("a <tool> b" was 'a', '▁', <tool>, '▁', 'b')."""
+    _spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    entry = dict(normalized=False, single_word=False)
+    config["added_tokens_decoder"] = {
+        "400": {"content": "<tool>", "special": False, "lstrip": True, "rstrip": True, **entry},
+        "401": {"content": "<mask>", "special": True, "lstrip": True, "rstrip": False, **entry},
+        "402": {"content": "<end>", "special": True, "lstrip": False, "rstrip": True, **entry},
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    strings = _random_strings(["<tool>", "<mask>", "<end>", " ", "  ", "\n", "a", "hello", " the", "日本", "</s>"])
+    ours, _ = _assert_same_ids(tmp_path, ["a <tool> b", "hello   <mask> world", *strings])
+    ids = ours.encode("a <tool> b", add_special_tokens=False)
+    at = ids.index(400)
+    assert ours.decode(ids[:at]) == "a" and ours.decode(ids[at + 1 :]) == "b", ids  # no space piece either side
+
+
+def test_tokenizer_json_takes_the_special_tokens_only_its_config_declares(tmp_path):
+    """A chat model's <|im_end|> in tokenizer.json's vocabulary but not among its added tokens, named
+    eos_token and special only in tokenizer_config.json (and a second token added there only):
+    transformers adds them as special tokens, so they are matched inside text and skipped by a
+    decode. They were encoded as the characters of their text and kept in the decoded text."""
+    _bpe_dir(tmp_path, specials=["<|im_end|>"])
+    tj = json.loads((tmp_path / "tokenizer.json").read_text())
+    im_end = next(t for t in tj["added_tokens"] if t["content"] == "<|im_end|>")
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] != "<|im_end|>"]
+    tj["model"]["vocab"]["<|im_end|>"] = im_end["id"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    entry = dict(special=True, lstrip=False, rstrip=False, normalized=False, single_word=False)
+    new_id = len(tj["model"]["vocab"])
+    decoder = {str(im_end["id"]): {"content": "<|im_end|>", **entry}, str(new_id): {"content": "<|tool|>", **entry}}
+    _edit_config(tmp_path, eos_token="<|im_end|>", added_tokens_decoder=decoder, additional_special_tokens=None)
+    pieces = ["<|im_end|>", "<|tool|>", "</s>", " ", "hi", " x", "the quick", "é"]
+    ours, theirs = _assert_same_ids(tmp_path, ["hi<|im_end|> x", *_random_strings(pieces)])
+    assert ours.eos_ids == (im_end["id"],) and {im_end["id"], new_id} <= ours.skipped_ids
+    assert ours.vocab_size == len(theirs)
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.choice([im_end["id"], new_id, rng.randrange(ours.vocab_size)]) for _ in range(rng.randrange(1, 9))]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), ids
+
+
 # ----------------------------------------------------------------------------------------------
 # Chat templates
 
