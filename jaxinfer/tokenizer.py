@@ -362,7 +362,14 @@ def _is_byte_level(path: str) -> bool:
     files under a LlamaTokenizer class name (DeepSeek checkpoints) are read as written, as transformers
     5 reads them: the Metaspace rebuild would drop every byte it cannot place."""
     with open(path, encoding="utf-8") as f:
-        return '"ByteLevel"' in f.read()
+        spec = json.load(f)
+
+    def uses(node) -> bool:  # the component itself, or one inside a Sequence
+        if isinstance(node, list):
+            return any(uses(n) for n in node)
+        return isinstance(node, dict) and (node.get("type") == "ByteLevel" or any(uses(v) for v in node.values()))
+
+    return isinstance(spec, dict) and (uses(spec.get("pre_tokenizer")) or uses(spec.get("decoder")))
 
 
 class HFTokenizer:

@@ -343,6 +343,22 @@ def test_byte_level_tokenizer_json_under_a_llama_class_is_read_as_written(tmp_pa
         assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
 
 
+def test_byte_level_is_read_from_the_pipeline_not_from_the_vocabulary(tmp_path):
+    """A file was taken as byte-level when the string "ByteLevel" appeared anywhere in it, a
+    vocabulary entry of that name included; now only its pre-tokenizer or decoder count."""
+    from jaxinfer.tokenizer import _is_byte_level
+
+    def spec(pre, vocab=()):
+        path = tmp_path / "tokenizer.json"
+        model = {"vocab": dict.fromkeys(vocab, 0)}
+        path.write_text(json.dumps({"pre_tokenizer": pre, "decoder": None, "model": model}))
+        return str(path)
+
+    assert not _is_byte_level(spec({"type": "Metaspace"}, vocab=["ByteLevel"]))
+    assert _is_byte_level(spec({"type": "ByteLevel"}))
+    assert _is_byte_level(spec({"type": "Sequence", "pretokenizers": [{"type": "Split"}, {"type": "ByteLevel"}]}))
+
+
 def test_sentencepiece_decode_skips_unk_and_ids_past_the_model(tmp_path):
     """<unk> is a special token transformers skips; an id past the pieces (a config vocabulary padded
     beyond the tokenizer's) raised IndexError from inside the streaming detokenizer."""
