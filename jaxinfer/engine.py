@@ -147,6 +147,26 @@ def _in_parallel(calls: list) -> list:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+_compiler: concurrent.futures.ThreadPoolExecutor | None = None  # see _compile_off_main_thread
+
+
+def _compile_off_main_thread(compile_fn, *args) -> None:
+    """`compile_fn(*args)` on a worker thread, waited for on the main one.
+
+    JAX gives way to a Ctrl-C in the middle of a compilation, but the compilation itself goes on in
+    XLA's threads; an interpreter exiting meanwhile then crashes in the runtime's teardown (a
+    segfault on exit after a Ctrl-C, 5 of 11 runs of a `generate` interrupted mid-compile; jax
+    0.11). On a worker thread the compilation is never interrupted, only the main thread's wait is,
+    and Python joins the worker at exit: the process ends after the compilation, cleanly."""
+    global _compiler
+    if threading.current_thread() is not threading.main_thread():
+        compile_fn(*args)
+        return
+    if _compiler is None:
+        _compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
+    _compiler.submit(compile_fn, *args).result()
+
+
 # ----------------------------------------------------------------------------------------------
 # Async scheduling: a decode row's input token read from the previous step's output on the device.
 
@@ -517,21 +537,24 @@ class Engine:
                 batch = SamplingBatch.from_rows([], b, bias_width=self._bias_width, allowed_width=allowed_width)
                 calls.append(functools.partial(sample, logits, batch))
         outs = _in_parallel(calls)
-        if self.channel is None:  # async scheduling: every call's tokens padded for the next step
-            for tokens in {out.tokens.shape[0]: out.tokens for out in outs}.values():  # a program per row count
-                padded = _pad_tokens(tokens, size=self._token_slots)
-        if self.channel is None:  # ... and every decode bucket's merge of them
-            for b in sorted({b for b, _, _ in self.decode_shapes()}):
-                zeros = np.zeros(b, np.int32)
-                _merge_tokens(zeros[:, None], padded, padded, zeros, zeros.astype(bool))
-        jax.block_until_ready(self.cache)
-        if self.poison_reused_pages and self.channel is None:
-            # A step hands out any number of pages, padded to a power of two: one program per size.
-            for g, group in enumerate(self.scheduler.groups):
-                n = 1
-                while n <= bucket(group.pool.capacity):
-                    self._poison(np.zeros(n, np.int32), g)  # page 0: the scratch page
-                    n *= 2
+        # The small programs below compile on this thread: Ctrl-C waits for them (see
+        # _compile_off_main_thread: a compilation it interrupts crashes the interpreter's exit).
+        with _interrupts.deferred():
+            if self.channel is None:  # async scheduling: every call's tokens padded for the next step
+                for tokens in {out.tokens.shape[0]: out.tokens for out in outs}.values():  # a program per row count
+                    padded = _pad_tokens(tokens, size=self._token_slots)
+            if self.channel is None:  # ... and every decode bucket's merge of them
+                for b in sorted({b for b, _, _ in self.decode_shapes()}):
+                    zeros = np.zeros(b, np.int32)
+                    _merge_tokens(zeros[:, None], padded, padded, zeros, zeros.astype(bool))
+            jax.block_until_ready(self.cache)
+            if self.poison_reused_pages and self.channel is None:
+                # A step hands out any number of pages, padded to a power of two: one program per size.
+                for g, group in enumerate(self.scheduler.groups):
+                    n = 1
+                    while n <= bucket(group.pool.capacity):
+                        self._poison(np.zeros(n, np.int32), g)  # page 0: the scratch page
+                        n *= 2
         return num_compiles() - before
 
     def _model_step(self, batch: Batch, t: int, targets: np.ndarray | None = None):
@@ -635,7 +658,7 @@ class Engine:
         """
         if self._shapes(step, inputs) not in self._compiled_shapes:
             with _interrupts.allowed():
-                self._compile(step, inputs, kw)
+                _compile_off_main_thread(self._compile, step, inputs, kw)
         with _interrupts.deferred():
             logits, self.cache, *plp = step(self.params, self.cache, *inputs, **kw)
         return logits, (plp[0] if plp else None)
@@ -1079,7 +1102,9 @@ class Engine:
         # A decode call's input tokens are its rows' last tokens: a row that ran ahead takes its
         # placeholder's token from them (its penalties' history, the bad words it completes).
         last = tok if t == 1 else None
-        with _interrupts.allowed():  # the new cache is kept already: only this step's results are lost
+        # Ctrl-C is held over the call: a sampler of a new shape compiles in it, and a compilation
+        # it interrupted crashes the interpreter's exit (see _compile_off_main_thread).
+        with _interrupts.deferred():
             return sample(logits, sb, last), plp
 
     def _decode_tokens(self, tok: np.ndarray, chunks: list[Chunk]):
