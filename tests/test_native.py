@@ -85,8 +85,19 @@ def test_inputs_the_kernel_does_not_take_are_refused_by_name():
     q, k, v, table, kv, ql = random_batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
     with pytest.raises(ValueError, match="q: the native kernel takes float32 or bfloat16"):
         native.paged_attention(q.astype(jnp.float16), k, v, table, kv, ql, scale=0.125)
-    with pytest.raises(ValueError, match="k_scales must be given exactly when the pools are int8"):
+    with pytest.raises(ValueError, match="int8 pools need k_scales and v_scales"):
         native.paged_attention(q, k, v, table, kv, ql, scale=0.125, k_scales=jnp.ones(k.shape[:3]))
+    # The kernel trusts every shape: these were read out of bounds (a segfault for the small v pool,
+    # attention over whatever memory followed for the others); now refused as the Pallas kernels do.
+    with pytest.raises(ValueError, match="v_pages must match k_pages"):
+        native.paged_attention(q, k, v[:, :2], table, kv, ql, scale=0.125)
+    k8, scales = jnp.ones(k.shape, jnp.int8), jnp.ones((1,), jnp.float32)
+    with pytest.raises(ValueError, match=r"k_scales/v_scales must have shape \(\d+, \d+, \d+\)"):
+        native.paged_attention(q, k8, k8, table, kv, ql, scale=0.125, k_scales=scales, v_scales=scales)
+    with pytest.raises(ValueError, match=rf"kv_lens must have shape \[B\] = \({q.shape[0]},\)"):
+        native.paged_attention(q, k, v, table, kv[:1], ql, scale=0.125)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        native.paged_attention(q, k, v, table, kv, ql, scale=0.125, window=0)
 
 
 def test_model_with_the_native_backend_matches_reference():

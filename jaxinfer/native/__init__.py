@@ -174,8 +174,13 @@ def paged_attention(
         raise loaded
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"q: the native kernel takes float32 or bfloat16, got {q.dtype}")
-    if (k_pages.dtype == jnp.int8) != (k_scales is not None):
-        raise ValueError("k_scales must be given exactly when the pools are int8")
+    # The kernel trusts every shape: a v pool smaller than k's, or a lengths vector shorter than the
+    # batch, was read out of bounds (a segfault, or attention over whatever memory followed).
+    from pallas_kernels.ragged_paged_attention import check_call
+
+    check_call(
+        q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales, window=window, soft_cap=soft_cap
+    )
     if k_scales is None:
         k_scales = v_scales = jnp.zeros((1,), jnp.float32)
     i32 = jnp.int32
