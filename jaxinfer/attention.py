@@ -8,6 +8,8 @@ signature, so the model never knows which ran. `resolve_backend` decides what "a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,9 @@ def write_kv(
         if (mesh := context_mesh()) is not None:
             kv_write = kv_write_sharded(kv_write, mesh)
         interpret = jax.default_backend() == "cpu"
+        # No donation of its own: inside the model's jitted steps theirs applies, and called eagerly
+        # (a forward() whose batch is then refused) the caller's cache must survive, as with the scatter.
+        kv_write = functools.partial(kv_write, donate=False)
         if isinstance(k_pages, QuantizedPages):
             kv, vv, ks, vs = kv_write(
                 k_pages.values,

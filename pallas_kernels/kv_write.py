@@ -60,8 +60,7 @@ def _kernel(slots_ref, *refs, page_size: int, quantized: bool):
         out[:, 0] = jnp.where(row == offset, x[:, None, :].astype(out.dtype), out[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("pools",))
-def _write(pools, new_k, new_v, slots, *, interpret):
+def _write_pools(pools, new_k, new_v, slots, *, interpret):
     quantized = len(pools) == 4
     nk, num_pages, page_size, h = pools[0].shape
     n = new_k.shape[0]
@@ -93,6 +92,12 @@ def _write(pools, new_k, new_v, slots, *, interpret):
     return tuple(out)
 
 
+# Called eagerly, the first updates the pools in place (the caller's arrays are deleted); the second
+# leaves them as they were. Inside a jit both are the same program: the enclosing jit's donation decides.
+_write = jax.jit(_write_pools, static_argnames=("interpret",), donate_argnames=("pools",))
+_write_keeping = jax.jit(_write_pools, static_argnames=("interpret",))
+
+
 def check_slots(slots, *, num_pages: int, page_size: int) -> None:
     """ValueError naming the first slot outside the pools, for concrete `slots` [B, T]; nothing for a
     tracer (inside a jit, where no value can be refused)."""
@@ -107,12 +112,15 @@ def check_slots(slots, *, num_pages: int, page_size: int) -> None:
         )
 
 
-def kv_write(k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, interpret: bool | str = False):
+def kv_write(
+    k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, interpret: bool | str = False, donate: bool = True
+):
     """Writes new keys/values into their slots; same contract as `jaxinfer.attention.write_kv`.
 
     Args:
-        k_pages, v_pages: [K, P, S, H] pools (donated: do not use them after the call); int8 pools
-            come with k_scales/v_scales [K, P, S] float32 and are quantized into.
+        k_pages, v_pages: [K, P, S, H] pools (called eagerly with donate=True, updated in place: do
+            not use them after the call); int8 pools come with k_scales/v_scales [K, P, S] float32
+            and are quantized into.
         k, v: [B, T, K, H] new keys/values (any float dtype).
         slots: [B, T] flat slot page * S + offset per token (padding: the scratch page); the
             tokens of one page must be consecutive in row-major order (see the module docstring).
@@ -133,4 +141,5 @@ def kv_write(k_pages, v_pages, k, v, slots, *, k_scales=None, v_scales=None, int
         raise ValueError(f"slots must hold integers, got {slots.dtype}")
     check_slots(slots, num_pages=num_pages, page_size=page_size)  # inside a jit the kernel clamps instead
     pools = (k_pages, v_pages, k_scales, v_scales) if quantized else (k_pages, v_pages)
-    return _write(pools, k.reshape(-1, nk, h), v.reshape(-1, nk, h), slots.reshape(-1), interpret=interpret)
+    write = _write if donate else _write_keeping
+    return write(pools, k.reshape(-1, nk, h), v.reshape(-1, nk, h), slots.reshape(-1), interpret=interpret)

@@ -108,3 +108,37 @@ def test_kv_write_inside_a_jit_clamps_a_slot_past_the_pools_onto_the_last_slot()
     want = before.copy()
     want[:, POOL - 1, PAGE - 1] = np.asarray(k)[0, 0]
     np.testing.assert_array_equal(got, want)
+
+
+def test_write_kv_called_eagerly_keeps_the_callers_pools_on_every_backend():
+    """The Pallas write donated its pools: an eager `forward()` with the pallas backend whose batch
+    was then refused (a kv_len past the page table, checked by the attention after the write) left
+    the caller's cache deleted. write_kv now keeps its inputs as the scatter does; kv_write still
+    updates in place when asked (donate=True, its default)."""
+    import dataclasses
+
+    from jaxinfer import default_model
+    from jaxinfer.kv_cache import Batch, KVCache
+    from jaxinfer.model import forward, init_params
+
+    rng = np.random.default_rng(2)
+    new = jnp.asarray(rng.standard_normal((1, 1, NK, H)), jnp.float32)
+    for backend in ("reference", "pallas"):
+        k_pages, v_pages = _pools(rng, "float32")
+        write_kv(k_pages, v_pages, new, new, jnp.asarray([[5]], jnp.int32), backend=backend)
+        assert not k_pages.is_deleted() and not v_pages.is_deleted(), backend
+    k_pages, v_pages = _pools(rng, "float32")
+    kv_write(k_pages, v_pages, new, new, jnp.asarray([[5]], jnp.int32), interpret=True)
+    assert k_pages.is_deleted()
+
+    cfg = dataclasses.replace(default_model.CONFIG, attention_backend="pallas")
+    cache = KVCache.create(cfg, num_pages=8, page_size=4)
+    refused = Batch(
+        tokens=jnp.full((1, 1), 5, jnp.int32),
+        q_lens=jnp.asarray([1], jnp.int32),
+        kv_lens=jnp.asarray([9], jnp.int32),  # past the table's 2 pages of 4
+        page_table=jnp.asarray([[1, 2]], jnp.int32),
+    )
+    with pytest.raises(ValueError, match=r"kv_lens\[0\] = 9 is outside \[0, 8\]"):
+        forward(init_params(cfg, 0), cache, refused, cfg=cfg)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(cache))
