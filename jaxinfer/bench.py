@@ -99,6 +99,24 @@ def _len_range(s: str) -> list[int]:
 OWN_FLAG_MODES = ("kernels", "load", "mesh", "window-pools")
 
 
+class _Given(argparse.Action):
+    """Stores the flag's value and notes it as given on the command line (see `_check_mode_flags`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+class _GivenFlag(_Given):
+    """`store_true`, noted as given."""
+
+    def __init__(self, option_strings, dest, default=False, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=default, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "mode",
@@ -121,70 +139,98 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write a random-weight HF checkpoint of this shape (needs transformers) and bench it",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
-    p.add_argument("--prompt-lens", type=_ints, default=[32, 128, 512], help="TTFT prompt lengths")
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes")
-    p.add_argument("--context", type=_positive_int, default=128, help="prompt length for the decode runs")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run")
+    p.add_argument("--prompt-lens", action=_Given, type=_ints, default=[32, 128, 512], help="TTFT prompt lengths")
+    p.add_argument("--batch-sizes", action=_Given, type=_ints, default=[1, 4, 16], help="decode batch sizes")
+    p.add_argument(
+        "--context", action=_Given, type=_positive_int, default=128, help="prompt length for the decode runs"
+    )
+    p.add_argument("--new-tokens", action=_Given, type=int, default=64, help="tokens generated per decode run")
     p.add_argument(
         "--repeats",
+        action=_Given,
         type=int,
         default=3,
         help="timed repeats (serve --vs-offline: measured rounds after a warm-up round)",
     )
-    p.add_argument("--vs-hf", action="store_true", help="also run HF transformers generate on the same weights")
+    p.add_argument("--vs-hf", action=_GivenFlag, help="also run HF transformers generate on the same weights")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure at the end")
     p.add_argument(
         "--profile",
+        action=_Given,
         metavar="DIR",
         help="latency mode: trace one more decode run at the first batch size with the JAX profiler into DIR "
         "(open it in ui.perfetto.dev or TensorBoard) and print where each jitted program's time went, by op",
     )
     t = p.add_argument_group("throughput mode")
-    t.add_argument("--num-requests", type=_positive_int, default=256, help="requests in the workload")
-    t.add_argument("--prompt-len-range", type=_len_range, default=[16, 256], help="min,max prompt tokens")
-    t.add_argument("--output-len-range", type=_len_range, default=[16, 256], help="min,max generated tokens")
-    t.add_argument("--max-num-seqs", type=_positive_int, default=64, help="the engine's running sequences at most")
+    t.add_argument("--num-requests", action=_Given, type=_positive_int, default=256, help="requests in the workload")
     t.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=512, help="the engine's tokens per step at most"
+        "--prompt-len-range", action=_Given, type=_len_range, default=[16, 256], help="min,max prompt tokens"
+    )
+    t.add_argument(
+        "--output-len-range", action=_Given, type=_len_range, default=[16, 256], help="min,max generated tokens"
+    )
+    t.add_argument(
+        "--max-num-seqs", action=_Given, type=_positive_int, default=64, help="the engine's running sequences at most"
+    )
+    t.add_argument(
+        "--max-num-batched-tokens",
+        action=_Given,
+        type=_positive_int,
+        default=512,
+        help="the engine's tokens per step at most",
     )
     t.add_argument(
         "--prefix-caching",
-        action="store_true",
+        action=_GivenFlag,
         help="keep the prefix cache on (off by default: the baseline run would warm it for the other)",
     )
     t.add_argument(
         "--penalties",
-        action="store_true",
+        action=_GivenFlag,
         help="every fourth request also asks for repetition_penalty 1.2 and frequency_penalty 0.3, so "
         "nearly every step carries a penalised row",
     )
     t.add_argument(
         "--vs-sync",
-        action="store_true",
+        action=_GivenFlag,
         help="run the continuous workload again reading each step's results before the next step "
         "(async scheduling off), and print the ratio",
     )
     sv = p.add_argument_group("serve mode (also takes the throughput-mode workload flags)")
-    sv.add_argument("--server", metavar="HOST:PORT", help="a running server (default: start one on loopback)")
-    sv.add_argument("--concurrency", type=_positive_int, default=32, help="streams in flight at most")
     sv.add_argument(
-        "--request-rate", type=_rate, default=float("inf"), help="Poisson arrivals per second (default: all at once)"
+        "--server", action=_Given, metavar="HOST:PORT", help="a running server (default: start one on loopback)"
+    )
+    sv.add_argument("--concurrency", action=_Given, type=_positive_int, default=32, help="streams in flight at most")
+    sv.add_argument(
+        "--request-rate",
+        action=_Given,
+        type=_rate,
+        default=float("inf"),
+        help="Poisson arrivals per second (default: all at once)",
     )
     sv.add_argument(
-        "--duration-limit", type=_positive_seconds, default=600.0, help="seconds; open requests are then cancelled"
+        "--duration-limit",
+        action=_Given,
+        type=_positive_seconds,
+        default=600.0,
+        help="seconds; open requests are then cancelled",
     )
-    sv.add_argument("--stream-interval", type=_positive_int, default=1, help="the started server's --stream-interval")
     sv.add_argument(
-        "--vs-offline", action="store_true", help="also run the same requests on an offline engine and print the ratio"
+        "--stream-interval", action=_Given, type=_positive_int, default=1, help="the started server's --stream-interval"
+    )
+    sv.add_argument(
+        "--vs-offline", action=_GivenFlag, help="also run the same requests on an offline engine and print the ratio"
     )
     t.add_argument(
         "--baseline-requests",
+        action=_Given,
         type=_positive_int,
         default=None,
         help="run only the first K requests one at a time for the baseline (default: all)",
     )
     t.add_argument(
         "--rounds",
+        action=_Given,
         type=_positive_int,
         default=1,
         help="run the baseline and the continuous workload alternately this many times on the same engine "
@@ -276,12 +322,38 @@ def _is_hf_directory(model: str | None) -> bool:
     return bool(model) and os.path.isfile(os.path.join(model, "config.json")) and not checkpoint.is_checkpoint(model)
 
 
+# The flags each mode reads beyond --model, --preset, --dtype and --json; a flag set to anything but
+# its default in another mode is refused (`bench serve --rounds 1` ran its own count of rounds).
+_WORKLOAD = {"num_requests", "prompt_len_range", "output_len_range", "max_num_seqs", "max_num_batched_tokens"}
+MODE_FLAGS = {
+    "latency": {"prompt_lens", "batch_sizes", "context", "new_tokens", "repeats", "vs_hf", "profile"},
+    "throughput": {*_WORKLOAD, "prefix_caching", "penalties", "vs_sync", "baseline_requests", "rounds"},
+    "serve": {*_WORKLOAD, "prefix_caching", "repeats", "server", "concurrency", "request_rate", "duration_limit"}
+    | {"stream_interval", "vs_offline"},
+}
+
+
+def _check_mode_flags(args) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = getattr(args, "given", set())  # on the command line, even at its default value
+    for dest in sorted(set().union(*MODE_FLAGS.values()) - MODE_FLAGS[args.mode]):
+        if dest in given or getattr(args, dest, defaults[dest]) != defaults[dest]:
+            modes = " and ".join(m for m, flags in MODE_FLAGS.items() if dest in flags)
+            raise InvalidRequestError(
+                f"--{dest.replace('_', '-')} is a flag of the {modes} mode{'s' if ' and ' in modes else ''}; "
+                f"it does nothing in {args.mode} mode"
+            )
+
+
 def run(args) -> dict:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.model import params_nbytes
 
     if args.model and args.preset:
         raise InvalidRequestError("pass --model or --preset, not both")
+    _check_mode_flags(args)
     if args.vs_hf and not (args.preset or _is_hf_directory(args.model)):
         # Refused now: transformers would only fail on it after the whole benchmark had run.
         raise InvalidRequestError(
@@ -291,10 +363,6 @@ def run(args) -> dict:
     for flag, on in (("--preset", args.preset), ("--vs-hf", args.vs_hf)):
         if on:  # refused now: without it the comparison would fail after the whole benchmark had run
             _check_hf_stack(flag)
-    if args.profile and args.mode != "latency":
-        raise InvalidRequestError(
-            f"--profile traces the latency mode's decode run; it does nothing in {args.mode} mode"
-        )
     if args.profile:  # refused now, not after minutes of benchmarking
         try:
             os.makedirs(args.profile, exist_ok=True)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -1660,7 +1661,7 @@ def test_cli_usage_errors_exit_2_before_loading(capsys):
         assert e.value.code == 2 and f"--cpu-devices must be in [1, 1024], got {devices}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode", [[], ["throughput"], ["serve", "--vs-offline"]])
+@pytest.mark.parametrize("mode", [[], ["serve", "--vs-offline"]])
 def test_bench_refuses_zero_repeats(mode):
     from jaxinfer import bench
 
@@ -1668,10 +1669,29 @@ def test_bench_refuses_zero_repeats(mode):
         bench.run(_bench_args(mode + ["--repeats", "0"]))
 
 
+@pytest.mark.parametrize(
+    "argv, refusal",
+    [
+        (["serve", "--rounds", "1"], "--rounds is a flag of the throughput mode; it does nothing in serve mode"),
+        (["throughput", "--repeats", "5"], "--repeats is a flag of the latency and serve modes; it does nothing in"),
+        (["--vs-offline"], "--vs-offline is a flag of the serve mode; it does nothing in latency mode"),
+        (["throughput", "--batch-sizes", "1,2"], "--batch-sizes is a flag of the latency mode; it does nothing in"),
+        (["--num-requests", "8"], "--num-requests is a flag of the throughput and serve modes; it does nothing in"),
+    ],
+)
+def test_bench_refuses_a_flag_its_mode_does_not_read(argv, refusal):
+    """From a review: `bench serve --rounds 1` ran its own warm-up and 3 rounds without a word."""
+    from jaxinfer import bench
+
+    with pytest.raises(InvalidRequestError, match=re.escape(refusal)):
+        bench.run(_bench_args(argv))
+    assert all(dest in vars(_bench_args([])) for flags in bench.MODE_FLAGS.values() for dest in flags)
+
+
 def test_bench_profile_is_refused_outside_the_latency_mode(tmp_path):
     from jaxinfer import bench
 
-    refusal = r"--profile traces the latency mode's decode run; it does nothing in throughput mode"
+    refusal = r"--profile is a flag of the latency mode; it does nothing in throughput mode"
     with pytest.raises(InvalidRequestError, match=refusal):
         bench.run(_bench_args(["throughput", "--profile", str(tmp_path)]))
     assert not any(tmp_path.iterdir())
