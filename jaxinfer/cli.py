@@ -467,11 +467,14 @@ def _generate_remote(args, params_over) -> int:
                 deltas = client.stream(prompt_token_ids=args.prompt_ids[0], sampling_params=params, cache_salt=salt)
             _print_stream(args, deltas, has_text=info["has_tokenizer"])
             return 0
+        # Over the streaming RPC, gathered: a unary answer past the server's --max-response-bytes
+        # (64 samples with logprobs) would be refused where a local run prints it.
         if args.prompt:
-            outs = [client.generate(p, params, cache_salt=salt) for p in args.prompt]
+            outs = [client._generate_streamed(p, params, cache_salt=salt) for p in args.prompt]
         else:
             outs = [
-                client.generate(prompt_token_ids=p, sampling_params=params, cache_salt=salt) for p in args.prompt_ids
+                client._generate_streamed(prompt_token_ids=p, sampling_params=params, cache_salt=salt)
+                for p in args.prompt_ids
             ]
         _print_outputs(args, info["model_name"], outs, has_text=info["has_tokenizer"])
     return 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import reprlib
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
@@ -364,6 +365,13 @@ class Client(_Stubs):
             raise ClientClosedError(f"this Client of {self.target} is closed")
         return self._stubs
 
+    def _failure(self, e: grpc.RpcError) -> JaxinferError:
+        """A call's error: ClientClosedError when this client's close() ended it (gRPC says CANCELLED,
+        which would blame the server), else the server's status."""
+        if self._closed:
+            return ClientClosedError(f"this Client of {self.target} was closed during the call")
+        return _server_error(e)
+
     def generate(
         self,
         prompt: str | None = None,
@@ -379,7 +387,41 @@ class Client(_Stubs):
         try:
             resp = self._stub.Generate(req, timeout=timeout)
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
+        return _output(prompt, req, resp)
+
+    def _generate_streamed(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
+        """`generate` over the GenerateStream RPC, gathered into the same RequestOutput: no response
+        size limit (a unary answer past the server's --max-response-bytes is refused), which is what
+        `jaxinfer generate --server` needs to print whatever a local run prints."""
+        req = _request(prompt, sampling_params, prompt_token_ids, None, cache_salt)
+        resp = pb.GenerateResponse()
+        completions: dict[int, pb.Completion] = {}
+        texts: dict[int, list[str]] = {}
+        for msg in self._messages(req, self.timeout):
+            if not resp.request_id:
+                resp.request_id = msg.request_id
+            resp.prompt_token_ids.extend(msg.prompt_token_ids)
+            resp.prompt_logprobs.extend(msg.prompt_logprobs)
+            c = completions.setdefault(msg.index, pb.Completion(index=msg.index))
+            c.token_ids.extend(msg.token_ids)
+            c.logprobs.extend(msg.logprobs)
+            texts.setdefault(msg.index, []).append(msg.text)
+            if msg.finish_reason:
+                c.finish_reason = msg.finish_reason
+                wire_stop = msg.WhichOneof("stop_reason")
+                if wire_stop is not None:
+                    setattr(c, wire_stop, getattr(msg, wire_stop))
+        for i in sorted(completions):
+            completions[i].text = "".join(texts[i])
+            resp.completions.append(completions[i])
         return _output(prompt, req, resp)
 
     def stream(
@@ -396,18 +438,25 @@ class Client(_Stubs):
         at the first `next`."""
         req = _request(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
         timeout = _seconds(timeout, "timeout", default=self.timeout)
-        return self._stream(self._stub, req, timeout)
+        self._open()  # a closed client is refused here, not at the first `next`
+        return self._stream(req, timeout)
 
-    @staticmethod
-    def _stream(stub, req: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamDelta]:
-        call = stub.GenerateStream(req, timeout=timeout)
+    def _stream(self, req: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamDelta]:
         first = True  # sample 0's first message not seen yet
+        for msg in self._messages(req, timeout):
+            yield _delta(req, msg, first and msg.index == 0)
+            first = first and msg.index != 0
+
+    def _messages(self, req: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateStreamResponse]:
+        """The GenerateStream RPC's messages; the RPC is cancelled when the iterator is dropped early."""
         try:
-            for msg in call:
-                yield _delta(req, msg, first and msg.index == 0)
-                first = first and msg.index != 0
+            call = self._stub.GenerateStream(req, timeout=timeout)
+        except ValueError:  # grpc's "Cannot invoke RPC: Channel closed!": closed since the stream was made
+            raise ClientClosedError(f"this Client of {self.target} is closed") from None
+        try:
+            yield from call
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
         finally:
             call.cancel()  # a no-op once the stream has ended; aborts the request if it has not
 
@@ -416,13 +465,13 @@ class Client(_Stubs):
         try:
             return list(self._stub.Tokenize(req, timeout=self.timeout).token_ids)
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
 
     def model_info(self) -> dict:
         try:
             return _model_info(self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout))
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
 
     def health(self, service: str = "") -> str:
         """The standard health check's answer: "SERVING", "NOT_SERVING", "NOT_FOUND" (a service the
@@ -455,6 +504,7 @@ class AsyncClient(_Stubs):
         self._channel = None
         self._loop = None
         self._closed = False
+        self._opening = threading.Lock()  # first calls racing from several threads' loops open one channel
 
     async def __aenter__(self):
         return self
@@ -464,19 +514,30 @@ class AsyncClient(_Stubs):
 
     async def close(self) -> None:
         self._closed = True
-        if self._channel is not None and self._loop is asyncio.get_running_loop():
+        if self._channel is None:
+            return
+        if self._loop is asyncio.get_running_loop():
             await self._channel.close()
+        elif self._loop.is_running():  # the channel belongs to another loop: closed there
+            asyncio.run_coroutine_threadsafe(self._channel.close(), self._loop)
+
+    def _failure(self, e: grpc.RpcError) -> JaxinferError:
+        """As Client._failure: ClientClosedError for a call this client's close() ended."""
+        if self._closed:
+            return ClientClosedError(f"this AsyncClient of {self.target} was closed during the call")
+        return _server_error(e)
 
     def _open(self):
         """(inference stub, health stub) of this loop's channel, opened at the first call."""
         if self._closed:
             raise ClientClosedError(f"this AsyncClient of {self.target} is closed")
         loop = asyncio.get_running_loop()
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options(self.keepalive))
-            self._loop = loop
-            self._stubs = (pb_grpc.InferenceServiceStub(self._channel), health_pb2_grpc.HealthStub(self._channel))
-        elif loop is not self._loop:
+        with self._opening:
+            if self._channel is None:
+                self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options(self.keepalive))
+                self._stubs = (pb_grpc.InferenceServiceStub(self._channel), health_pb2_grpc.HealthStub(self._channel))
+                self._loop = loop
+        if loop is not self._loop:
             raise InvalidRequestError(
                 f"this AsyncClient of {self.target} belongs to the event loop of its first call; "
                 "make a new AsyncClient in each event loop (e.g. in each asyncio.run)"
@@ -498,7 +559,7 @@ class AsyncClient(_Stubs):
         try:
             resp = await self._stub.Generate(req, timeout=timeout)
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
         return _output(prompt, req, resp)
 
     def stream(
@@ -525,7 +586,7 @@ class AsyncClient(_Stubs):
                 yield _delta(req, msg, first and msg.index == 0)
                 first = first and msg.index != 0
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
         finally:
             call.cancel()
 
@@ -534,14 +595,14 @@ class AsyncClient(_Stubs):
         try:
             resp = await self._stub.Tokenize(req, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
         return list(resp.token_ids)
 
     async def model_info(self) -> dict:
         try:
             return _model_info(await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout))
         except grpc.RpcError as e:
-            raise _server_error(e) from None
+            raise self._failure(e) from None
 
     async def health(self, service: str = "") -> str:
         req = health_pb2.HealthCheckRequest(service=_text(service, "service"))

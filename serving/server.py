@@ -644,6 +644,7 @@ class Server:
     async def _generate_stream(self, request, ctx, rpc):
         stream = await self._start_generate(request, rpc, streaming=True)
         finished = 0  # samples whose last message has been sent (the engine may be steps ahead)
+        first = True  # the stream's first message also carries the prompt's token ids
         try:
             async for d in _coalesced(stream):
                 if not (d.token_ids or d.text or d.finish_reason):
@@ -659,6 +660,9 @@ class Server:
                     prompt_logprobs=wire.logprobs_proto((d.prompt_logprobs or [None])[1:]),
                 )
                 wire.set_stop_reason(msg, d.stop_reason)
+                if first:
+                    msg.prompt_token_ids.extend(stream.prompt_ids)
+                    first = False
                 if finished == stream.params.n and d.finish_reason is not None:
                     msg.usage.CopyFrom(self._usage(stream))  # the last message of the request
                 yield msg

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import re
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -351,6 +352,13 @@ def test_a_closed_client_says_so(address):
     for call in (lambda: c.generate("hi"), lambda: c.stream("hi"), c.model_info, lambda: c.tokenize("hi"), c.health):
         with pytest.raises(ClientClosedError, match="is closed"):
             call()
+    # A stream made before the close starts its RPC at the first `next`: gRPC's "Cannot invoke RPC:
+    # Channel closed!" ValueError came out of it.
+    c = Client(address, timeout=TIMEOUT)
+    made = c.stream("hi")
+    c.close()
+    with pytest.raises(ClientClosedError, match="is closed"):
+        next(made)
 
     async def closed_async():
         a = AsyncClient(address, timeout=TIMEOUT)
@@ -375,6 +383,25 @@ def test_an_async_client_belongs_to_the_loop_of_its_first_call(address):
     asyncio.run(call())
     with pytest.raises(InvalidRequestError, match="make a new AsyncClient in each event loop"):
         asyncio.run(call())
+    # First calls from four threads' loops at once: one opens the channel, the others are refused
+    # (unlocked, each opened a channel of its own and close() reached only the last).
+    a = AsyncClient(address, timeout=TIMEOUT)
+    start = threading.Barrier(4)
+    outcomes = []
+
+    async def first_call():
+        start.wait()
+        try:
+            await a.generate("hi")
+        except Exception as e:  # noqa: BLE001 - the outcome is the exception's type
+            outcomes.append(type(e).__name__)
+
+    threads = [threading.Thread(target=asyncio.run, args=(first_call(),)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["InvalidRequestError"] * 3 + ["ServerError"], outcomes
 
 
 def test_keepalive_is_checked(address):

@@ -1155,11 +1155,13 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def test_a_unary_response_past_max_response_bytes_is_refused_as_soon_as_it_passes(llm):
+def test_a_unary_response_past_max_response_bytes_is_refused_as_soon_as_it_passes(llm, capsys):
     """A unary response larger than the client's receive limit (gRPC's default: 4 MiB) reached the
     client as an error only after all the work, and the server counted it OK. It now ends with
     RESOURCE_EXHAUSTED naming the limit once past it, and frees its pages; streams are not limited.
     Also here, on a small cache: JetStream's Decode names its own fields, not SamplingParams'."""
+    from jaxinfer import cli
+
     small = LLM(default_model.TINY_RANDOM, max_model_len=128, num_kv_pages=6, max_num_seqs=2, max_num_batched_tokens=64)
     s = ServerThread(small, max_response_bytes=4096)
     try:
@@ -1187,6 +1189,20 @@ def test_a_unary_response_past_max_response_bytes_is_refused_as_soon_as_it_passe
             reply = stub.Generate(small_req, timeout=60)
             assert list(reply.completions[0].token_ids) == ref[0].outputs[0].token_ids[:4]
             assert reply.ByteSize() <= 4096
+        # `jaxinfer generate --server` gathers the stream instead (a review: past the limit it failed
+        # where a local run prints); what it gathers is what a unary reply says, field by field.
+        argv = ["--prompt-ids", "5,6,7", "--max-tokens", "75", "--temperature", "0", "--ignore-eos"]
+        assert cli.main(["generate", "--server", s.address, *argv, "--logprobs", "20", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["token_ids"] == ref[0].outputs[0].token_ids and len(out["logprobs"]) == 75
+        assert out["prompt_token_ids"] == [5, 6, 7] and out["finish_reason"] == "length"
+        p = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, logprobs=2, prompt_logprobs=1, stop=["a"])
+        with Client(s.address, timeout=60) as c:
+            unary = c.generate(prompt_token_ids=[5, 6, 7, 8], sampling_params=p, request_id="same")
+            gathered = c._generate_streamed(prompt_token_ids=[5, 6, 7, 8], sampling_params=p)
+        assert dataclasses.replace(gathered, request_id="same") == unary
+        with grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.InferenceServiceStub(ch)
             body = s.server.registry.get_sample_value(
                 "jaxinfer_requests_total", {"method": "Generate", "code": "RESOURCE_EXHAUSTED"}
             )
