@@ -446,7 +446,9 @@ def _generate_remote(args, params_over) -> int:
         message = re.sub(r"^sampling_params\.", "SamplingParams.", str(e))
         message = re.sub(r"^prompt_token_ids", "--prompt-ids", message)
         raise InvalidRequestError(flag_names(message, args.options)) from None
-    with Client(args.server, timeout=args.timeout) as client:
+    with in_flag_names(args):  # `timeout must be ...` -> `--timeout must be ...`
+        client = Client(args.server, timeout=args.timeout)
+    with client:
         # The model info says what the served model recommends for the flags left out, and whether it
         # has a tokenizer: without one, its token ids are printed, as locally.
         try:

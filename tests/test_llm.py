@@ -1181,6 +1181,7 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--server", "127.0.0.1", "x"], "--server must be HOST:PORT ([IPv6]:PORT"),  # dialled :443
         # Not gRPC's "failed to connect to all addresses; last error: UNKNOWN: ipv4:...".
         (["generate", "--server", "127.0.0.1:1", "x"], "--server 127.0.0.1:1: nothing answers there"),
+        (["generate", "--server", "127.0.0.1:1", "--timeout", "0", "x"], "error: --timeout must be a positive"),
         (["bench", "--repeats", "2", "kernels"], "`jaxinfer bench kernels` takes flags of its own"),
     ],
 )
