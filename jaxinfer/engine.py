@@ -736,7 +736,10 @@ class Engine:
             )
         length = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         for group, name in zip(self.scheduler.groups, ("num_kv_pages", "num_window_kv_pages")):
-            need = self.scheduler.most_pages_held(length, group)
+            # The last token's K/V is never computed (the sequence ends on it; a step run ahead holds
+            # it back): length - 1 tokens hold pages. Counting the last one refused requests that fit,
+            # every request at page_size 1 with the smallest cache.
+            need = self.scheduler.most_pages_held(length - 1, group)
             if need > group.pool.capacity:
                 asked = (
                     f"= {params.max_tokens}"

@@ -1564,3 +1564,33 @@ def test_the_native_kernel_decodes_with_one_table_width_the_others_with_several(
         assert (widths == {e.max_pages_per_seq}) == (backend == "native"), (backend, widths)
         tokens[backend], _ = run(e, prompts, sps)
     assert tokens["native"] == tokens["xla"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_fits_in_the_pages_its_computed_tokens_hold(params, async_scheduling):
+    """The last token's K/V is never computed, so a request needs the pages of prompt + max_tokens - 1
+    tokens. The check counted one token more: at page_size 1 with the smallest cache (max_model_len 2,
+    2 pages with the scratch) every request was refused; these ran in exactly the pages now asked for."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    cases = [(1, 2, 1, 1), (1, 64, 10, 30), (4, 64, 5, 8), (8, 64, 30, 3)]
+    for page_size, max_model_len, prompt_len, max_tokens in cases:
+        need = -(-(prompt_len + max_tokens - 1) // page_size)
+        e = make_engine(
+            params,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            num_kv_pages=need + 1,  # + the scratch page
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            async_scheduling=async_scheduling,
+        )
+        prompt = list(range(3, 3 + prompt_len))
+        sp = SamplingParams(max_tokens=max_tokens, n=2, **greedy)
+        got, _ = run(e, [prompt], [sp])
+        want, _ = run(make_engine(params, max_model_len=max_model_len), [prompt], [sp])
+        assert got == want and len(got[0]) == max_tokens
+        stats = e.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"] == need
+        if prompt_len + max_tokens + page_size <= max_model_len:  # one page more is refused, naming both
+            with pytest.raises(InvalidRequestError, match=f"needs {need + 1} KV pages; the cache has {need}"):
+                e.validate(prompt, SamplingParams(max_tokens=max_tokens + page_size, **greedy))
