@@ -196,7 +196,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the continuous workload again reading each step's results before the next step "
         "(async scheduling off), and print the ratio",
     )
-    sv = p.add_argument_group("serve mode (also takes the throughput-mode workload flags)")
+    sv = p.add_argument_group(
+        "serve mode (also takes --num-requests, --prompt-len-range, --output-len-range, and for the server it "
+        "starts --max-num-seqs, --max-num-batched-tokens, --prefix-caching)"
+    )
     sv.add_argument(
         "--server", action=_Given, metavar="HOST:PORT", help="a running server (default: start one on loopback)"
     )
@@ -338,13 +341,32 @@ def _check_mode_flags(args) -> None:
     add_arguments(parser)
     defaults = vars(parser.parse_args([]))
     given = getattr(args, "given", set())  # on the command line, even at its default value
+
+    def set_(dest: str) -> bool:
+        return dest in given or getattr(args, dest, defaults[dest]) != defaults[dest]
+
     for dest in sorted(set().union(*MODE_FLAGS.values()) - MODE_FLAGS[args.mode]):
-        if dest in given or getattr(args, dest, defaults[dest]) != defaults[dest]:
+        if set_(dest):
             modes = " and ".join(m for m, flags in MODE_FLAGS.items() if dest in flags)
             raise InvalidRequestError(
                 f"--{dest.replace('_', '-')} is a flag of the {modes} mode{'s' if ' and ' in modes else ''}; "
                 f"it does nothing in {args.mode} mode"
             )
+    if args.mode != "serve":
+        return
+    # Within serve mode the engine flags configure the server the bench starts (and the offline engine
+    # of --vs-offline), and --repeats counts --vs-offline's rounds.
+    if args.server:
+        engine_flags = ["max_num_seqs", "max_num_batched_tokens", "prefix_caching"]
+        for dest in ["stream_interval", *([] if args.vs_offline else engine_flags)]:
+            if set_(dest):
+                raise InvalidRequestError(
+                    f"--{dest.replace('_', '-')} configures the server `bench serve` starts"
+                    f"{'' if dest == 'stream_interval' else ' (and the offline engine of --vs-offline)'}; "
+                    "with --server it does nothing"
+                )
+    if set_("repeats") and not args.vs_offline:
+        raise InvalidRequestError("--repeats counts the rounds of --vs-offline; without it it does nothing")
 
 
 def run(args) -> dict:

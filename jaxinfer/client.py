@@ -17,7 +17,7 @@ A refused or failed call raises `ServerError` with the gRPC status code and the 
 Leaving a `stream` early cancels the RPC, which aborts the request on the server. A server that
 stops answering (its process frozen, its host gone) is noticed by HTTP/2 keepalive pings: the call
 fails with UNAVAILABLE within about twice `keepalive` seconds, instead of waiting forever when no
-`timeout` was given. A closed client raises `ClientClosedError`.
+`timeout` was given. A closed client raises `ClientClosedError`, as does a call its close() ends.
 
 Arguments are checked before any RPC, by the functions both clients share (`_request`, `_seconds`,
 `_text`): what the wire cannot carry (an id past int32, a lone surrogate in a string) or what the
@@ -59,7 +59,8 @@ class ServerError(JaxinferError):
 
 
 class ClientClosedError(JaxinferError):
-    """A call on a client after its close()."""
+    """A call on a client after its close(), a stream made before it and read after, or a call in
+    flight that the close ended."""
 
 
 def _server_error(e: grpc.RpcError) -> ServerError:

@@ -69,20 +69,26 @@ def encode_prompt(
 
     A text that cannot fit under any tokenization (more UTF-8 bytes than max_tokens times the
     longest token's) is refused before the tokenizer runs: encoding megabytes only to refuse the
-    result afterwards costs seconds, and on a server holds up every other request meanwhile.
+    result afterwards costs seconds, and on a server holds up every other request meanwhile. One that
+    passes that bound (or has none: see `max_token_bytes`) is refused when its tokens are too many.
     """
-    per_token = getattr(tok, "max_token_bytes", None)
-    if max_tokens is None or per_token is None:  # (no bound: the engine refuses what is too long)
+    if max_tokens is None:
         return tok.encode(text, add_special_tokens=add_special_tokens)
-    limit = max_tokens * per_token
-    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:  # chars <= bytes
-        size = len(text.encode("utf-8", "surrogatepass"))
+    per_token = getattr(tok, "max_token_bytes", None)  # None: no bound, the text is encoded and counted
+    limit = None if per_token is None else max_tokens * per_token
+    if limit is not None and (len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit):
+        size = len(text.encode("utf-8", "surrogatepass"))  # (chars <= bytes: the first test is cheap)
         raise InvalidRequestError(
             f"{field}: {size} bytes of text cannot fit in {max_tokens} tokens (the prompt limit, "
             f"max_model_len - 1; no token of this tokenizer stands for more than {per_token} "
             f"byte{'' if per_token == 1 else 's'})"
         )
-    return tok.encode(text, add_special_tokens=add_special_tokens)
+    ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    if len(ids) > max_tokens:
+        raise InvalidRequestError(
+            f"{field}: prompt has {len(ids)} tokens; the limit is max_model_len - 1 = {max_tokens}"
+        )
+    return ids
 
 
 def require_unicode(text: str, field: str) -> None:

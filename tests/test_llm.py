@@ -1678,6 +1678,9 @@ def test_bench_refuses_zero_repeats(mode):
         (["--vs-offline"], "--vs-offline is a flag of the serve mode; it does nothing in latency mode"),
         (["throughput", "--batch-sizes", "1,2"], "--batch-sizes is a flag of the latency mode; it does nothing in"),
         (["--num-requests", "8"], "--num-requests is a flag of the throughput and serve modes; it does nothing in"),
+        (["serve", "--repeats", "5"], "--repeats counts the rounds of --vs-offline; without it it does nothing"),
+        (["serve", "--server", "127.0.0.1:1", "--stream-interval", "4"], "--stream-interval configures the server"),
+        (["serve", "--server", "127.0.0.1:1", "--max-num-seqs", "8"], "; with --server it does nothing"),
     ],
 )
 def test_bench_refuses_a_flag_its_mode_does_not_read(argv, refusal):

@@ -1317,6 +1317,9 @@ def test_prompt_size_bound_only_where_no_token_can_fold_a_run_of_text(tmp_path):
     assert no_fallback.max_token_bytes is None
     ids = encode_prompt(no_fallback, text, max_tokens=100, field="p")
     assert ids == no_fallback.encode(text) and len(ids) < 10
+    # Unbounded, a text is encoded and counted (Tokenize returned more tokens than the prompt limit).
+    with pytest.raises(InvalidRequestError, match=r"^p: prompt has \d+ tokens; the limit is max_model_len - 1 = 5$"):
+        encode_prompt(no_fallback, "the quick fox " * 4, max_tokens=5, field="p")
     (tmp_path / "fallback").mkdir()
     fallback = load_tokenizer(str(_spm_dir(tmp_path / "fallback")))
     assert fallback.max_token_bytes is not None and len(fallback.encode(text)) > 100
