@@ -224,6 +224,10 @@ def test_kv_write_refuses_a_slot_outside_the_pool():
         jax.block_until_ready(jax.jit(native.kv_write)(pool, new, jnp.array([0, 3]), jnp.array([0, 0])))
     with pytest.raises(Exception, match="slot 0 is page 0, offset 4"):
         jax.block_until_ready(jax.jit(native.kv_write)(pool, new, jnp.array([0, 1]), jnp.array([4, 0])))
+    # XLA packs sub-byte dtypes: the kernel's rows of H bytes overran a packed pool (heap corruption).
+    packed = jnp.zeros((1, 2, 2, 8), jnp.int4)
+    with pytest.raises(ValueError, match="the native KV write takes whole-byte dtypes, got int4"):
+        native.kv_write(packed, jnp.ones((1, 1, 8), jnp.int4), jnp.array([0]), jnp.array([1]))
 
 
 def test_bf16_dot_options_only_with_bf16_instructions_and_no_user_setting(monkeypatch):

@@ -268,6 +268,8 @@ def kv_write(pool: jax.Array, values: jax.Array, page: jax.Array, offset: jax.Ar
     loaded = _load()
     if isinstance(loaded, NativeUnavailableError):
         raise loaded
+    if jax.dtypes.itemsize_bits(pool.dtype) < 8:  # XLA packs these: the kernel's byte rows would overrun
+        raise ValueError(f"pool: the native KV write takes whole-byte dtypes, got {pool.dtype}")
     call = jax.ffi.ffi_call(_KV_WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0})
     return call(pool, values.astype(pool.dtype), page.astype(jnp.int32), offset.astype(jnp.int32))
 

@@ -1,8 +1,9 @@
 // Writes new keys or values into their cache slots in place, as an XLA FFI custom call whose
 // output aliases the pool (jaxinfer.native.kv_write).
 //
-// pool [K, P, S, H] and new [K, N, H] of one dtype (any element size: the bytes are copied, no
-// arithmetic), page [N] and offset [N] int32: new[:, n] goes to pool[:, page[n], offset[n]].
+// pool [K, P, S, H] and new [K, N, H] of one whole-byte dtype (the bytes are copied, no arithmetic;
+// sub-byte dtypes, which XLA packs, are refused in Python), page [N] and offset [N] int32: new[:, n]
+// goes to pool[:, page[n], offset[n]].
 //
 // Why it exists: XLA CPU computes a scatter into a 16-bit float pool in float32 - the whole pool
 // converted to float32 and back around the update, every step, ~2-6 ms per layer's 16 MB pool
