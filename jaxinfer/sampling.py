@@ -366,7 +366,9 @@ def keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
             return keep & ((keys >= at[:, None]) | ~uses_p[:, None])  # p = 1 keeps all, whatever the rounding
 
         keep = jax.lax.cond(jnp.any(uses_p), top_p_cut, lambda: keep)
-        return keep & (probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True))
+        # (A row without min-p keeps all as it does alone, NaN probabilities included: a row must
+        # not depend on its neighbours, whatever its logits.)
+        return keep & ((probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True)) | (min_p <= 0)[:, None])
 
     # min-p 0 keeps every probability (>= 0): a batch with neither filter skips the softmax too.
     return jax.lax.cond(jnp.any(uses_p | (min_p > 0)), by_probability, lambda keep: keep, keep)

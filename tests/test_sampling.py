@@ -665,3 +665,14 @@ def test_a_repetition_penalty_that_rounds_to_zero_keeps_masked_ids_out(rep):
     sb = SamplingBatch.from_rows(rows, 2, history_len=4, bans=[None, (2, 5, 6)], bias_width=4, allowed_width=4)
     tokens = np.asarray(sample(logits, sb).tokens).tolist()
     assert tokens[0] in (9, 10) and tokens[1] not in (2, 5, 6)
+
+
+def test_a_row_of_nan_logits_is_masked_the_same_alone_and_beside_filtered_rows():
+    """A row without top-p or min-p keeps every token alone; beside a top-p or min-p row, `probs >=
+    0 * max` (NaN) dropped all of a NaN row's tokens: its draw depended on its neighbours."""
+    x = np.array([[0.0, np.nan, 1.0], [0.0, 1.0, 2.0]], np.float32)
+    alone = keep_mask(jnp.asarray(x[:1]), jnp.array([0]), jnp.array([1.0]), jnp.array([0.0]))
+    for top_p, min_p in (([1.0, 0.9], [0.0, 0.0]), ([1.0, 1.0], [0.0, 0.2])):
+        batch = keep_mask(jnp.asarray(x), jnp.array([0, 0]), jnp.array(top_p), jnp.array(min_p))
+        np.testing.assert_array_equal(np.asarray(batch[0]), np.asarray(alone[0]))
+    assert np.asarray(alone).all()
