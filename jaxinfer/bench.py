@@ -694,6 +694,7 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         "dtype": cfg.dtype,
         "params": cfg.num_params,
         "weight_bytes": weight_bytes,
+        "weight_strips": cfg.weight_strips,
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
         "device": str(jax.devices()[0]),
         "read_bandwidth_GBps": {k: v / 1e9 for k, v in bw.items()},
@@ -701,8 +702,9 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
         "decode": [],
     }
     print(
-        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}, weights {weight_bytes / 1e6:.1f} MB, "
-        f"KV cache {cfg.kv_bytes_per_token} B/token ({cfg.kv_bytes_per_token / 1024:.1f} KiB)"
+        f"model {cfg.name}: {cfg.num_params / 1e6:.1f}M params, {cfg.dtype}, weights {weight_bytes / 1e6:.1f} MB"
+        + (f" (in {cfg.weight_strips}-column strips: the native float32 products)" if cfg.weight_strips else "")
+        + f", KV cache {cfg.kv_bytes_per_token} B/token ({cfg.kv_bytes_per_token / 1024:.1f} KiB)"
     )
     print(
         f"device {jax.devices()[0]}; streaming read ceiling {ceiling / 1e9:.1f} GB/s "

@@ -176,6 +176,10 @@ def save(
     if dtype not in config_module.DTYPES:
         raise CheckpointError(f"dtype must be one of {config_module.DTYPES}, got {dtype!r}")
     os.makedirs(out_dir, exist_ok=True)
+    if cfg.weight_strips:  # an LLM's params (see jaxinfer.llm): written in the declared layout
+        from jaxinfer.model import from_weight_strips
+
+        params, cfg = from_weight_strips(params, cfg.weight_strips), dataclasses.replace(cfg, weight_strips=0)
     stored = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), params)
     with _checkpointer() as ckpt:
         ckpt.save(os.path.join(out_dir, PARAMS_DIR), stored)

@@ -144,6 +144,10 @@ class ModelConfig:
     # How K/V are stored (same reason for living here): "auto" in `dtype`; "int8" as int8 with one
     # float32 scale per token and KV head (about half the bytes of bfloat16). See jaxinfer.kv_cache.
     kv_cache_dtype: str = "auto"
+    # How the projections' weights are stored (same reason): 0, as declared ([in..., out...]); else
+    # the float32 ones in strips of this many columns for the CPU's float32 kernel (jaxinfer.matmul).
+    # jaxinfer.llm sets it with the params it lays out so (model.to_weight_strips): the two go together.
+    weight_strips: int = 0
 
     def __post_init__(self):
         for field in (
@@ -227,6 +231,8 @@ class ModelConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not _is_int(self.weight_strips) or self.weight_strips < 0:
+            raise InvalidRequestError(f"weight_strips must be an integer >= 0, got {self.weight_strips!r}")
 
     @property
     def q_per_kv(self) -> int:

@@ -156,6 +156,28 @@ def _load(model, dtype: str, mesh):
     return cfg, params, tokenizer
 
 
+def _lay_out_weights(cfg, params, mesh):
+    """(cfg, params) with the projections' float32 weights in the CPU kernel's column strips where
+    that kernel runs them (jaxinfer.matmul): a float32 model on the CPU, on one device in one
+    process, the native library built with the strips (AVX-512, or AVX2 with FMA).
+    `JAXINFER_F32_STRIPS=0` keeps the declared layout and XLA's products."""
+    if (
+        cfg.weight_strips
+        or cfg.dtype != "float32"
+        or jax.default_backend() != "cpu"
+        or mesh is not None
+        or jax.process_count() > 1
+        or os.environ.get("JAXINFER_F32_STRIPS", "1") == "0"
+    ):
+        return cfg, params
+    from jaxinfer import native
+    from jaxinfer.model import to_weight_strips
+
+    if not (cols := native.f32_strip_cols()):
+        return cfg, params
+    return dataclasses.replace(cfg, weight_strips=cols), to_weight_strips(params, cols)
+
+
 def _drop_unreachable_eos(cfg, path: str):
     """An end-of-sequence id at or past the vocabulary can never be sampled, so it can never end a
     request: drop it, and say so, rather than let the user wait for a stop that cannot come."""
@@ -311,6 +333,7 @@ class LLM:
         device_mesh = None if mesh is None else make_mesh(mesh)
         cfg, params, tokenizer = _load(model, dtype, device_mesh)
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
+        cfg, params = _lay_out_weights(cfg, params, device_mesh)
         if max_model_len is None:
             max_model_len = default_max_model_len(cfg)
         check_max_model_len(cfg, max_model_len)  # before it sizes the default page count

@@ -11,6 +11,15 @@ its weights at ~1.4 GB/s (a float32 one at ~25 GB/s) and its YNNPACK GEMM is slo
 kernel's AMX path at 9-64 rows (WORKSPACE.md, 2026-12-01, 2026-12-02); every other bfloat16 product
 on the CPU is asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's bfloat16
 kernels, where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
+
+A float32 model on the CPU, where jaxinfer.native has its float32 strips (AVX-512, or AVX2 with FMA)
+and the model runs on one device, keeps each projection's weight in column strips (`to_strips`,
+done once by jaxinfer.llm when the model loads; the config's `weight_strips` says so) and every
+product with it, at any number of rows, goes to `native.f32_matmul`: XLA CPU's float32 dot streams
+a [K, N] weight at ~23 GB/s at one row and runs ~150 GFLOP/s at a batched decode step's rows, the
+strips ~1.1x and ~1.6x that (WORKSPACE.md, 2026-12-06). One kernel for every M keeps a row's
+logits the same bits alone and in any batch. A weight whose N is not a multiple of the strip width
+stays as it is and goes to XLA.
 """
 
 from __future__ import annotations
@@ -50,9 +59,41 @@ def _native_rows(spec: str, x: jax.Array, w: jax.Array) -> tuple[int, bool] | No
     return layout
 
 
-def einsum_f32(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def to_strips(w: jax.Array, cols: int) -> jax.Array:
+    """w [K, N] laid out in strips of `cols` columns: the same shape, holding w's columns [cols s,
+    cols s + cols) of every row one strip after another ([N / cols][K][cols] in memory)."""
+    k, n = w.shape
+    return w.reshape(k, n // cols, cols).transpose(1, 0, 2).reshape(k, n)
+
+
+def from_strips(w: jax.Array, cols: int) -> jax.Array:
+    """The [K, N] matrix whose strips of `cols` columns `w` holds (to_strips' inverse)."""
+    k, n = w.shape
+    return w.reshape(n // cols, k, cols).transpose(1, 0, 2).reshape(k, n)
+
+
+def stored_in_strips(contracted: int, shape: tuple[int, ...], dtype, strips: int) -> bool:
+    """Whether a weight of this shape and dtype, its first `contracted` axes contracted, is kept in
+    strips of `strips` columns (0: none are): a float32 one whose kept axes hold a whole number of
+    strips. jaxinfer.model lays the weights out by this rule, and `einsum_f32` reads them by it."""
+    return bool(strips) and jnp.dtype(dtype) == jnp.float32 and math.prod(shape[contracted:]) % strips == 0
+
+
+def einsum_f32(spec: str, x: jax.Array, w: jax.Array, *, strips: int = 0) -> jax.Array:
     """einsum(spec, x, w) with products summed and returned in float32 (see the module docstring
-    for where it runs)."""
+    for where it runs). `strips`: the model's `weight_strips` (w may be stored in strips of that
+    many columns: `stored_in_strips`)."""
+    layout = native_layout(spec)
+    if layout is not None and not layout[1] and stored_in_strips(layout[0], w.shape, w.dtype, strips):
+        n = layout[0]
+        lead, kept = x.shape[: x.ndim - n], w.shape[n:]
+        x2 = x.reshape(math.prod(lead), math.prod(w.shape[:n]))
+        w2 = w.reshape(x2.shape[1], math.prod(kept))
+        if native.runs_here() and native.f32_strip_cols() == strips:
+            out = native.f32_matmul(x2.astype(jnp.float32), w2)
+        else:  # not where the strips were laid out for: the plain product, slowly but right
+            out = jnp.dot(x2, from_strips(w2, strips), preferred_element_type=jnp.float32)
+        return out.reshape(*lead, *kept)
     layout = _native_rows(spec, x, w)
     if layout is None:
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
@@ -65,14 +106,14 @@ def einsum_f32(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return out.reshape(*lead, *kept)
 
 
-def project(spec: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def project(spec: str, x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, strips: int = 0) -> jax.Array:
     """A projection `einsum(spec, x, w)` in x's dtype, with an optional bias. The bias joins the
     float32 sum before the one rounding to x's dtype, as torch's addmm in nn.Linear does: added after
     a bfloat16 product it rounded twice (1 bfloat16 step off HF's K/V in ~30% of a Qwen2's values;
-    float32 unchanged)."""
-    if bias is None and (x.dtype != jnp.bfloat16 or jax.default_backend() != "cpu"):
+    float32 unchanged). `strips`: as in einsum_f32."""
+    if bias is None and not strips and (x.dtype != jnp.bfloat16 or jax.default_backend() != "cpu"):
         return jnp.einsum(spec, x, w)
-    y = einsum_f32(spec, x, w)
+    y = einsum_f32(spec, x, w, strips=strips)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)

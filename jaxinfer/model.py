@@ -21,7 +21,7 @@ import numpy as np
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxinfer.kv_cache import Batch, KVCache
-from jaxinfer.matmul import einsum_f32
+from jaxinfer.matmul import einsum_f32, from_strips, stored_in_strips, to_strips
 from jaxinfer.matmul import project as _project
 from jaxinfer.numerics import sum_last_axis
 
@@ -100,9 +100,9 @@ class Attention(nn.Module):
             bq = _param(self, "bq", (n, h), ("q_heads", "head_dim"), zeros)
             bk = _param(self, "bk", (k, h), ("kv_heads", "head_dim"), zeros)
             bv = _param(self, "bv", (k, h), ("kv_heads", "head_dim"), zeros)
-        q = _project("BTD,DNH->BTNH", x, wq, bq)
-        kx = _project("BTD,DKH->BTKH", x, wk, bk)
-        vx = _project("BTD,DKH->BTKH", x, wv, bv)
+        q = _project("BTD,DNH->BTNH", x, wq, bq, strips=cfg.weight_strips)
+        kx = _project("BTD,DKH->BTKH", x, wk, bk, strips=cfg.weight_strips)
+        vx = _project("BTD,DKH->BTKH", x, wv, bv, strips=cfg.weight_strips)
         if cfg.qk_norm:
             q = RMSNorm(cfg, h, name="q_norm")(q)
             kx = RMSNorm(cfg, h, name="k_norm")(kx)
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         # the whole of wo on every step.
         b, t = out.shape[:2]
         bo = _param(self, "bo", (d,), ("embed",), nn.initializers.zeros) if cfg.o_bias else None
-        o = _project("BTE,ED->BTD", out.reshape(b, t, n * h), wo.reshape(n * h, d), bo)
+        o = _project("BTE,ED->BTD", out.reshape(b, t, n * h), wo.reshape(n * h, d), bo, strips=cfg.weight_strips)
         return o, k_pages, v_pages
 
 
@@ -157,9 +157,11 @@ class MLP(nn.Module):
         if self.cfg.mlp_bias:
             b_gate_up = _param(self, "b_gate_up", (2, f), (None, "mlp"), nn.initializers.zeros)
             b_down = _param(self, "b_down", (d,), ("embed",), nn.initializers.zeros)
-        gate_up = _project("BTD,DCF->BTCF", x, w_gate_up, b_gate_up)  # C = 2: gate, up
+        gate_up = _project("BTD,DCF->BTCF", x, w_gate_up, b_gate_up, strips=self.cfg.weight_strips)  # C = 2: gate, up
         h = _ACTIVATIONS[self.cfg.mlp_activation](gate_up[:, :, 0]) * gate_up[:, :, 1]
-        return _project("BTF,FD->BTD", h, _param(self, "w_down", (f, d), ("mlp", "embed")), b_down)
+        return _project(
+            "BTF,FD->BTD", h, _param(self, "w_down", (f, d), ("mlp", "embed")), b_down, strips=self.cfg.weight_strips
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -228,7 +230,7 @@ class Transformer(nn.Module):
             spec = "BD,DV->BV"
 
         def logits_of(h):  # [N, D], normed -> [N, V] float32
-            logits = einsum_f32(spec, h, head)
+            logits = einsum_f32(spec, h, head, strips=cfg.weight_strips)
             if cfg.final_logit_softcap is not None:
                 logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
             return logits
@@ -387,3 +389,43 @@ def abstract_params(cfg: ModelConfig):
 
 def params_nbytes(params) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+# Every weight that `matmul.project` or the LM head's product takes, and how many of its leading
+# axes the product contracts: what `to_weight_strips` lays out and einsum_f32 reads back by
+# matmul.stored_in_strips.
+_PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
+
+
+def _strips_map(params, cols: int, change):
+    def lay_out(path, w):
+        contracted = _PROJECTIONS.get(getattr(path[-1], "key", None))
+        if contracted is None or not stored_in_strips(contracted, w.shape, w.dtype, cols):
+            return w
+        return change(w, contracted=contracted, cols=cols)
+
+    return jax.tree_util.tree_map_with_path(lay_out, params)
+
+
+@functools.partial(jax.jit, static_argnames=("contracted", "cols"), donate_argnums=0)
+def _to_strips(w: jax.Array, *, contracted: int, cols: int) -> jax.Array:
+    k = int(np.prod(w.shape[:contracted]))
+    return to_strips(w.reshape(k, -1), cols).reshape(w.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("contracted", "cols"))
+def _from_strips(w: jax.Array, *, contracted: int, cols: int) -> jax.Array:
+    k = int(np.prod(w.shape[:contracted]))
+    return from_strips(w.reshape(k, -1), cols).reshape(w.shape)
+
+
+def to_weight_strips(params, cols: int):
+    """`params` with each projection weight that matmul.stored_in_strips keeps in strips of `cols`
+    columns laid out so, leaf by leaf (each old leaf is donated: the model's weights are never held
+    twice). Use the result with `dataclasses.replace(cfg, weight_strips=cols)`."""
+    return _strips_map(params, cols, _to_strips)
+
+
+def from_weight_strips(params, cols: int):
+    """The declared layout of params that `to_weight_strips(..., cols)` laid out (new arrays)."""
+    return _strips_map(params, cols, _from_strips)

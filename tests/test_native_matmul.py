@@ -303,3 +303,201 @@ def test_bf16_model_with_the_native_parts_matches_xla(monkeypatch):
         for a, b in zip(lps, xla_lps, strict=True):
             np.testing.assert_allclose(a, b, atol=0.05)
     assert len({tuple(t) for t in xla_tokens}) == 3  # distinct, so agreement means something
+
+
+# ----------------------------------------------------------------------------------------------
+# A float32 model on the CPU: the products on weights in column strips (native.f32_matmul).
+
+needs_strips = pytest.mark.skipif(
+    not native.f32_strip_cols(), reason="the float32 strips need AVX-512 or AVX2 with FMA, which this CPU lacks"
+)
+_f32_matmul = jax.jit(native.f32_matmul)
+
+
+def _f32(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def test_strips_hold_the_columns_in_the_documented_order():
+    w = np.arange(6 * 256, dtype=np.float32).reshape(6, 256)
+    packed = np.asarray(matmul_lib.to_strips(jnp.asarray(w), 64))
+    assert packed.shape == w.shape
+    flat = packed.reshape(-1)
+    for s, k, c in ((0, 0, 0), (0, 5, 63), (1, 0, 0), (3, 2, 17)):  # memory [N / 64][K][64]
+        assert flat[(s * 6 + k) * 64 + c] == w[k, s * 64 + c]
+    np.testing.assert_array_equal(np.asarray(matmul_lib.from_strips(jnp.asarray(packed), 64)), w)
+
+
+# M on and off the register tiles' 6 (AVX-512) and 3 (AVX2) rows, past one prompt chunk's 512; K
+# of 1, odd, on and past the 256-row blocks; N one strip, several, the 150M Llama's MLP width.
+F32_SHAPES = [(1, 1024, 5632), (2, 1, 64), (5, 63, 128), (6, 256, 64), (7, 257, 192), (13, 600, 320)]
+F32_SHAPES += [(48, 1024, 256), (64, 777, 128), (513, 100, 64), (0, 5, 64), (3, 0, 128)]
+
+
+@needs_strips
+@pytest.mark.parametrize("m,k,n", F32_SHAPES)
+def test_f32_matmul_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = _f32(rng, (m, k)), _f32(rng, (k, n))
+    got = np.asarray(_f32_matmul(x, matmul_lib.to_strips(w, native.f32_strip_cols())))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    assert (np.abs(got - ref) <= _bound(x, w)).all(), np.abs(got - ref).max()
+
+
+@needs_strips
+def test_f32_strips_give_a_row_the_same_bits_alone_and_in_any_batch():
+    """What batch invariance in float32 rests on: one chain of FMAs per output, whatever the tile a
+    row falls in (6 rows, or 1..5 at the end), the batch's size or the thread."""
+    rng = np.random.default_rng(9)
+    w = matmul_lib.to_strips(_f32(rng, (700, 192)), native.f32_strip_cols())
+    x = _f32(rng, (50, 700))
+    whole = np.asarray(_f32_matmul(x, w))
+    for row in (0, 5, 6, 31, 49):
+        np.testing.assert_array_equal(np.asarray(_f32_matmul(x[row : row + 1], w))[0], whole[row])
+    for lo, hi in ((1, 3), (3, 10), (7, 50)):
+        np.testing.assert_array_equal(np.asarray(_f32_matmul(x[lo:hi], w)), whole[lo:hi])
+
+
+_BITS = """
+import hashlib, jax.numpy as jnp, numpy as np
+from jaxinfer import matmul, native
+rng, h = np.random.default_rng(3), hashlib.sha256()
+for m, k, n in [(1, 1024, 256), (7, 300, 128), (50, 700, 192)]:
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    h.update(np.asarray(native.f32_matmul(x, matmul.to_strips(w, 64))).tobytes())
+print(native.f32_strip_cols(), h.hexdigest())
+"""
+
+
+@needs_strips
+def test_f32_strips_are_the_same_bits_in_avx2_and_avx512(tmp_path):
+    """The AVX2 tiles (a CPU without AVX-512) give the AVX-512 ones' bits: a model's tokens do not
+    depend on which of the two a machine has. Built with -mno-avx512f beside this one."""
+    import os
+    import sys
+
+    def bits(env):
+        run = subprocess.run([sys.executable, "-c", _BITS], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.split()
+
+    here = bits(os.environ.copy())
+    avx2 = bits({**os.environ, "JAXINFER_CACHE_DIR": str(tmp_path), "JAXINFER_NATIVE_CXXFLAGS": "-mno-avx512f"})
+    assert here[0] == avx2[0] == "64"
+    assert here[1] == avx2[1]
+
+
+@needs_strips
+def test_f32_matmul_refuses_what_it_does_not_take():
+    x = jnp.ones((2, 4), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        native.f32_matmul(x, jnp.ones((4, 96), jnp.float32))
+    with pytest.raises(ValueError, match="K = 5"):
+        native.f32_matmul(x, jnp.ones((5, 64), jnp.float32))
+    with pytest.raises(ValueError, match="float32"):
+        native.f32_matmul(x.astype(jnp.bfloat16), jnp.ones((4, 64), jnp.float32))
+
+
+def _strips_cfg(**kw):
+    from jaxinfer.config import ModelConfig
+
+    # q 256 columns, k and v 128 each (one strip would be laid out as it is), o and down 128.
+    base = dict(vocab_size=320, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=8, num_kv_heads=4)
+    return ModelConfig(**{**base, "head_dim": 32, "max_position_embeddings": 128, **kw})
+
+
+def _logits_and_cache(cfg, params, tokens, chunks):
+    """The logits after each chunk of `tokens` (prefill, or decode for chunks of 1) and the cache."""
+    from jaxinfer.kv_cache import Batch, KVCache
+
+    cache, table, done, out = KVCache.create(cfg, num_pages=12, page_size=4), [[3, 9, 1, 7, 2, 5, 4, 8]], 0, []
+    for n in chunks:
+        step = model_lib.decode_step if n == 1 else model_lib.prefill
+        batch = Batch(
+            tokens=jnp.asarray([tokens[done : done + n]], jnp.int32),
+            q_lens=jnp.asarray([n], jnp.int32),
+            kv_lens=jnp.asarray([done + n], jnp.int32),
+            page_table=jnp.asarray(table, jnp.int32),
+        )
+        logits, cache = step(params, cache, batch, cfg=cfg)
+        out.append(np.asarray(logits[0]))
+        done += n
+    return out, [np.asarray(a) for a in (*cache.k, *cache.v)]
+
+
+@needs_strips
+@pytest.mark.parametrize(
+    "variant",
+    [dict(tie_word_embeddings=False), dict(tie_word_embeddings=False, vocab_size=300, qkv_bias=True, o_bias=True)]
+    + [dict(tie_word_embeddings=True, mlp_bias=True, intermediate_size=200)],
+    ids=["untied", "head-not-in-strips-biases", "tied-mlp-not-in-strips"],
+)
+def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, monkeypatch):
+    """to_weight_strips lays out exactly the weights einsum_f32 reads as strips: the model's logits
+    over prefill and decode are the declared layout's within float32 rounding, whichever weights
+    (head, gate/up, down) a shape keeps out of the strips, also when the products fall back to XLA
+    on the strips (a trace that cannot call the kernel); and the K/V a token writes are the same bits
+    however its prompt is chunked (the strips' products do not depend on M on any CPU)."""
+    cols = native.f32_strip_cols()
+    cfg = _strips_cfg(**variant)
+    params = model_lib.init_params(cfg, seed=5)
+    if cfg.qkv_bias or cfg.mlp_bias:  # biases of zero would hide a bias added to the wrong columns
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, v: v + 0.1 if path[-1].key.startswith("b") else v, params
+        )
+    strips_cfg = dataclasses.replace(cfg, weight_strips=cols)
+    laid_out = model_lib.to_weight_strips(jax.tree.map(jnp.copy, params), cols)
+    changed = {
+        path[-1].key
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(laid_out), strict=True)
+        if not np.array_equal(a, b)
+    }
+    expected = {"wq", "wk", "wv", "wo", "w_down"} | ({"w_gate_up"} if cfg.intermediate_size % 32 == 0 else set())
+    expected |= {"lm_head"} if not cfg.tie_word_embeddings and cfg.vocab_size % cols == 0 else set()
+    assert changed == expected
+    tokens = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 21))
+    chunks = [13, 1, 1, 4, 1, 1]
+    want, _ = _logits_and_cache(cfg, params, tokens, chunks)
+    got, cache = _logits_and_cache(strips_cfg, laid_out, tokens, chunks)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    _, rechunked = _logits_and_cache(strips_cfg, laid_out, tokens, [2, 11, 1, 1, 4, 1, 1])
+    for a, b in zip(rechunked, cache, strict=True):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(native, "runs_here", lambda: False)
+    fallback, _ = _logits_and_cache(strips_cfg, laid_out, tokens, chunks)
+    for a, b in zip(fallback, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    restored = model_lib.from_weight_strips(laid_out, cols)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _f32_llm(monkeypatch, strips: bool):
+    from jaxinfer import LLM
+    from jaxinfer.default_model import TINY_RANDOM
+
+    monkeypatch.setenv("JAXINFER_F32_STRIPS", "1" if strips else "0")
+    return LLM(TINY_RANDOM, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@needs_strips
+def test_an_llm_lays_float32_weights_out_in_strips_and_saves_them_as_declared(monkeypatch, tmp_path):
+    """LLM(dtype="float32") on the CPU keeps its projections in strips (JAXINFER_F32_STRIPS=0: as
+    declared), with XLA's greedy tokens; checkpoint.save of its params writes the declared layout."""
+    from jaxinfer import SamplingParams, checkpoint
+
+    strips, plain = _f32_llm(monkeypatch, strips=True), _f32_llm(monkeypatch, strips=False)
+    assert strips.cfg.weight_strips == native.f32_strip_cols() and plain.cfg.weight_strips == 0
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(3, 40)), [9] * 20]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=sp)]
+    assert [o.token_ids for o in strips.generate(prompt_token_ids=prompts, sampling_params=sp)] == want
+    assert len({tuple(t) for t in want}) == 3
+    checkpoint.save(tmp_path / "ckpt", strips.cfg, strips.params)
+    cfg, params = checkpoint.restore(tmp_path / "ckpt", dtype="float32")
+    assert cfg.weight_strips == 0
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(a, b)

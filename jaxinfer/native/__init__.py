@@ -9,6 +9,9 @@
   the CPU has them (`wide_path`), else the few-row loops' order in column strips: in AVX-512 where
   the CPU has it without BF16 (to 512 rows: prompt chunks too), in AVX2 (8 lanes, to 64 rows) where
   it has no AVX-512.
+- `matmul.cc` also holds `f32_matmul`: a float32 model's products, at any number of rows, on
+  weights laid out once in column strips (jaxinfer.matmul.to_strips), where the CPU has AVX-512 or AVX2 (see
+  jaxinfer.matmul for when a model's weights are).
 - `kv_write.cc`, `kv_write`: a step's new keys and values written into a 16-bit pool in place, where
   XLA CPU converts the whole pool to float32 and back.
 - `cut.cc`, `cut_thresholds`: the sampler's top-k and top-p cuts (jaxinfer.sampling.keep_mask) by
@@ -50,6 +53,7 @@ _SOURCES = tuple(
 )
 _TARGET = "jaxinfer_paged_attention"
 _MATMUL_TARGET = "jaxinfer_bf16_matmul"
+_F32_MATMUL_TARGET = "jaxinfer_f32_matmul"
 _KV_WRITE_TARGET = "jaxinfer_kv_write"
 _CUT_TARGET = "jaxinfer_cut"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -119,6 +123,7 @@ def _load() -> ctypes.CDLL | NativeUnavailableError:
         lib = ctypes.cdll.LoadLibrary(str(target))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxinferPagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxinferBf16Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(_F32_MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxinferF32Matmul), platform="cpu")
         jax.ffi.register_ffi_target(_KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxinferKvWrite), platform="cpu")
         jax.ffi.register_ffi_target(_CUT_TARGET, jax.ffi.pycapsule(lib.JaxinferCut), platform="cpu")
     except (OSError, NativeUnavailableError) as e:
@@ -256,6 +261,40 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.
         raise ValueError(f"x has {x.shape[1]} columns but w {'[N, K]' if transposed else '[K, N]'} has K = {k}")
     call = jax.ffi.ffi_call(_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, w, kn=not transposed)
+
+
+@functools.cache
+def f32_strip_cols() -> int:
+    """The width of `f32_matmul`'s column strips (64), or 0 where this build has none (no AVX-512 or
+    AVX2 with FMA) or the library is unavailable."""
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        return 0
+    loaded.JaxinferF32StripCols.restype = ctypes.c_int64
+    return int(loaded.JaxinferF32StripCols())
+
+
+def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] float32 times the [K, N] matrix whose strips of `f32_strip_cols()` columns w holds
+    (jaxinfer.matmul.to_strips) -> [M, N] float32,
+    each element one chain of fused multiply-adds in k order: a row's result is the same bits
+    whatever else is in its batch, at any M.
+
+    Raises NativeUnavailableError when the kernel could not be built here.
+    """
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        raise loaded
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(
+            f"x [M, K] and w [K, N] must be 2-D float32, got {x.dtype}{list(x.shape)}, {w.dtype}{list(w.shape)}"
+        )
+    if w.shape[0] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns but w [K, N] has K = {w.shape[0]}")
+    if not (cols := f32_strip_cols()) or w.shape[1] % cols:
+        raise ValueError(f"w [K, N] = {list(w.shape)}: the float32 strips need N a multiple of 64 and AVX-512 or AVX2")
+    call = jax.ffi.ffi_call(_F32_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w)
 
 
 def kv_write(pool: jax.Array, values: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:

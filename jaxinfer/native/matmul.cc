@@ -19,6 +19,10 @@
 // summed in the same order whatever M, the block it falls in or the thread that computes it: "kn"
 // in k order, one fused multiply-add at a time; "nk" in 16 lanes (lane = k mod 16), each in k order,
 // then the lanes in a fixed tree. So a row's result does not depend on the other rows of its batch.
+//
+// The same file holds the float32 product on weights stored in column strips (jaxinfer.native
+// .f32_matmul, "the float32 strips" below): a float32 model's every product, at any M, where the
+// CPU has AVX-512 or AVX2.
 
 #include <algorithm>
 #include <array>
@@ -73,10 +77,11 @@ struct Problem {
   int64_t items = 0;
   // The wide paths (AMX tiles or AVX-512 BF16 dot products): x zero-padded to [Mp, Kp] ("kn") or
   // packed in pairs of k as [Kp/2][Mp][2] ("nk"), Mp and Kp rounded up to 16 rows and 32 columns.
-  enum class Wide { kNone, kAmx, kDot, kAvx2, kAvx512 } wide = Wide::kNone;
+  enum class Wide { kNone, kAmx, kDot, kAvx2, kAvx512, kF32Strips } wide = Wide::kNone;
   const uint16_t* xp = nullptr;
   int64_t Mp = 0, Kp = 0;
-  const float* xf = nullptr;  // the AVX2 and AVX-512 strips' "kn": x in float32, [M, K]
+  const float* xf = nullptr;  // the AVX2 and AVX-512 strips' "kn": x in float32, [M, K]; the float32 strips' x
+  const float* wf = nullptr;  // the float32 strips' w: [N / kF32StripCols][K][kF32StripCols]
 };
 
 struct Shared {
@@ -917,6 +922,104 @@ void dot_nk_block(const Problem& p, int64_t n0, int64_t n1) {
 }
 #endif  // JAXINFER_DOT
 
+// The float32 strips: out [M, N] = x [M, K] . w for a float32 w stored in strips of 64 columns,
+// [N / 64][K][64] (each strip's K rows of 256 bytes one after another; jaxinfer.native.pack_f32 lays
+// a [K, N] weight out so, once, at load time), for every M - a decode step's rows and a prompt
+// chunk's alike.
+//
+// Why: XLA CPU's float32 dot streamed the 150M Llama's [K, N] weights at ~23 GB/s at one row and ran
+// ~150 GFLOP/s at a batched step's 32-48 rows; chained as in a step (2026-12-06, Intel Xeon model
+// 207, 49 products), these strips took 22.3 against 25.2 ms at one row, 41 against 64 at 8 rows, 65
+// against 102 at 32 and 93 against 154 at 48, and were level at 512. A strip is one contiguous
+// stream the prefetcher follows (a [K, N] weight's 64 columns are K runs of 256 bytes, N * 4 bytes
+// apart), and its blocks of kF32BlockRows rows (64 KB) stay in L1/L2 while every register tile of x
+// passes over them. Copying strips out of a [K, N] weight per call instead (tried 2026-12-05) cost
+// as much as the tiles: hence the layout, paid once.
+//
+// Every output element is one chain of fused multiply-adds from +0 in k order, whatever M, the tile
+// shape, the K block or the thread (a chain paused at a block's end is stored and reloaded exactly):
+// a row is the same bits alone and in any batch, and AVX-512 and AVX2 give the same bits.
+constexpr int64_t kF32StripCols = 64;
+constexpr int64_t kF32BlockRows = 256;
+#if defined(__AVX512F__)
+#define JAXINFER_F32_STRIPS 1
+constexpr int kF32TileRows = 6;  // 6 x 4 accumulators of AVX-512's 32 registers, 4 for w, 1 for x
+// out[m0 + i, n0 + 16v + l] (+)= sum over k in [k0, k0 + kn) of x[m0 + i, k] * strip[k, 16v + l].
+template <int R>
+void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int64_t m0, int64_t n0) {
+  constexpr int V = kF32StripCols / 16;
+  __m512 acc[R][V];
+  float* o = p.out + m0 * p.N + n0;
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < V; ++v) acc[i][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + i * p.N + 16 * v);
+  }
+  const float* x = p.xf + m0 * p.K + k0;
+  const float* w = strip + k0 * kF32StripCols;
+  for (int64_t k = 0; k < kn; ++k) {
+    __m512 wk[V];
+    for (int v = 0; v < V; ++v) wk[v] = _mm512_loadu_ps(w + k * kF32StripCols + 16 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m512 b = _mm512_set1_ps(x[i * p.K + k]);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(b, wk[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + i * p.N + 16 * v, acc[i][v]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JAXINFER_F32_STRIPS 1
+constexpr int kF32TileRows = 3;  // 3 x 4 accumulators of AVX2's 16 registers; a strip in two halves
+template <int R>
+void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int64_t m0, int64_t n0) {
+  constexpr int V = 4;
+  for (int half = 0; half < kF32StripCols; half += 8 * V) {
+    __m256 acc[R][V];
+    float* o = p.out + m0 * p.N + n0 + half;
+    for (int i = 0; i < R; ++i) {
+      for (int v = 0; v < V; ++v) acc[i][v] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + i * p.N + 8 * v);
+    }
+    const float* x = p.xf + m0 * p.K + k0;
+    const float* w = strip + k0 * kF32StripCols + half;
+    for (int64_t k = 0; k < kn; ++k) {
+      for (int i = 0; i < R; ++i) {
+        const __m256 b = _mm256_broadcast_ss(x + i * p.K + k);
+        for (int v = 0; v < V; ++v) {
+          acc[i][v] = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + k * kF32StripCols + 8 * v), acc[i][v]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(o + i * p.N + 8 * v, acc[i][v]);
+    }
+  }
+}
+#endif
+
+#if defined(JAXINFER_F32_STRIPS)
+template <int... R>
+constexpr auto f32_tiles(std::integer_sequence<int, R...>) {
+  using Tile = void (*)(const Problem&, const float*, int64_t, int64_t, int64_t, int64_t);
+  return std::array<Tile, sizeof...(R)>{f32_tile<R + 1>...};
+}
+
+// Work item s: strip s of w against every row of x, block by block of kF32BlockRows rows of w, the
+// rows of x in as few register tiles as fit, of near-equal heights.
+void f32_strip(const Problem& p, int64_t s) {
+  static constexpr auto kTiles = f32_tiles(std::make_integer_sequence<int, kF32TileRows>{});
+  const float* strip = p.wf + s * p.K * kF32StripCols;
+  const int64_t tiles = (p.M + kF32TileRows - 1) / kF32TileRows;
+  for (int64_t k0 = 0; k0 < p.K; k0 += kF32BlockRows) {
+    const int64_t kn = std::min(kF32BlockRows, p.K - k0);
+    for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+      const int64_t rows = (p.M - m0 + tiles - t - 1) / (tiles - t);
+      kTiles[rows - 1](p, strip, k0, kn, m0, s * kF32StripCols);
+      m0 += rows;
+    }
+  }
+}
+#endif
+
 // Which wide path runs 9..64 rows here: AMX where it was built for a CPU with AMX and the OS grants
 // the tiles, else the AVX-512 BF16 dot products where the CPU has them, else the AVX2 strips (no
 // AVX-512) or the AVX-512 ones (AVX-512 without BF16), else none.
@@ -938,6 +1041,11 @@ Problem::Wide wide_path() {
 void drain(Shared& s) {
   const Problem& p = s.problem;
   for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < p.items;) {
+#if defined(JAXINFER_F32_STRIPS)
+    if (p.wide == Problem::Wide::kF32Strips) {
+      f32_strip(p, i);
+    } else
+#endif
 #if defined(JAXINFER_AMX)
     if (p.wide == Problem::Wide::kAmx && p.kn) {
       amx_kn_strip(p, i * kStripCols);
@@ -978,7 +1086,8 @@ void drain(Shared& s) {
 void run(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& shared) {
   const Problem& p = shared->problem;
   // A small product runs on the calling thread alone: waking a helper cost more than it saved.
-  const bool small = p.K * p.N < kSmallProduct;
+  // (The float32 strips do M times the work at the same weight: a small weight is small at few rows.)
+  const bool small = p.K * p.N < kSmallProduct && (p.wide != Problem::Wide::kF32Strips || p.M <= 8);
   // The calling thread drains too, so num_threads - 1 helpers make one drainer per thread of XLA's
   // pool (as many as cores). One helper more put three threads on two cores: the OS then preempts a
   // drainer mid-item and the call waits for it - a [1024, 32000] product at one row read 18.9 GB/s
@@ -1075,7 +1184,48 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
+#if defined(JAXINFER_F32_STRIPS)
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2) {
+    return ffi::Error::InvalidArgument("x [M, K], w [K, N] (in strips) and out [M, N] expected");
+  }
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->problem;
+  p.M = xd[0], p.K = xd[1], p.N = wd[1];
+  if (wd[0] != p.K || od[0] != p.M || od[1] != p.N || p.N % kF32StripCols != 0) {
+    return ffi::Error::InvalidArgument("x, w and out disagree on M, K or N, or N is not a multiple of 64");
+  }
+  p.xf = x.typed_data();
+  p.wf = w.typed_data();
+  p.out = out->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::fill(p.out, p.out + p.M * p.N, 0.0f);
+    return ffi::Error::Success();
+  }
+  p.wide = Problem::Wide::kF32Strips;
+  p.items = p.N / kF32StripCols;
+  run(pool, shared);
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "the float32 strips need AVX-512 or AVX2 with FMA");
+#endif
+}
+
 }  // namespace
+
+// For jaxinfer.native: whether this build has the float32 strips (f32_matmul), and their width.
+extern "C" int64_t JaxinferF32StripCols() {
+#if defined(JAXINFER_F32_STRIPS)
+  return kF32StripCols;
+#else
+  return 0;
+#endif
+}
 
 // For jaxinfer.native: the wide path here (0 none, 1 AMX, 2 AVX-512 BF16, 3 AVX2, 4 AVX-512) and its
 // [from, to] rows.
@@ -1099,3 +1249,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // w
                                   .Ret<ffi::Buffer<ffi::F32>>()    // out
                                   .Attr<bool>("kn"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [K, N], in strips
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
