@@ -501,3 +501,31 @@ def test_an_llm_lays_float32_weights_out_in_strips_and_saves_them_as_declared(mo
     assert cfg.weight_strips == 0
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@needs_strips
+@pytest.mark.parametrize(
+    "isa,env,mesh,dtype,laid_out",
+    [
+        ("avx512", None, None, "float32", True),
+        ("avx2", None, None, "float32", False),
+        ("avx2", "1", None, "float32", True),
+    ]
+    + [("avx512", "0", None, "float32", False), ("avx512", None, None, "bfloat16", False)]
+    + [("avx512", None, "model=1", "float32", False)],
+)
+def test_which_models_an_llm_lays_out_in_strips(isa, env, mesh, dtype, laid_out, monkeypatch):
+    """By default a float32 model on one device where the strips run in AVX-512 (measured faster than
+    XLA there); JAXINFER_F32_STRIPS=1 takes the AVX2 tiles too, =0 none; never bfloat16 or a mesh."""
+    from jaxinfer import llm as llm_lib
+
+    monkeypatch.setattr(native, "f32_strips_isa", lambda: isa)
+    if env is None:
+        monkeypatch.delenv("JAXINFER_F32_STRIPS", raising=False)
+    else:
+        monkeypatch.setenv("JAXINFER_F32_STRIPS", env)
+    cfg = _strips_cfg(dtype=dtype)
+    params = model_lib.init_params(cfg, seed=0)
+    got_cfg, got = llm_lib._lay_out_weights(cfg, params, None if mesh is None else object())
+    assert got_cfg.weight_strips == (native.f32_strip_cols() if laid_out else 0)
+    assert (got is params) != laid_out

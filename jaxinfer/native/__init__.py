@@ -264,14 +264,26 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.
 
 
 @functools.cache
+def _f32_strips() -> tuple[int, str | None]:
+    loaded = _load()
+    if isinstance(loaded, NativeUnavailableError):
+        return 0, None
+    loaded.JaxinferF32Strips.restype = ctypes.c_int64
+    isa = ctypes.c_int64()
+    cols = int(loaded.JaxinferF32Strips(ctypes.byref(isa)))
+    return cols, {2: "avx512", 1: "avx2"}.get(isa.value)
+
+
 def f32_strip_cols() -> int:
     """The width of `f32_matmul`'s column strips (64), or 0 where this build has none (no AVX-512 or
     AVX2 with FMA) or the library is unavailable."""
-    loaded = _load()
-    if isinstance(loaded, NativeUnavailableError):
-        return 0
-    loaded.JaxinferF32StripCols.restype = ctypes.c_int64
-    return int(loaded.JaxinferF32StripCols())
+    return _f32_strips()[0]
+
+
+def f32_strips_isa() -> str | None:
+    """ "avx512" or "avx2": the vectors `f32_matmul` runs in here (the same bits either way); None
+    where it has none."""
+    return _f32_strips()[1]
 
 
 def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -941,12 +941,29 @@ void dot_nk_block(const Problem& p, int64_t n0, int64_t n1) {
 // a row is the same bits alone and in any batch, and AVX-512 and AVX2 give the same bits.
 constexpr int64_t kF32StripCols = 64;
 constexpr int64_t kF32BlockRows = 256;
+// Rows of a strip (2 KB) asked for ahead of the tile reading it from memory: the hardware prefetcher
+// alone stops at each 4 KB page. Chained as a 150M step, against XLA in the same process (two
+// alternating pairs, 2026-12-06): 1.18-1.20x XLA at one row with, 1.06-1.14x without; 1.34-1.48x
+// against 1.04-1.22x at 4 rows, 1.53x against 1.30x at 16.
+constexpr int64_t kF32PrefetchRows = 8;
+// What a tile asks memory for while it computes. The first tile over a block reads the block from
+// memory: it asks for the strip's rows kF32PrefetchRows ahead of its own, up to `near` rows past the
+// block. The other tiles over the block find it in L2: they share out the `far_lines` cache lines
+// from `far` (the strip's next block) and ask for them into L2, a few per row of theirs, so that the
+// next block's first tile finds it there too: memory and arithmetic overlap. The 150M model's
+// products chained at 48 rows, against XLA in the same process, three alternating pairs (2026-12-06):
+// 1.38x, 1.40x, 1.23x XLA with the far requests, 1.20x, 1.24x, 1.13x without; level at 16 rows.
+struct F32Fetch {
+  int64_t near = -kF32BlockRows;  // (none)
+  const char* far = nullptr;
+  int64_t far_lines = 0;
+};
 #if defined(__AVX512F__)
 #define JAXINFER_F32_STRIPS 1
 constexpr int kF32TileRows = 6;  // 6 x 4 accumulators of AVX-512's 32 registers, 4 for w, 1 for x
 // out[m0 + i, n0 + 16v + l] (+)= sum over k in [k0, k0 + kn) of x[m0 + i, k] * strip[k, 16v + l].
 template <int R>
-void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int64_t m0, int64_t n0) {
+void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int64_t m0, int64_t n0, F32Fetch f) {
   constexpr int V = kF32StripCols / 16;
   __m512 acc[R][V];
   float* o = p.out + m0 * p.N + n0;
@@ -955,7 +972,16 @@ void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int6
   }
   const float* x = p.xf + m0 * p.K + k0;
   const float* w = strip + k0 * kF32StripCols;
+  const int64_t fetched = std::min(kn, kn + f.near - kF32PrefetchRows);  // the k with k + kF32PrefetchRows in reach
+  const int64_t per_row = (f.far_lines + kn - 1) / kn;
   for (int64_t k = 0; k < kn; ++k) {
+    if (k < fetched) {
+      const char* next = reinterpret_cast<const char*>(w + (k + kF32PrefetchRows) * kF32StripCols);
+      for (int line = 0; line < V; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    }
+    for (int64_t j = k * per_row; j < std::min(f.far_lines, (k + 1) * per_row); ++j) {
+      _mm_prefetch(f.far + 64 * j, _MM_HINT_T1);
+    }
     __m512 wk[V];
     for (int v = 0; v < V; ++v) wk[v] = _mm512_loadu_ps(w + k * kF32StripCols + 16 * v);
     for (int i = 0; i < R; ++i) {
@@ -971,8 +997,10 @@ void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int6
 #define JAXINFER_F32_STRIPS 1
 constexpr int kF32TileRows = 3;  // 3 x 4 accumulators of AVX2's 16 registers; a strip in two halves
 template <int R>
-void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int64_t m0, int64_t n0) {
+void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int64_t m0, int64_t n0, F32Fetch f) {
   constexpr int V = 4;
+  const int64_t fetched = std::min(kn, kn + f.near - kF32PrefetchRows);  // as in the AVX-512 tile
+  const int64_t per_row = (f.far_lines + kn - 1) / kn;
   for (int half = 0; half < kF32StripCols; half += 8 * V) {
     __m256 acc[R][V];
     float* o = p.out + m0 * p.N + n0 + half;
@@ -982,6 +1010,13 @@ void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int6
     const float* x = p.xf + m0 * p.K + k0;
     const float* w = strip + k0 * kF32StripCols + half;
     for (int64_t k = 0; k < kn; ++k) {
+      if (half == 0 && k < fetched) {  // the whole row (both halves) from the first pass
+        const char* next = reinterpret_cast<const char*>(strip + (k0 + k + kF32PrefetchRows) * kF32StripCols);
+        for (int line = 0; line < 4; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+      }
+      for (int64_t j = k * per_row; half == 0 && j < std::min(f.far_lines, (k + 1) * per_row); ++j) {
+        _mm_prefetch(f.far + 64 * j, _MM_HINT_T1);
+      }
       for (int i = 0; i < R; ++i) {
         const __m256 b = _mm256_broadcast_ss(x + i * p.K + k);
         for (int v = 0; v < V; ++v) {
@@ -999,7 +1034,7 @@ void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int6
 #if defined(JAXINFER_F32_STRIPS)
 template <int... R>
 constexpr auto f32_tiles(std::integer_sequence<int, R...>) {
-  using Tile = void (*)(const Problem&, const float*, int64_t, int64_t, int64_t, int64_t);
+  using Tile = void (*)(const Problem&, const float*, int64_t, int64_t, int64_t, int64_t, F32Fetch);
   return std::array<Tile, sizeof...(R)>{f32_tile<R + 1>...};
 }
 
@@ -1011,9 +1046,19 @@ void f32_strip(const Problem& p, int64_t s) {
   const int64_t tiles = (p.M + kF32TileRows - 1) / kF32TileRows;
   for (int64_t k0 = 0; k0 < p.K; k0 += kF32BlockRows) {
     const int64_t kn = std::min(kF32BlockRows, p.K - k0);
+    const int64_t next_lines = std::min(kF32BlockRows, p.K - k0 - kn) * kF32StripCols * 4 / 64;
+    const char* next = reinterpret_cast<const char*>(strip + (k0 + kn) * kF32StripCols);
     for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
       const int64_t rows = (p.M - m0 + tiles - t - 1) / (tiles - t);
-      kTiles[rows - 1](p, strip, k0, kn, m0, s * kF32StripCols);
+      F32Fetch f;
+      if (t == 0) {
+        f.near = tiles == 1 ? p.K - k0 - kn : 0;  // (with other tiles, they ask for the next block)
+      } else {
+        const int64_t lo = next_lines * (t - 1) / (tiles - 1), hi = next_lines * t / (tiles - 1);
+        f.far = next + 64 * lo;
+        f.far_lines = hi - lo;
+      }
+      kTiles[rows - 1](p, strip, k0, kn, m0, s * kF32StripCols, f);
       m0 += rows;
     }
   }
@@ -1218,11 +1263,17 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 }  // namespace
 
-// For jaxinfer.native: whether this build has the float32 strips (f32_matmul), and their width.
-extern "C" int64_t JaxinferF32StripCols() {
-#if defined(JAXINFER_F32_STRIPS)
+// For jaxinfer.native: the float32 strips' (f32_matmul) width, 0 where this build has none; and in
+// `isa` 2 where they run in AVX-512, 1 in AVX2.
+extern "C" int64_t JaxinferF32Strips(int64_t* isa) {
+#if defined(JAXINFER_F32_STRIPS) && defined(__AVX512F__)
+  *isa = 2;
+  return kF32StripCols;
+#elif defined(JAXINFER_F32_STRIPS)
+  *isa = 1;
   return kF32StripCols;
 #else
+  *isa = 0;
   return 0;
 #endif
 }
