@@ -177,8 +177,10 @@ def _lay_out_weights(cfg, params, mesh):
         or (native.f32_strips_isa() != "avx512" and wanted != "1")
     ):
         return cfg, params
-    from jaxinfer.model import to_weight_strips
+    from jaxinfer.model import has_weight_strips, to_weight_strips
 
+    if not has_weight_strips(params, cols):  # (a small model: its products stay XLA's)
+        return cfg, params
     return dataclasses.replace(cfg, weight_strips=cols), to_weight_strips(params, cols)
 
 

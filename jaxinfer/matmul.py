@@ -1,8 +1,8 @@
-"""The model's weight products: where a bfloat16 one runs on the CPU.
+"""The model's weight products: where they run on the CPU.
 
 Every projection of the model (and the LM head) is an einsum of activations x [..., C] with a
 weight whose contracted letters C lead (`"BTD,DNH->BTNH"`) or, for a tied head, trail
-(`"BD,VD->BV"`). On accelerators and for float32 models that einsum goes to XLA as it is. On the CPU
+(`"BD,VD->BV"`). On accelerators that einsum goes to XLA as it is. On the CPU
 a bfloat16 product of few rows - a decode step's: up to 8, or 64 where the kernel has a wide path
 (AMX tiles, AVX-512 BF16 or, without AVX-512, AVX2), or 512, prompt chunks too, on AVX-512 without
 BF16 (`native.matmul_max_rows`) - goes to the C++
@@ -12,14 +12,16 @@ kernel's AMX path at 9-64 rows (WORKSPACE.md, 2026-12-01, 2026-12-02); every oth
 on the CPU is asked for in float32 and rounded once, the form XLA hands to its GEMM libraries (YNNPACK's bfloat16
 kernels, where `jaxinfer._xla_flags.bf16_dot_options` turns them on for the steps).
 
-A float32 model on the CPU, where jaxinfer.native has its float32 strips (AVX-512, or AVX2 with FMA)
-and the model runs on one device, keeps each projection's weight in column strips (`to_strips`,
-done once by jaxinfer.llm when the model loads; the config's `weight_strips` says so) and every
-product with it, at any number of rows, goes to `native.f32_matmul`: XLA CPU's float32 dot streams
-a [K, N] weight at ~23 GB/s at one row and runs ~150 GFLOP/s at a batched decode step's rows, the
-strips ~1.1x and ~1.6x that (WORKSPACE.md, 2026-12-06). One kernel for every M keeps a row's
-logits the same bits alone and in any batch. A weight whose N is not a multiple of the strip width
-stays as it is and goes to XLA.
+A float32 model an LLM runs on the CPU, on one device, where jaxinfer.native has its float32
+strips in AVX-512 (AVX2 too with `JAXINFER_F32_STRIPS=1`), keeps each projection's weight in column
+strips (`to_strips`, done once by jaxinfer.llm as the model loads; the config's `weight_strips` says
+so), and every product with it, at any number of rows, goes to `native.f32_matmul`: XLA CPU's
+float32 dot streams a [K, N] weight at ~23 GB/s at one row and runs ~150 GFLOP/s at a batched
+decode step's rows; the strips were ~1.2x that at one row and 1.2-1.6x at 8-48 (WORKSPACE.md,
+design decisions, 2026-12-06). One kernel for every M keeps a row's logits the same bits alone and
+in any batch. A small weight (`STRIPS_MIN_WEIGHTS`), one whose N is not a multiple of the strip
+width and a tied head stay as they are and go to XLA; float32 products elsewhere go to XLA as
+written.
 """
 
 from __future__ import annotations
@@ -72,11 +74,25 @@ def from_strips(w: jax.Array, cols: int) -> jax.Array:
     return w.reshape(n // cols, k, cols).transpose(1, 0, 2).reshape(k, n)
 
 
+# The fewest elements a weight kept in strips has. Below it a product is a few microseconds, where
+# XLA's dot on [K, N] was as fast or faster at some row counts (a custom call's fixed cost, one strip
+# per thread): [256, 128] 0.63x and [256, 1536] 0.66x at 32 and 8 rows, [1024, 256] 0.77x at 8, while
+# [1024, 1024] was 1.12-2.28x at 1-32 rows (2026-12-06; the 5.8M default model's steps were ~15%
+# slower with all of its weights in strips).
+STRIPS_MIN_WEIGHTS = 1 << 20
+
+
 def stored_in_strips(contracted: int, shape: tuple[int, ...], dtype, strips: int) -> bool:
     """Whether a weight of this shape and dtype, its first `contracted` axes contracted, is kept in
-    strips of `strips` columns (0: none are): a float32 one whose kept axes hold a whole number of
-    strips. jaxinfer.model lays the weights out by this rule, and `einsum_f32` reads them by it."""
-    return bool(strips) and jnp.dtype(dtype) == jnp.float32 and math.prod(shape[contracted:]) % strips == 0
+    strips of `strips` columns (0: none are): a float32 one of at least STRIPS_MIN_WEIGHTS elements
+    whose kept axes hold a whole number of strips. jaxinfer.model lays the weights out by this rule,
+    and `einsum_f32` reads them by it."""
+    return (
+        bool(strips)
+        and jnp.dtype(dtype) == jnp.float32
+        and math.prod(shape) >= STRIPS_MIN_WEIGHTS
+        and math.prod(shape[contracted:]) % strips == 0
+    )
 
 
 def einsum_f32(spec: str, x: jax.Array, w: jax.Array, *, strips: int = 0) -> jax.Array:

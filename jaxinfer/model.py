@@ -397,6 +397,13 @@ def params_nbytes(params) -> int:
 _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
 
 
+def has_weight_strips(params, cols: int) -> bool:
+    """Whether `to_weight_strips(params, cols)` would lay any weight out."""
+    found = []
+    _strips_map(params, cols, lambda w, **_: found.append(w) or w)
+    return bool(found)
+
+
 def _strips_map(params, cols: int, change):
     def lay_out(path, w):
         contracted = _PROJECTIONS.get(getattr(path[-1], "key", None))

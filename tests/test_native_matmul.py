@@ -403,9 +403,10 @@ def test_f32_matmul_refuses_what_it_does_not_take():
 def _strips_cfg(**kw):
     from jaxinfer.config import ModelConfig
 
-    # q 256 columns, k and v 128 each (one strip would be laid out as it is), o and down 128.
-    base = dict(vocab_size=320, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=8, num_kv_heads=4)
-    return ModelConfig(**{**base, "head_dim": 32, "max_position_embeddings": 128, **kw})
+    # q and o [1024, 1024] and the MLP's [1024, 2048] and [1024, 1024] are big enough for strips
+    # (matmul.STRIPS_MIN_WEIGHTS); k and v [1024, 512] are not.
+    base = dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_layers=2, num_heads=8, num_kv_heads=4)
+    return ModelConfig(**{**base, "head_dim": 128, "max_position_embeddings": 128, **kw})
 
 
 def _logits_and_cache(cfg, params, tokens, chunks):
@@ -429,17 +430,26 @@ def _logits_and_cache(cfg, params, tokens, chunks):
 
 @needs_strips
 @pytest.mark.parametrize(
-    "variant",
-    [dict(tie_word_embeddings=False), dict(tie_word_embeddings=False, vocab_size=300, qkv_bias=True, o_bias=True)]
-    + [dict(tie_word_embeddings=True, mlp_bias=True, intermediate_size=200)],
-    ids=["untied", "head-not-in-strips-biases", "tied-mlp-not-in-strips"],
+    "variant,expected",
+    [
+        (dict(tie_word_embeddings=False), {"wq", "wo", "w_gate_up", "w_down", "lm_head"}),
+        (
+            dict(tie_word_embeddings=False, vocab_size=1000, qkv_bias=True, o_bias=True),
+            {"wq", "wo", "w_gate_up", "w_down"},
+        ),
+        (
+            dict(tie_word_embeddings=True, mlp_bias=True, intermediate_size=1000),
+            {"wq", "wo"},
+        ),  # down: 1000 x 1024 < 2**20
+    ],
+    ids=["untied", "head-not-in-strips-biases", "tied-gate-up-not-in-strips"],
 )
-def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, monkeypatch):
+def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, expected, monkeypatch):
     """to_weight_strips lays out exactly the weights einsum_f32 reads as strips: the model's logits
     over prefill and decode are the declared layout's within float32 rounding, whichever weights
-    (head, gate/up, down) a shape keeps out of the strips, also when the products fall back to XLA
-    on the strips (a trace that cannot call the kernel); and the K/V a token writes are the same bits
-    however its prompt is chunked (the strips' products do not depend on M on any CPU)."""
+    (k and v: small; the head: V off the strips or tied; gate/up: 2F off them) stay as declared, also
+    when the products fall back to XLA on the strips (a trace that cannot call the kernel); and the
+    K/V a token writes are the same bits however its prompt is chunked."""
     cols = native.f32_strip_cols()
     cfg = _strips_cfg(**variant)
     params = model_lib.init_params(cfg, seed=5)
@@ -454,8 +464,6 @@ def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, monke
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(laid_out), strict=True)
         if not np.array_equal(a, b)
     }
-    expected = {"wq", "wk", "wv", "wo", "w_down"} | ({"w_gate_up"} if cfg.intermediate_size % 32 == 0 else set())
-    expected |= {"lm_head"} if not cfg.tie_word_embeddings and cfg.vocab_size % cols == 0 else set()
     assert changed == expected
     tokens = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 21))
     chunks = [13, 1, 1, 4, 1, 1]
@@ -475,29 +483,28 @@ def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, monke
         np.testing.assert_array_equal(a, b)
 
 
-def _f32_llm(monkeypatch, strips: bool):
-    from jaxinfer import LLM
-    from jaxinfer.default_model import TINY_RANDOM
-
-    monkeypatch.setenv("JAXINFER_F32_STRIPS", "1" if strips else "0")
-    return LLM(TINY_RANDOM, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
-
-
 @needs_strips
 def test_an_llm_lays_float32_weights_out_in_strips_and_saves_them_as_declared(monkeypatch, tmp_path):
-    """LLM(dtype="float32") on the CPU keeps its projections in strips (JAXINFER_F32_STRIPS=0: as
-    declared), with XLA's greedy tokens; checkpoint.save of its params writes the declared layout."""
-    from jaxinfer import SamplingParams, checkpoint
+    """LLM(dtype="float32") on the CPU keeps its big projections in strips (JAXINFER_F32_STRIPS=0:
+    as declared), with XLA's greedy tokens; checkpoint.save of its params writes the declared layout."""
+    from jaxinfer import LLM, SamplingParams, checkpoint
 
-    strips, plain = _f32_llm(monkeypatch, strips=True), _f32_llm(monkeypatch, strips=False)
+    cfg = _strips_cfg(tie_word_embeddings=False)
+    checkpoint.save(tmp_path / "model", cfg, model_lib.init_params(cfg, seed=2))
+
+    def llm(strips):
+        monkeypatch.setenv("JAXINFER_F32_STRIPS", "1" if strips else "0")
+        return LLM(str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+
+    strips, plain = llm(True), llm(False)
     assert strips.cfg.weight_strips == native.f32_strip_cols() and plain.cfg.weight_strips == 0
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], list(range(3, 40)), [9] * 20]
     want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=sp)]
     assert [o.token_ids for o in strips.generate(prompt_token_ids=prompts, sampling_params=sp)] == want
     assert len({tuple(t) for t in want}) == 3
-    checkpoint.save(tmp_path / "ckpt", strips.cfg, strips.params)
-    cfg, params = checkpoint.restore(tmp_path / "ckpt", dtype="float32")
+    checkpoint.save(tmp_path / "saved", strips.cfg, strips.params)
+    cfg, params = checkpoint.restore(tmp_path / "saved", dtype="float32")
     assert cfg.weight_strips == 0
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain.params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -516,7 +523,8 @@ def test_an_llm_lays_float32_weights_out_in_strips_and_saves_them_as_declared(mo
 )
 def test_which_models_an_llm_lays_out_in_strips(isa, env, mesh, dtype, laid_out, monkeypatch):
     """By default a float32 model on one device where the strips run in AVX-512 (measured faster than
-    XLA there); JAXINFER_F32_STRIPS=1 takes the AVX2 tiles too, =0 none; never bfloat16 or a mesh."""
+    XLA there); JAXINFER_F32_STRIPS=1 takes the AVX2 tiles too, =0 none; never bfloat16, a mesh or a
+    model whose weights are all small."""
     from jaxinfer import llm as llm_lib
 
     monkeypatch.setattr(native, "f32_strips_isa", lambda: isa)
@@ -529,3 +537,8 @@ def test_which_models_an_llm_lays_out_in_strips(isa, env, mesh, dtype, laid_out,
     got_cfg, got = llm_lib._lay_out_weights(cfg, params, None if mesh is None else object())
     assert got_cfg.weight_strips == (native.f32_strip_cols() if laid_out else 0)
     assert (got is params) != laid_out
+    # A model with no weight big enough (the embedded default's size) is never laid out.
+    from jaxinfer.default_model import TINY_CONFIG
+
+    small = model_lib.init_params(TINY_CONFIG, seed=0)
+    assert llm_lib._lay_out_weights(TINY_CONFIG, small, None) == (TINY_CONFIG, small)
