@@ -397,19 +397,21 @@ def params_nbytes(params) -> int:
 _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
 
 
+def _contracted_in_strips(path, w, cols: int) -> int | None:
+    """How many leading axes of the weight at `path` its product contracts, if it is kept in strips."""
+    contracted = _PROJECTIONS.get(getattr(path[-1], "key", None))
+    return contracted if contracted is not None and stored_in_strips(contracted, w.shape, w.dtype, cols) else None
+
+
 def has_weight_strips(params, cols: int) -> bool:
     """Whether `to_weight_strips(params, cols)` would lay any weight out."""
-    found = []
-    _strips_map(params, cols, lambda w, **_: found.append(w) or w)
-    return bool(found)
+    return any(_contracted_in_strips(path, w, cols) for path, w in jax.tree_util.tree_leaves_with_path(params))
 
 
 def _strips_map(params, cols: int, change):
     def lay_out(path, w):
-        contracted = _PROJECTIONS.get(getattr(path[-1], "key", None))
-        if contracted is None or not stored_in_strips(contracted, w.shape, w.dtype, cols):
-            return w
-        return change(w, contracted=contracted, cols=cols)
+        contracted = _contracted_in_strips(path, w, cols)
+        return w if contracted is None else change(w, contracted=contracted, cols=cols)
 
     return jax.tree_util.tree_map_with_path(lay_out, params)
 

@@ -288,9 +288,8 @@ def f32_strips_isa() -> str | None:
 
 def f32_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] float32 times the [K, N] matrix whose strips of `f32_strip_cols()` columns w holds
-    (jaxinfer.matmul.to_strips) -> [M, N] float32,
-    each element one chain of fused multiply-adds in k order: a row's result is the same bits
-    whatever else is in its batch, at any M.
+    (jaxinfer.matmul.to_strips) -> [M, N] float32, each element one chain of fused multiply-adds in
+    k order: a row's result is the same bits whatever else is in its batch, at any M.
 
     Raises NativeUnavailableError when the kernel could not be built here.
     """
