@@ -11,6 +11,7 @@ from that one declaration (`param_axes`, `init_params`). Einsum letters: see the
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -89,9 +90,13 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, batch: Batch, table, slots, k_pages, v_pages):
         cfg = self.cfg
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = _param(self, "wq", (d, n, h), ("embed", "q_heads", "head_dim"))
-        wk = _param(self, "wk", (d, k, h), ("embed", "kv_heads", "head_dim"))
-        wv = _param(self, "wv", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        fused = qkv_fused(cfg)
+        if fused:  # q, k and v heads side by side, in strips: one product (see `to_weight_strips`)
+            wqkv = _param(self, "wqkv", (d, n + 2 * k, h), ("embed", "qkv_heads", "head_dim"))
+        else:
+            wq = _param(self, "wq", (d, n, h), ("embed", "q_heads", "head_dim"))
+            wk = _param(self, "wk", (d, k, h), ("embed", "kv_heads", "head_dim"))
+            wv = _param(self, "wv", (d, k, h), ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (n, h, d), ("q_heads", "head_dim", "embed"))
 
         bq = bk = bv = None
@@ -100,9 +105,17 @@ class Attention(nn.Module):
             bq = _param(self, "bq", (n, h), ("q_heads", "head_dim"), zeros)
             bk = _param(self, "bk", (k, h), ("kv_heads", "head_dim"), zeros)
             bv = _param(self, "bv", (k, h), ("kv_heads", "head_dim"), zeros)
-        q = _project("BTD,DNH->BTNH", x, wq, bq, strips=cfg.weight_strips)
-        kx = _project("BTD,DKH->BTKH", x, wk, bk, strips=cfg.weight_strips)
-        vx = _project("BTD,DKH->BTKH", x, wv, bv, strips=cfg.weight_strips)
+        if fused:
+            qkv = einsum_f32("BTD,DNH->BTNH", x, wqkv, strips=cfg.weight_strips)
+            parts = jnp.split(qkv, [n, n + k], axis=2)
+            # Each bias joins its float32 sum before the one rounding to x's dtype, as in `_project`.
+            q, kx, vx = (
+                (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype) for y, b in zip(parts, (bq, bk, bv))
+            )
+        else:
+            q = _project("BTD,DNH->BTNH", x, wq, bq, strips=cfg.weight_strips)
+            kx = _project("BTD,DKH->BTKH", x, wk, bk, strips=cfg.weight_strips)
+            vx = _project("BTD,DKH->BTKH", x, wv, bv, strips=cfg.weight_strips)
         if cfg.qk_norm:
             q = RMSNorm(cfg, h, name="q_norm")(q)
             kx = RMSNorm(cfg, h, name="k_norm")(kx)
@@ -393,8 +406,84 @@ def params_nbytes(params) -> int:
 
 # Every weight that `matmul.project` or the LM head's product takes, and how many of its leading
 # axes the product contracts: what `to_weight_strips` lays out and einsum_f32 reads back by
-# matmul.stored_in_strips.
-_PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
+# matmul.stored_in_strips. (wqkv: q, k and v fused, which only the strips have.)
+_PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
+
+
+def _fused_in_strips(shape, dtype, cols: int) -> bool:
+    """Whether the fused [D, N + 2K, H] weight of this shape is kept in strips (then the model has it
+    in place of wq, wk and wv)."""
+    return stored_in_strips(1, shape, dtype, cols)
+
+
+def qkv_fused(cfg: ModelConfig) -> bool:
+    """Whether `cfg`'s attention computes q, k and v as one product on a fused `wqkv`: where its
+    weights are in strips (`cfg.weight_strips`) and the fused weight qualifies. One call streams
+    what three did; k and v ([1024, 256] in the 150M Llama) alone are too small for strips, and
+    XLA's dot read them at ~11 GB/s in a decode step (2026-12-06)."""
+    shape = (cfg.hidden_size, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+    return bool(cfg.weight_strips) and _fused_in_strips(shape, cfg.dtype, cfg.weight_strips)
+
+
+def _fusable(node, cols: int) -> bool:
+    """Whether `node`, an attention's params, holds wq, wk and wv whose fused weight is kept in strips."""
+    if not {"wq", "wk", "wv"} <= node.keys():
+        return False
+    (d, n, h), k = node["wq"].shape, node["wk"].shape[1]
+    return _fused_in_strips((d, n + 2 * k, h), node["wq"].dtype, cols)
+
+
+def _is_attention(node) -> bool:
+    return isinstance(node, Mapping) and ({"wq", "wk", "wv"} <= node.keys() or "wqkv" in node)
+
+
+def _attention_nodes(params):
+    """Every attention's params (a mapping holding wq, wk and wv, or wqkv) in the tree."""
+    if _is_attention(params):
+        yield params
+    elif isinstance(params, Mapping):
+        for value in params.values():
+            yield from _attention_nodes(value)
+
+
+def _map_attention(params, change):
+    """params with every attention's params replaced by `change(node)`, the rest as it is."""
+    if _is_attention(params):
+        return change(params)
+    if isinstance(params, Mapping):
+        return {key: _map_attention(value, change) for key, value in params.items()}
+    return params
+
+
+@jax.jit
+def _concat_heads(wq, wk, wv):
+    return jnp.concatenate([wq, wk, wv], axis=1)
+
+
+def _fuse_qkv(params, cols: int):
+    def fuse(node):
+        if not _fusable(node, cols):
+            return dict(node)
+        rest = {key: v for key, v in node.items() if key not in ("wq", "wk", "wv")}
+        wqkv = _concat_heads(node["wq"], node["wk"], node["wv"])
+        for key in ("wq", "wk", "wv"):  # consumed, as a donated leaf is (a size-changing jit cannot reuse them)
+            node[key].delete()
+        return {**rest, "wqkv": wqkv}
+
+    return _map_attention(params, fuse)
+
+
+def _split_qkv(params):
+    def split(node):
+        if "wqkv" not in node:
+            return dict(node)
+        rest = {key: v for key, v in node.items() if key != "wqkv"}
+        n = node["wo"].shape[0]  # q heads
+        k = (node["wqkv"].shape[1] - n) // 2
+        wq, wk, wv = jnp.split(node["wqkv"], [n, n + k], axis=1)
+        return {**rest, "wq": wq, "wk": wk, "wv": wv}
+
+    return _map_attention(params, split)
 
 
 def _contracted_in_strips(path, w, cols: int) -> int | None:
@@ -405,7 +494,9 @@ def _contracted_in_strips(path, w, cols: int) -> int | None:
 
 def has_weight_strips(params, cols: int) -> bool:
     """Whether `to_weight_strips(params, cols)` would lay any weight out."""
-    return any(_contracted_in_strips(path, w, cols) for path, w in jax.tree_util.tree_leaves_with_path(params))
+    return any(_fusable(node, cols) for node in _attention_nodes(params)) or any(
+        _contracted_in_strips(path, w, cols) for path, w in jax.tree_util.tree_leaves_with_path(params)
+    )
 
 
 def _strips_map(params, cols: int, change):
@@ -431,10 +522,12 @@ def _from_strips(w: jax.Array, *, contracted: int, cols: int) -> jax.Array:
 def to_weight_strips(params, cols: int):
     """`params` with each projection weight that matmul.stored_in_strips keeps in strips of `cols`
     columns laid out so, leaf by leaf (each old leaf is donated: the model's weights are never held
-    twice). Use the result with `dataclasses.replace(cfg, weight_strips=cols)`."""
-    return _strips_map(params, cols, _to_strips)
+    twice); where the fused [D, N + 2K, H] weight qualifies, an attention's wq, wk and wv become one
+    `wqkv` first (`qkv_fused`). Use the result with `dataclasses.replace(cfg, weight_strips=cols)`."""
+    return _strips_map(_fuse_qkv(params, cols), cols, _to_strips)
 
 
 def from_weight_strips(params, cols: int):
-    """The declared layout of params that `to_weight_strips(..., cols)` laid out (new arrays)."""
-    return _strips_map(params, cols, _from_strips)
+    """The declared layout of params that `to_weight_strips(..., cols)` laid out (new arrays; wq,
+    wk and wv apart again)."""
+    return _split_qkv(_strips_map(params, cols, _from_strips))

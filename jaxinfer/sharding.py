@@ -39,6 +39,9 @@ RULES: Mapping[str, str | None] = {
     "embed": None,
     "q_heads": "model",
     "kv_heads": "model",
+    # The fused q/k/v heads of a model in float32 strips (model.qkv_fused), which run on one CPU
+    # device only: splitting them over "model" would mix q and k/v heads, so never sharded.
+    "qkv_heads": None,
     "head_dim": None,
     "mlp": "model",
     "norm": None,

@@ -432,17 +432,21 @@ def _logits_and_cache(cfg, params, tokens, chunks):
 @pytest.mark.parametrize(
     "variant,expected",
     [
-        (dict(tie_word_embeddings=False), {"wq", "wk", "wv", "wo", "w_gate_up", "w_down", "lm_head"}),
+        (dict(tie_word_embeddings=False), {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}),
         (
             dict(tie_word_embeddings=False, vocab_size=1000, qkv_bias=True, o_bias=True),
-            {"wq", "wk", "wv", "wo", "w_gate_up", "w_down"},
+            {"wqkv", "wo", "w_gate_up", "w_down"},
         ),
         (
             dict(tie_word_embeddings=True, mlp_bias=True, intermediate_size=1000),
-            {"wq", "wk", "wv", "wo"},
+            {"wqkv", "wo"},
         ),  # down: 1000 x 1024 < 2**20
+        (
+            dict(tie_word_embeddings=False, num_kv_heads=1, head_dim=80, qkv_bias=True),
+            {"wq", "wo", "w_gate_up", "w_down", "lm_head"},
+        ),  # q, k, v: 18 heads of 80 columns, not a whole number of strips; k and v alone are small
     ],
-    ids=["untied", "head-not-in-strips-biases", "tied-gate-up-not-in-strips"],
+    ids=["untied", "head-not-in-strips-biases", "tied-gate-up-not-in-strips", "qkv-not-fused"],
 )
 def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, expected, monkeypatch):
     """to_weight_strips lays out exactly the weights einsum_f32 reads as strips: the model's logits
@@ -459,12 +463,14 @@ def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, expec
         )
     strips_cfg = dataclasses.replace(cfg, weight_strips=cols)
     laid_out = model_lib.to_weight_strips(jax.tree.map(jnp.copy, params), cols)
-    changed = {
+    declared = {jax.tree_util.keystr(path): a for path, a in jax.tree_util.tree_leaves_with_path(params)}
+    changed = {  # laid out, or new: the fused q/k/v
         path[-1].key
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(laid_out), strict=True)
-        if not np.array_equal(a, b)
+        for path, b in jax.tree_util.tree_leaves_with_path(laid_out)
+        if (key := jax.tree_util.keystr(path)) not in declared or not np.array_equal(declared[key], b)
     }
     assert changed == expected
+    assert model_lib.qkv_fused(strips_cfg) == ("wqkv" in expected)
     tokens = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 21))
     chunks = [13, 1, 1, 4, 1, 1]
     want, _ = _logits_and_cache(cfg, params, tokens, chunks)
@@ -473,8 +479,9 @@ def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, expec
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     _, rechunked = _logits_and_cache(strips_cfg, laid_out, tokens, [2, 11, 1, 1, 4, 1, 1])
     # Every layer's K/V where every product before them is in strips; else the first layer's (the
-    # MLP's products on XLA's dot need not be the same bits at another chunk's row count).
-    layers = cfg.num_layers if {"w_gate_up", "w_down"} <= expected else 1
+    # MLP's products on XLA's dot need not be the same bits at another chunk's row count); none
+    # where k and v are XLA's products themselves.
+    layers = (cfg.num_layers if {"w_gate_up", "w_down"} <= expected else 1) if "wqkv" in expected else 0
     for i in (*range(layers), *range(cfg.num_layers, cfg.num_layers + layers)):  # (k pools, then v)
         np.testing.assert_array_equal(rechunked[i], cache[i])
     monkeypatch.setattr(native, "runs_here", lambda: False)
@@ -482,6 +489,7 @@ def test_a_model_in_strips_computes_what_the_declared_layout_does(variant, expec
     for a, b in zip(fallback, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     restored = model_lib.from_weight_strips(laid_out, cols)
+    assert jax.tree.structure(restored) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
 
