@@ -64,13 +64,34 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False) 
     `local=True`: the sliding-window layers' table (see `rope_inv_freq`).
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg, local=local), jnp.float32)  # [H/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
     scale = rope_attention_factor(cfg, local=local)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return cos, sin
+
+    def tables(positions):
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+        angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos, sin
+
+    return _computed_once(tables, positions)
+
+
+def _computed_once(fn, x):
+    """fn(x), where on the CPU it is computed once into a buffer rather than inside each consumer.
+
+    XLA CPU fuses an elementwise producer into every consumer and evaluates it per element of that
+    consumer: the RoPE tables' cos and sin ([B, T, H]) were computed once per head (16 times for q, 4
+    for k) in every layer's rotation, 270 us of each layer of a 48-row decode step of the 150M Llama.
+    An optimization_barrier does not stop it (XLA expands barriers before fusing). A conditional's
+    result is a buffer, so the tables go through one whose branches are both `fn`: the predicate
+    only has to be traced. Measured 2026-12-06 night, the same program with and without, alternating
+    calls in one process: 1.05-1.06x at 48 rows, 1.04x for a 512-token prompt, the same logits. Not
+    on accelerators, where a conditional's predicate costs a device-to-host wait.
+    """
+    if jax.default_backend() != "cpu":
+        return fn(x)
+    return jax.lax.cond(jnp.all(x >= 0), fn, fn, x)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
