@@ -127,12 +127,9 @@ class Attention(nn.Module):
             bk = _param(self, "bk", (k, h), ("kv_heads", "head_dim"), zeros)
             bv = _param(self, "bv", (k, h), ("kv_heads", "head_dim"), zeros)
         if fused:
-            qkv = einsum_f32("BTD,DNH->BTNH", x, wqkv, strips=cfg.weight_strips)
-            parts = jnp.split(qkv, [n, n + k], axis=2)
-            # Each bias joins its float32 sum before the one rounding to x's dtype, as in `_project`.
-            q, kx, vx = (
-                (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype) for y, b in zip(parts, (bq, bk, bv))
-            )
+            bqkv = None if bq is None else jnp.concatenate([bq, bk, bv], axis=0)
+            qkv = _project("BTD,DNH->BTNH", x, wqkv, bqkv, strips=cfg.weight_strips)
+            q, kx, vx = jnp.split(qkv, [n, n + k], axis=2)
         else:
             q = _project("BTD,DNH->BTNH", x, wq, bq, strips=cfg.weight_strips)
             kx = _project("BTD,DKH->BTKH", x, wk, bk, strips=cfg.weight_strips)

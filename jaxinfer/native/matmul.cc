@@ -1092,6 +1092,14 @@ Problem::Wide wide_path() {
 #endif
 }
 
+// One work item finished: the last one wakes the calling thread (see run()).
+void item_done(Shared& s) {
+  if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == s.problem.items) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.all_done.notify_all();
+  }
+}
+
 void drain(Shared& s) {
   const Problem& p = s.problem;
   for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < p.items;) {
@@ -1101,10 +1109,7 @@ void drain(Shared& s) {
       for (int64_t after;; i = after) {
         after = s.next.fetch_add(1, std::memory_order_relaxed);
         f32_strip(p, i, after < p.items ? after : -1);
-        if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == p.items) {
-          std::lock_guard<std::mutex> lock(s.mu);
-          s.all_done.notify_all();
-        }
+        item_done(s);
         if (after >= p.items) return;
       }
     } else
@@ -1139,10 +1144,7 @@ void drain(Shared& s) {
     } else {
       nk_block(p, i * p.block, std::min(p.N, (i + 1) * p.block));
     }
-    if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == p.items) {
-      std::lock_guard<std::mutex> lock(s.mu);
-      s.all_done.notify_all();
-    }
+    item_done(s);
   }
 }
 
