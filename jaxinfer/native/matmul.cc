@@ -946,19 +946,20 @@ constexpr int64_t kF32BlockRows = 256;
 // alternating pairs, 2026-12-06): 1.18-1.20x XLA at one row with, 1.06-1.14x without; 1.34-1.48x
 // against 1.04-1.22x at 4 rows, 1.53x against 1.30x at 16.
 constexpr int64_t kF32PrefetchRows = 8;
-// What a tile asks memory for while it computes. A tile alone over a block (M <= kF32TileRows)
-// reads it from memory: it asks for the strip's rows kF32PrefetchRows ahead of its own, up to `near`
-// rows past the block. Where several tiles pass over a block, they find it in L2: they share out the
-// `far_lines` cache lines from `far` (the strip's next block) and ask for them into L2, a few per
-// row of theirs, so that the next block is there too: memory and arithmetic overlap. (The first
-// tile also asks for its block's rows ahead of its own, in L2 by then.) The 150M model's
+// What a tile asks memory for while it computes. The tiles over a block share out the `far_lines`
+// cache lines from `far` (the strip's next block) and ask for them into L2, a few per row of
+// theirs, so that the next block is there when they reach it: memory and arithmetic overlap. The
+// first tile also asks for the strip's rows kF32PrefetchRows ahead of its own, into L1: up to `near`
+// rows past its block where it is the only tile (M <= kF32TileRows), else within the block. The 150M model's
 // products chained at 48 rows, against XLA in the same process, three alternating pairs (2026-12-06):
 // 1.38x, 1.40x, 1.23x XLA with the far requests, 1.20x, 1.24x, 1.13x without; level at 16 rows.
-// The first tile took no share of them until 2026-12-07: at 7-12 rows (two tiles) the second then
-// waited on memory for the whole next block while the first only computed. With every tile taking
-// a share, the 33 products chained in drain on two threads (a C++ harness, the two forms as two
-// libraries called in turn in one process, 7 rounds): 1.28x at 7 rows, 1.21-1.23x at 8, 1.15-1.19x at
-// 10-12, 1.15x at 24, 1.05x at 16, level at 1-4 (one tile: unchanged) and at 48-64.
+// Until 2026-12-07 the first tile took no share of them, and a tile alone made none: at 7-12 rows
+// (two tiles) the second then waited on memory for the whole next block while the first only
+// computed, and at 2-6 rows the near requests, 2 KB ahead, could not hide memory's latency behind
+// the tile's longer rows. With every tile taking a share, the 33 products chained in drain on two
+// threads (a C++ harness, each form its own library, called in turn in one process, 7-9 rounds):
+// 1.03x at 1 row, 1.05x at 2, 1.12-1.16x at 3-6, 1.28x at 7, 1.18-1.23x at 8, 1.15-1.19x at 10-24,
+// 1.02-1.05x at 16, level at 48-64.
 // A strip's last block asks for the first block of the strip its thread does next (claimed before
 // the last block starts, see drain), which otherwise came cold from memory: the same chain 1.025x,
 // 1.03-1.04x and 1.03x faster at 16, 48 and 96 rows, level at 1-8 (alternating calls in one
@@ -1069,11 +1070,10 @@ void f32_strip(const Problem& p, int64_t s, int64_t after) {
         // (and into the strip that follows it in memory, where this thread does that one next).
         f.near = tiles == 1 ? p.K - k0 - kn + (after == s + 1 ? kF32PrefetchRows : 0) : 0;
       }
-      if (tiles > 1) {  // every tile, the first too, asks for its share of the next block
-        const int64_t lo = next_lines * t / tiles, hi = next_lines * (t + 1) / tiles;
-        f.far = next + 64 * lo;
-        f.far_lines = hi - lo;
-      }
+      // Every tile asks for its share of the next block.
+      const int64_t lo = next_lines * t / tiles, hi = next_lines * (t + 1) / tiles;
+      f.far = next + 64 * lo;
+      f.far_lines = hi - lo;
       kTiles[rows - 1](p, strip, k0, kn, m0, s * kF32StripCols, f);
       m0 += rows;
     }
