@@ -949,9 +949,9 @@ constexpr int64_t kF32PrefetchRows = 8;
 // What a tile asks memory for while it computes. The tiles over a block share out the `far_lines`
 // cache lines from `far` (the strip's next block) and ask for them into L2, a few per row of
 // theirs, so that the next block is there when they reach it: memory and arithmetic overlap. The
-// first tile also asks for the strip's rows kF32PrefetchRows ahead of its own, into L1: up to `near`
-// rows past its block where it is the only tile (M <= kF32TileRows), else within the block. The 150M model's
-// products chained at 48 rows, against XLA in the same process, three alternating pairs (2026-12-06):
+// first tile also asks for the strip's rows kF32PrefetchRows ahead of its own, into L1: up to
+// `near` rows past its block where it is the only tile (M <= kF32TileRows), else within the block.
+// The 150M model's products chained at 48 rows, against XLA in the same process, three alternating pairs (2026-12-06):
 // 1.38x, 1.40x, 1.23x XLA with the far requests, 1.20x, 1.24x, 1.13x without; level at 16 rows.
 // Until 2026-12-07 the first tile took no share of them, and a tile alone made none: at 7-12 rows
 // (two tiles) the second then waited on memory for the whole next block while the first only

@@ -309,10 +309,10 @@ void attend(const Problem& p, int64_t b, int64_t kh, int64_t t, std::vector<floa
 
   if (n > 0) {
     if (static_cast<int64_t>(scores.size()) < G * n16) scores.resize(G * n16);
-    // The pages the loops below would not ask for: the first kKeyPagesAhead of keys and
-    // kValuePagesAhead of values (otherwise an item's first 8 of, at 256 tokens, 16 key pages came
-    // from memory on demand: 1.07-1.10x for 8 layers at 48 rows x 256 tokens, level at 1 x 192 and
-    // 4 x 1024; same bits; alternating calls in one process, 2026-12-07).
+    // The pages the loop below never asks for: the first kKeyPagesAhead of keys and the first
+    // kValuePagesAhead of values. Without these, half the key pages of a 256-token row came from
+    // memory on demand (asking for them here: 1.07-1.10x for 8 layers at 48 rows x 256 tokens,
+    // level at 1 x 192 and 4 x 1024; same bits; alternating calls in one process, 2026-12-07).
     for (int64_t ahead = 0; ahead < kKeyPagesAhead; ++ahead) {
       prefetch_page<KV>(p, p.k_pages, table, kh, lo - lo % S, hi, H, ahead);
     }
