@@ -402,10 +402,14 @@ class Server:
         if self.state != "serving":
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); retry elsewhere")
 
-    def _tokenize(self, text: str, field: str, params: SamplingParams | None = None) -> list[int]:
+    def _tokenize(
+        self, text: str, field: str, params: SamplingParams | None = None, *, allow_empty: bool = False
+    ) -> list[int]:
         """The prompt's ids; a text too large for the prompt limit (`params`' own: none when they keep
-        only its last tokens, see Engine.prompt_token_limit) is refused before it is tokenized."""
-        if not text:
+        only its last tokens, see Engine.prompt_token_limit) is refused before it is tokenized. An
+        empty text is refused as a prompt; `Tokenize` (`allow_empty`) answers what the tokenizer
+        makes of it (its BOS alone, or nothing), as `tokenizer.encode("")` does."""
+        if not text and not allow_empty:
             raise _invalid(f"{field}: the prompt is empty")
         tok = self.llm.tokenizer
         if tok is None:
@@ -419,11 +423,13 @@ class Server:
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
 
-    async def _tokenize_off_loop(self, text: str, field: str, params: SamplingParams | None = None) -> list[int]:
+    async def _tokenize_off_loop(
+        self, text: str, field: str, params: SamplingParams | None = None, *, allow_empty: bool = False
+    ) -> list[int]:
         """`_tokenize` on the tokenize pool: a text may be megabytes (up to the message limit, or the
         prompt limit times the longest token's bytes), which would hold up every stream for a second
         on the event loop."""
-        tokenize = functools.partial(self._tokenize, text, field, params)
+        tokenize = functools.partial(self._tokenize, text, field, params, allow_empty=allow_empty)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenize)
 
     def _admit(
@@ -670,7 +676,8 @@ class Server:
             raise _engine_failed(e) from None
 
     async def _tokenize_rpc(self, request, ctx, rpc):
-        return pb.TokenizeResponse(token_ids=await self._tokenize_off_loop(request.text, "text"))
+        ids = await self._tokenize_off_loop(request.text, "text", allow_empty=True)
+        return pb.TokenizeResponse(token_ids=ids)
 
     async def _model_info(self, request, ctx, rpc):
         if self.llm is None or self.state in ("loading", "failed"):

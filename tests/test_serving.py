@@ -163,6 +163,11 @@ def test_health_reflection_and_model_info(server):
         )
         assert info["kv_bytes_per_token"] == cfg.kv_bytes_per_token and info["has_tokenizer"] is True
         assert c.tokenize("fox") == server.server.llm.tokenizer.encode("fox")
+        # An empty text is no prompt, but Tokenize answers what the tokenizer makes of it (as vLLM's
+        # /tokenize and `tokenizer.encode("")` do), while Generate still refuses it.
+        assert c.tokenize("") == server.server.llm.tokenizer.encode("")
+        with pytest.raises(ServerError, match="text: the prompt is empty"):
+            c.generate("", SamplingParams(max_tokens=1))
     channel.close()
 
 
@@ -1768,11 +1773,11 @@ def test_drain_refuses_new_calls_and_finishes_old_ones():
     # A call that passed the serving check as the drain started: held in its tokenization meanwhile.
     tokenizing, tokenize = threading.Event(), s.server._tokenize
 
-    def held_tokenize(text, *args):
+    def held_tokenize(text, *args, **kw):
         if text == "late":
             tokenizing.set()
             gate.wait(300)
-        return tokenize(text, *args)
+        return tokenize(text, *args, **kw)
 
     s.server._tokenize = held_tokenize
     try:
