@@ -82,6 +82,7 @@ struct Problem {
   int64_t Mp = 0, Kp = 0;
   const float* xf = nullptr;  // the AVX2 and AVX-512 strips' "kn": x in float32, [M, K]; the float32 strips' x
   const float* wf = nullptr;  // the float32 strips' w: [N / kF32StripCols][K][kF32StripCols]
+  bool alone_fetches = true;  // the float32 strips: a tile alone over its block makes requests (see f32_strip)
 };
 
 struct Shared {
@@ -1043,6 +1044,21 @@ void f32_tile(const Problem& p, const float* strip, int64_t k0, int64_t kn, int6
 #endif
 
 #if defined(JAXINFER_F32_STRIPS)
+// Whether a tile alone over its block (M <= kF32TileRows) makes F32Fetch's requests: on Intel, not
+// on AMD. On 2 vCPUs of an Intel Xeon (model 207) they made one-row steps of the 150M model 1.18-1.20x
+// faster than without, and 1.165x at 4 rows (2026-12-06/07). On 2 vCPUs of an AMD EPYC Zen 4 (family 25
+// model 17) the same requests cost more than they hid: decode steps of the 150M model with none,
+// against with them, alternating step by step in one process (2026-12-07, 80 pairs each): 1.14x and
+// 1.15x at 1 row, 1.14x at 2, 1.06x at 3 and 4, 1.01x at 6; the 33 products alone in a C++ harness
+// 1.10x at 1 and 2 rows, 1.05x at 4 (the hardware prefetchers alone streamed them at ~33 GB/s, the
+// machine's two-core read). With two tiles or more (7 rows up) the requests for the next block stay
+// on AMD too: without any requests, 8 rows ran at 0.82-0.87x the speed. Zen 3 and Zen 5 were not
+// measured; they take the AMD choice.
+bool f32_alone_fetches() {
+  static const bool amd = (__builtin_cpu_init(), __builtin_cpu_is("amd"));
+  return !amd;
+}
+
 template <int... R>
 constexpr auto f32_tiles(std::integer_sequence<int, R...>) {
   using Tile = void (*)(const Problem&, const float*, int64_t, int64_t, int64_t, int64_t, F32Fetch);
@@ -1074,6 +1090,7 @@ void f32_strip(const Problem& p, int64_t s, int64_t after) {
       const int64_t lo = next_lines * t / tiles, hi = next_lines * (t + 1) / tiles;
       f.far = next + 64 * lo;
       f.far_lines = hi - lo;
+      if (tiles == 1 && !p.alone_fetches) f = F32Fetch{};  // AMD: the hardware prefetchers alone (above)
       kTiles[rows - 1](p, strip, k0, kn, m0, s * kF32StripCols, f);
       m0 += rows;
     }
@@ -1281,6 +1298,7 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   p.wide = Problem::Wide::kF32Strips;
   p.items = p.N / kF32StripCols;
+  p.alone_fetches = f32_alone_fetches();
   run(pool, shared);
   return ffi::Error::Success();
 #else
