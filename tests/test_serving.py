@@ -652,7 +652,7 @@ def test_a_bug_in_a_handler_is_internal_and_the_server_serves_on(server, monkeyp
     INTERNAL, naming the exception, and is logged with its traceback; the next call is answered."""
     caplog.set_level("INFO", logger="jaxinfer.serving")
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise KeyError("injected handler bug")
 
     monkeypatch.setattr(server.server, "_tokenize", broken)
@@ -673,9 +673,9 @@ def test_a_unary_answer_past_its_deadline_is_counted_as_such_and_not_sent(server
     caplog.set_level("INFO")
     tokenize = server.server._tokenize
 
-    async def slow(*args):  # holds the event loop, so gRPC's cancellation of the call cannot land first
+    async def slow(*args, **kwargs):  # holds the event loop, so gRPC's cancellation of the call cannot land first
         time.sleep(0.6)
-        return tokenize(*args)
+        return tokenize(*args, **kwargs)
 
     def count() -> float:
         labels = {"method": "Tokenize", "code": "DEADLINE_EXCEEDED"}
