@@ -82,7 +82,6 @@ struct Problem {
   int64_t Mp = 0, Kp = 0;
   const float* xf = nullptr;  // the AVX2 and AVX-512 strips' "kn": x in float32, [M, K]; the float32 strips' x
   const float* wf = nullptr;  // the float32 strips' w: [N / kF32StripCols][K][kF32StripCols]
-  bool alone_fetches = true;  // the float32 strips: a tile alone over its block makes requests (see f32_strip)
 };
 
 struct Shared {
@@ -1071,6 +1070,7 @@ void f32_strip(const Problem& p, int64_t s, int64_t after) {
   static constexpr auto kTiles = f32_tiles(std::make_integer_sequence<int, kF32TileRows>{});
   const float* strip = p.wf + s * p.K * kF32StripCols;
   const int64_t tiles = (p.M + kF32TileRows - 1) / kF32TileRows;
+  const bool quiet = tiles == 1 && !f32_alone_fetches();  // AMD: the hardware prefetchers alone (above)
   for (int64_t k0 = 0; k0 < p.K; k0 += kF32BlockRows) {
     const int64_t kn = std::min(kF32BlockRows, p.K - k0);
     const bool last = k0 + kn == p.K;
@@ -1090,7 +1090,7 @@ void f32_strip(const Problem& p, int64_t s, int64_t after) {
       const int64_t lo = next_lines * t / tiles, hi = next_lines * (t + 1) / tiles;
       f.far = next + 64 * lo;
       f.far_lines = hi - lo;
-      if (tiles == 1 && !p.alone_fetches) f = F32Fetch{};  // AMD: the hardware prefetchers alone (above)
+      if (quiet) f = F32Fetch{};
       kTiles[rows - 1](p, strip, k0, kn, m0, s * kF32StripCols, f);
       m0 += rows;
     }
@@ -1298,7 +1298,6 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   p.wide = Problem::Wide::kF32Strips;
   p.items = p.N / kF32StripCols;
-  p.alone_fetches = f32_alone_fetches();
   run(pool, shared);
   return ffi::Error::Success();
 #else
