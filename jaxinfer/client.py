@@ -89,14 +89,23 @@ def _text(value, field: str) -> str:
     return value
 
 
-def _seconds(value, field: str, *, optional: bool = True, default: float | None = None) -> float | None:
-    """A positive, finite number of seconds (or None, meaning `default`, when `optional`); else
+# The longest timeout a call takes: gRPC turns a deadline ~1e10 s away into one already passed (the
+# call failed at once with DEADLINE_EXCEEDED, never sent), so a larger one is refused by name.
+MAX_TIMEOUT = 1e8  # seconds, about 3 years
+
+
+def _seconds(
+    value, field: str, *, optional: bool = True, default: float | None = None, limit: float = MAX_TIMEOUT
+) -> float | None:
+    """A positive number of seconds up to `limit` (or None, meaning `default`, when `optional`); else
     InvalidRequestError naming `field`. grpc itself raises a bare TypeError from deep inside."""
     if value is None and optional:
         return default
     if not is_finite_number(value) or value <= 0:
         none = " (or None)" if optional else ""
         raise InvalidRequestError(f"{field} must be a positive number of seconds{none}, got {_show(value)}")
+    if value > limit:
+        raise InvalidRequestError(f"{field} must be at most {limit:.0f} seconds, got {_show(value)}")
     return float(value)
 
 
@@ -269,6 +278,7 @@ def _model_info(msg: pb.ModelInfo) -> dict:
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
 # The shortest keepalive interval a client may ask for; `jaxinfer serve` accepts pings this often.
 MIN_KEEPALIVE = 1.0
+MAX_KEEPALIVE = (2**31 - 1) // 1000  # gRPC's channel options hold it in milliseconds, an int32
 # GenerateRequest.request_id's limit: a label for logs, echoed in every streamed message, so an
 # unbounded one let a request multiply what the server sends (a 3 MB id, 100 tokens: 300 MB).
 MAX_REQUEST_ID_CHARS = 256
@@ -300,7 +310,7 @@ def _channel_options(keepalive: float | None) -> list[tuple[str, int]]:
 def _keepalive(value) -> float | None:
     if value is not None and _is_number(value) and value < MIN_KEEPALIVE:
         raise InvalidRequestError(f"keepalive must be at least {MIN_KEEPALIVE} s (or None), got {_show(value)}")
-    return _seconds(value, "keepalive")
+    return _seconds(value, "keepalive", limit=MAX_KEEPALIVE)
 
 
 # gRPC's own target schemes (a target naming none is HOST:PORT).

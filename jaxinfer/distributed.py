@@ -47,6 +47,16 @@ class PeerFailureError(RuntimeError):
     """A collective with the other processes failed: a follower died or stopped answering."""
 
 
+def lost_peers(error: BaseException) -> str | None:
+    """The first line of `error` when it is the runtime's word that the other processes are gone (a
+    collective whose peer closed its connection or never connected, the coordinator unreachable),
+    else None. Seen while loading: gloo's "Connection closed by peer" and "Connect timeout"."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    if isinstance(error, jax.errors.JaxRuntimeError) and any(w in first for w in ("Gloo", "coordination", "onnect")):
+        return first
+    return None
+
+
 class _PeerWait:
     """When this process began its present wait on the other processes (a collective in flight,
     from the leader's broadcast to the end of the step it feeds), or None. Watchdogs read it: a

@@ -246,7 +246,7 @@ def _follow(args) -> int:
 
     import jaxinfer
     from jaxinfer.cli import engine_kwargs, error_status, is_usage_error
-    from jaxinfer.distributed import PeerFailureError, StepChannel, Watchdog, run_follower
+    from jaxinfer.distributed import PeerFailureError, StepChannel, Watchdog, lost_peers, run_follower
 
     log = logging.getLogger("jaxinfer.serving")
     me = jax.process_index()
@@ -277,8 +277,7 @@ def _follow(args) -> int:
     except SystemExit as e:
         return _exit_now(e.code if isinstance(e.code, int) else 1)
     except BaseException as e:  # answered as cli.main answers it (a bug's traceback printed, not raised)
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        if isinstance(e, jax.errors.JaxRuntimeError) and any(w in first for w in ("Gloo", "coordination", "onnect")):
+        if first := lost_peers(e):
             # A collective or the coordinator gone: the leader exited (its port taken, a bad setting, a crash).
             log.error("jaxinfer serve: follower %d: lost the other processes (did the leader exit?): %s", me, first)
             return _exit_now(1)

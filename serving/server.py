@@ -299,6 +299,12 @@ class Server:
                 log.info(json.dumps({"event": "warmup", "compilations": n, "seconds": time.perf_counter() - t0}))
                 loop.call_soon_threadsafe(settle, llm)
             except BaseException as e:  # reported by the health check and the log
+                from jaxinfer.distributed import PeerFailureError, lost_peers
+
+                if jax.process_count() > 1 and (first := lost_peers(e)):
+                    # A follower gone while loading: the job is broken (exit 1), not the model (2).
+                    why = f"while loading, a collective with the other processes failed (did a follower exit?): {first}"
+                    e = PeerFailureError(why)
                 loop.call_soon_threadsafe(settle, None, e)
 
         async def watch_peers():  # multi-host: a process that hung while loading would block us forever

@@ -179,6 +179,10 @@ BAD_GENERATE = {
         {"prompt": "x", "timeout": float("nan")},
         r"timeout must be a positive number of seconds \(or None\), got float nan",
     ),
+    "timeout_huge": (  # gRPC made it a deadline already passed: DEADLINE_EXCEEDED, nothing sent
+        {"prompt": "x", "timeout": 1e10},
+        r"timeout must be at most 100000000 seconds, got float 10000000000\.0",
+    ),
 }
 
 
@@ -259,6 +263,10 @@ def test_bad_constructor_and_health_arguments(address):
             InvalidRequestError, match=re.escape(f"timeout must be a positive number of seconds (or None), got {shown}")
         ):
             Client(address, timeout=timeout)
+    with pytest.raises(InvalidRequestError, match=r"timeout must be at most 100000000 seconds, got float 1e\+300"):
+        Client(address, timeout=1e300)
+    with pytest.raises(InvalidRequestError, match=r"keepalive must be at most 2147483 seconds, got int 2147484"):
+        Client(address, keepalive=2147484)  # gRPC's channel options hold it in int32 milliseconds
     with pytest.raises(InvalidRequestError, match=r"server address is not valid Unicode"):
         Client("127.0.0.1:\udcff")
     for port in (0, 65536):  # gRPC would wrap 65536 to 0
@@ -295,7 +303,7 @@ def test_sampling_params_at_their_limits_cross_the_wire_unchanged(kw):
 def test_valid_input_reaches_the_wire(address):
     """The premise of the tests above: good input, numpy ints included, passes validation and fails
     only at the connection (nothing listens), as ServerError."""
-    from jaxinfer.client import MIN_KEEPALIVE
+    from jaxinfer.client import MAX_KEEPALIVE, MAX_TIMEOUT, MIN_KEEPALIVE
 
     p = SamplingParams(max_tokens=np.int64(2**31 - 1), top_k=2**31 - 1, seed=2**32 - 1, stop_token_ids=[2**31 - 1])
     with Client(address, timeout=TIMEOUT, keepalive=MIN_KEEPALIVE) as c:  # the limits themselves pass
@@ -304,6 +312,7 @@ def test_valid_input_reaches_the_wire(address):
             {"prompt_token_ids": [0, 1, 2**31 - 1], "sampling_params": p},
             {"prompt_token_ids": np.array([3, 4], dtype=np.int32), "timeout": 1},
             {"prompt_token_ids": (5, np.int64(6))},
+            {"prompt_token_ids": [7], "timeout": MAX_TIMEOUT},
         ]:
             with pytest.raises(ServerError) as e:
                 c.generate(**kwargs)
@@ -315,6 +324,9 @@ def test_valid_input_reaches_the_wire(address):
             c.tokenize("In the beginning")
         assert e.value.code == "UNAVAILABLE"
         assert c.health() == "UNREACHABLE"
+    with Client(address, timeout=MAX_TIMEOUT, keepalive=MAX_KEEPALIVE) as c, pytest.raises(ServerError) as e:
+        c.generate("In the beginning")
+    assert e.value.code == "UNAVAILABLE"
 
     async def run():
         async with AsyncClient(address, timeout=TIMEOUT) as c:

@@ -181,6 +181,42 @@ def test_integer_weights_are_refused_not_cast(ckpt, tmp_path):
         load_hf_checkpoint(str(d))
 
 
+@pytest.mark.parametrize(
+    "name, value, dtype, mesh",
+    [
+        ("model.layers.1.mlp.down_proj.weight", np.nan, "float32", None),
+        ("model.layers.0.mlp.up_proj.weight", -np.inf, "bfloat16", None),  # read together with gate_proj
+        ("model.embed_tokens.weight", np.inf, "float32", "data=1,model=2"),  # a slice per device
+    ],
+)
+def test_weights_that_are_not_finite_are_refused_by_name(ckpt, tmp_path, name, value, dtype, mesh):
+    """One NaN or infinity in a weight makes every logit NaN: jaxinfer used to load it and generate
+    token 0 over and over without a word. Refused at load, naming the tensor and the count."""
+    d = _copy(ckpt, tmp_path)
+
+    def edit(t):
+        t[name].reshape(-1)[[3, -1]] = value
+
+    _rewrite_safetensors(d, edit)
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {name!r} holds 2 NaN or infinite values")):
+        LLM(str(d), dtype=dtype, mesh=mesh, max_model_len=64, num_kv_pages=16)
+
+
+def test_count_nonfinite_matches_numpy():
+    import ml_dtypes
+
+    from jaxinfer.loading import count_nonfinite
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(10_000).astype(np.float32) * 1e3
+    x[rng.choice(x.size, 37, replace=False)] = rng.choice([np.nan, np.inf, -np.inf], 37)
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+        a = x.astype(dtype)
+        assert count_nonfinite(a, block=999) == int((~np.isfinite(a.astype(np.float32))).sum())
+    assert count_nonfinite(np.float32([3.3e38, -3.3e38, 1e-45])) == 0
+    assert count_nonfinite(np.zeros((4, 0), ml_dtypes.bfloat16)) == 0
+
+
 def test_a_tensor_in_two_files_without_an_index_is_refused(ckpt, tmp_path):
     from safetensors.numpy import load_file, save_file
 

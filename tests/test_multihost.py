@@ -5,7 +5,8 @@ The leader (process 0) runs the scheduler and the gRPC server and broadcasts eve
 follower replays them. Checked: greedy outputs served through the leader equal a single-process
 LLM's, for concurrent unary and streaming calls; a follower killed mid-stream makes the in-flight
 request fail with UNAVAILABLE within a bound, later requests too, health says NOT_SERVING, and the
-leader exits (code 1) promptly on SIGTERM instead of hanging on the dead peer; a follower that hangs
+leader exits (code 1) promptly on SIGTERM instead of hanging on the dead peer; a follower killed
+while loading makes the leader exit (code 1) at once; a follower that hangs
 without dying (SIGSTOP) is caught by --peer-timeout the same way, even with no traffic (the idle
 leader's heartbeat blocks), and once resumed with its leader gone, it stops by itself; a hung leader
 is caught by its followers (its heartbeats stop); a process hung while loading stops the others
@@ -380,6 +381,23 @@ def test_a_process_hung_while_loading_stops_the_others(tmp_path, hung):
         assert "waited 4 s for the other processes" in job.log(other)
     finally:
         job.procs[hung].send_signal(signal.SIGCONT)
+        job.close()
+
+
+def test_a_follower_killed_while_loading_fails_the_leader_at_once(tmp_path):
+    """SIGKILL: the follower's sockets close, so the leader's next collective while loading fails at
+    once (gloo: connection closed, or connect timeout). The leader exits with status 1 - the job
+    broke, not the model (status 2 before, with gloo's bare message) - saying so, long before its
+    --peer-startup-timeout (600 s by default)."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", wait=False)
+    try:
+        job._wait_for(r"listening on 127\.0\.0\.1:(\d+)", 120)  # both processes have joined
+        job.procs["follower"].send_signal(signal.SIGKILL)
+        t = time.monotonic()
+        assert job.procs["leader"].wait(timeout=90) == 1, job.log("leader")[-2000:]
+        assert time.monotonic() - t < 60
+        assert "while loading, a collective with the other processes failed (did a follower exit?)" in job.log("leader")
+    finally:
         job.close()
 
 
