@@ -327,19 +327,26 @@ _MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "gemma3": "gemma
 # model's maths and differs from jaxinfer's own fallbacks (a key present with null stays null).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(max_position_embeddings=2048),
-    "mistral": dict(sliding_window=4096, max_position_embeddings=4096 * 32),
+    "mistral": dict(num_key_value_heads=8, sliding_window=4096, max_position_embeddings=4096 * 32),
     "qwen2": dict(sliding_window=4096, max_window_layers=28, max_position_embeddings=32768),
     "qwen3": dict(head_dim=128, sliding_window=4096, max_window_layers=28, max_position_embeddings=32768),
-    "gemma": dict(head_dim=256, max_position_embeddings=8192),
+    "gemma": dict(num_key_value_heads=16, head_dim=256, max_position_embeddings=8192),
     "gemma2": dict(
+        num_key_value_heads=4,
         head_dim=256,
         sliding_window=4096,
         max_position_embeddings=8192,
         final_logit_softcapping=30.0,
         attn_logit_softcapping=50.0,
     ),
-    "gemma3": dict(head_dim=256, sliding_window=4096, max_position_embeddings=131_072),
+    "gemma3": dict(num_key_value_heads=4, head_dim=256, sliding_window=4096, max_position_embeddings=131_072),
 }
+# A config.json without num_key_value_heads takes the class's default above, as transformers does
+# (found by a config fuzz, 2026-12-07: such a Gemma 2 with 8 heads and 4 KV heads was refused with a
+# shape error). For Llama, and where the key is null, it is num_attention_heads (transformers'
+# fallback for a null, where its class takes one). Qwen2/3 declare 32, which fits only a 32-head
+# model (transformers then builds K/V projections the stored weights do not fill); jaxinfer keeps the
+# head count there, and the weights' shapes decide: a wrong guess is refused by tensor name.
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hf_models import FAMILIES, TINY
+from hf_models import FAMILIES, GEMMA_FAMILIES, GEMMA_TINY, TINY
 
 from jaxinfer.config import (
     GlobalAttention,
@@ -121,6 +121,25 @@ def test_keys_left_out_take_the_transformers_defaults():
     hf = _hf_config("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3)
     c = from_hf_config({**hf.to_dict(), "layer_types": None})
     assert _layer_types(c, 3) == hf.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("family", ["llama2", "mistral-swa", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"])
+def test_kv_heads_left_out_are_what_transformers_builds(family):
+    """Without num_key_value_heads transformers takes its class default (Mistral 8, Gemma 16, Gemma 2/3
+    4), not the head count. Qwen2/3's default of 32 is the one exception kept (see
+    config._HF_DEFAULTS): the head count, with the weights' shapes as the judge. A null is the head
+    count (transformers' fallback where its class takes a null)."""
+    import transformers
+
+    cls_name, _, extra = {**FAMILIES, **GEMMA_FAMILIES}[family]
+    cls = getattr(transformers, cls_name)
+    tiny = GEMMA_TINY if family in GEMMA_FAMILIES else TINY
+    hf = cls(**{**tiny, **extra, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 8}).to_dict()
+    left_out = {k: v for k, v in hf.items() if k != "num_key_value_heads"}
+    expected = 32 if family.startswith("qwen") else cls(**left_out).num_key_value_heads
+    assert from_hf_config(left_out).num_kv_heads == expected
+    assert (expected == 32) == (family in ("llama2", "qwen2", "qwen3"))  # Mistral 8, Gemma 16, Gemma 2/3 4
+    assert from_hf_config({**hf, "num_key_value_heads": None}).num_kv_heads == 32
 
 
 def test_yarn_without_factor_takes_the_ratio_of_context_lengths():
