@@ -317,9 +317,9 @@ def test_hf_checkpoint_is_read_straight_onto_the_mesh(tmp_path, monkeypatch):
             self.cut.append(part.shape)
             return part
 
-    def spy(view, shape, dtype, sharding):
+    def spy(view, shape, dtype, sharding, sources):
         rec = Recording(view)
-        out = place(rec, shape, dtype, sharding)
+        out = place(rec, shape, dtype, sharding, sources)
         reads.append((tuple(shape), out.sharding.shard_shape(tuple(shape)), rec.cut))
         return out
 
