@@ -329,9 +329,11 @@ def test_strips_hold_the_columns_in_the_documented_order():
 
 
 # M on and off the register tiles' 6 (AVX-512) and 3 (AVX2) rows, past one prompt chunk's 512; K
-# of 1, odd, on and past the 256-row blocks; N one strip, several, the 150M Llama's MLP width.
+# of 1, odd, on and past the 256-row blocks (and from 12 rows the 1024-row ones); N one strip,
+# several, the 150M Llama's MLP width.
 F32_SHAPES = [(1, 1024, 5632), (2, 1, 64), (5, 63, 128), (6, 256, 64), (7, 257, 192), (13, 600, 320)]
 F32_SHAPES += [(48, 1024, 256), (64, 777, 128), (513, 100, 64), (0, 5, 64), (3, 0, 128)]
+F32_SHAPES += [(11, 1300, 64), (12, 1025, 128), (30, 2500, 64)]
 
 
 @needs_strips
@@ -346,12 +348,14 @@ def test_f32_matmul_matches_numpy(m, k, n):
 
 
 @needs_strips
-def test_f32_strips_give_a_row_the_same_bits_alone_and_in_any_batch():
+@pytest.mark.parametrize("k", [700, 1300])
+def test_f32_strips_give_a_row_the_same_bits_alone_and_in_any_batch(k):
     """What batch invariance in float32 rests on: one chain of FMAs per output, whatever the tile a
-    row falls in (6 rows, or 1..5 at the end), the batch's size or the thread."""
+    row falls in (6 rows, or 1..5 at the end), the batch's size, the K blocks it is run in (256
+    rows below 12 rows of x, 1024 from there: K 1300 splits differently) or the thread."""
     rng = np.random.default_rng(9)
-    w = matmul_lib.to_strips(_f32(rng, (700, 192)), native.f32_strip_cols())
-    x = _f32(rng, (50, 700))
+    w = matmul_lib.to_strips(_f32(rng, (k, 192)), native.f32_strip_cols())
+    x = _f32(rng, (50, k))
     whole = np.asarray(_f32_matmul(x, w))
     for row in (0, 5, 6, 31, 49):
         np.testing.assert_array_equal(np.asarray(_f32_matmul(x[row : row + 1], w))[0], whole[row])

@@ -932,7 +932,8 @@ void dot_nk_block(const Problem& p, int64_t n0, int64_t n1) {
 // 207, 49 products), these strips took 22.3 against 25.2 ms at one row, 41 against 64 at 8 rows, 65
 // against 102 at 32 and 93 against 154 at 48, and were level at 512. A strip is one contiguous
 // stream the prefetcher follows (a [K, N] weight's 64 columns are K runs of 256 bytes, N * 4 bytes
-// apart), and its blocks of kF32BlockRows rows (64 KB) stay in L1/L2 while every register tile of x
+// apart), and its blocks of kF32BlockRows rows (64 KB; kF32WideBlockRows, 256 KB, from
+// kF32WideBlockFrom rows of x) stay in L1/L2 while every register tile of x
 // passes over them. Copying strips out of a [K, N] weight per call instead (tried 2026-12-05) cost
 // as much as the tiles: hence the layout, paid once.
 //
@@ -941,6 +942,16 @@ void dot_nk_block(const Problem& p, int64_t n0, int64_t n1) {
 // a row is the same bits alone and in any batch, and AVX-512 and AVX2 give the same bits.
 constexpr int64_t kF32StripCols = 64;
 constexpr int64_t kF32BlockRows = 256;
+// From kF32WideBlockFrom rows of x, where the products are bound by arithmetic rather than memory,
+// blocks of kF32WideBlockRows rows: the 150M model's 33 products and its head on two threads (a C++
+// harness running drain, the two heights alternating round by round in one process on the same
+// weights, 6-12 rounds, 2026-12-07, AMD EPYC Zen 4) took 1.04x less time at 12 rows, 1.05x at 16,
+// 1.08x at 24-64, 1.06-1.07x at 256-512 with 1024-row blocks (4096: no better); at 7-9 rows
+// 0.965-0.994x, at 1-4 level. Each output is still one chain in k order (the same bits). Earlier
+// harness runs on the Intel Xeon model 207 (each height its own library, the weights apart) read
+// 128-4096 rows within +-4% of 256, their sign changing between runs: not measured the way above.
+constexpr int64_t kF32WideBlockRows = 1024;
+constexpr int64_t kF32WideBlockFrom = 12;
 // Rows of a strip (2 KB) asked for ahead of the tile reading it from memory: the hardware prefetcher
 // alone stops at each 4 KB page. Chained as a 150M step, against XLA in the same process (two
 // alternating pairs, 2026-12-06): 1.18-1.20x XLA at one row with, 1.06-1.14x without; 1.34-1.48x
@@ -965,7 +976,7 @@ constexpr int64_t kF32PrefetchRows = 8;
 // 1.03-1.04x and 1.03x faster at 16, 48 and 96 rows, level at 1-8 (alternating calls in one
 // process, 12-16 pairs, 2026-12-06 night).
 struct F32Fetch {
-  int64_t near = -kF32BlockRows;  // (none)
+  int64_t near = -kF32WideBlockRows;  // (none: below any block's first row)
   const char* far = nullptr;
   int64_t far_lines = 0;
 };
@@ -1064,19 +1075,21 @@ constexpr auto f32_tiles(std::integer_sequence<int, R...>) {
   return std::array<Tile, sizeof...(R)>{f32_tile<R + 1>...};
 }
 
-// Work item s: strip s of w against every row of x, block by block of kF32BlockRows rows of w, the
+// Work item s: strip s of w against every row of x, block by block of kF32BlockRows rows of w
+// (kF32WideBlockRows from kF32WideBlockFrom rows of x), the
 // rows of x in as few register tiles as fit, of near-equal heights.
 void f32_strip(const Problem& p, int64_t s, int64_t after) {
   static constexpr auto kTiles = f32_tiles(std::make_integer_sequence<int, kF32TileRows>{});
   const float* strip = p.wf + s * p.K * kF32StripCols;
   const int64_t tiles = (p.M + kF32TileRows - 1) / kF32TileRows;
   const bool quiet = tiles == 1 && !f32_alone_fetches();  // AMD: the hardware prefetchers alone (above)
-  for (int64_t k0 = 0; k0 < p.K; k0 += kF32BlockRows) {
-    const int64_t kn = std::min(kF32BlockRows, p.K - k0);
+  const int64_t block = p.M >= kF32WideBlockFrom ? kF32WideBlockRows : kF32BlockRows;
+  for (int64_t k0 = 0; k0 < p.K; k0 += block) {
+    const int64_t kn = std::min(block, p.K - k0);
     const bool last = k0 + kn == p.K;
     // The next block: the strip's own, or after its last, the first of the strip this thread does next.
     const float* next_rows = last ? (after >= 0 ? p.wf + after * p.K * kF32StripCols : nullptr) : strip + (k0 + kn) * kF32StripCols;
-    const int64_t next_lines = next_rows == nullptr ? 0 : std::min(kF32BlockRows, last ? p.K : p.K - k0 - kn) * kF32StripCols * 4 / 64;
+    const int64_t next_lines = next_rows == nullptr ? 0 : std::min(block, last ? p.K : p.K - k0 - kn) * kF32StripCols * 4 / 64;
     const char* next = reinterpret_cast<const char*>(next_rows);
     for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
       const int64_t rows = (p.M - m0 + tiles - t - 1) / (tiles - t);
