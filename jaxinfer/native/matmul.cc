@@ -945,7 +945,7 @@ constexpr int64_t kF32BlockRows = 256;
 // From kF32WideBlockFrom rows of x, where the products are bound by arithmetic rather than memory,
 // blocks of kF32WideBlockRows rows: the 150M model's 33 products and its head on two threads (a C++
 // harness running drain, the two heights alternating round by round in one process on the same
-// weights, 6-12 rounds, 2026-12-07, AMD EPYC Zen 4) took 1.04x less time at 12 rows, 1.05x at 16,
+// weights, 6-12 rounds, 2026-12-07, AMD EPYC Zen 4) ran 1.04x faster at 12 rows, 1.05x at 16,
 // 1.08x at 24-64, 1.06-1.07x at 256-512 with 1024-row blocks (4096: no better); at 7-9 rows
 // 0.965-0.994x, at 1-4 level. Each output is still one chain in k order (the same bits). Earlier
 // harness runs on the Intel Xeon model 207 (each height its own library, the weights apart) read
