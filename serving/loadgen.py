@@ -329,6 +329,7 @@ def _offline_llm(args, model_dir, max_model_len, served_model: str):
     from jaxinfer import LLM
 
     llm = LLM(**offline_kwargs(args, model_dir, max_model_len), warmup=True)
+    llm.engine.wait_for_huge_pages()
     if args.concurrency < args.max_num_seqs:
         print(
             f"offline engine: max_num_seqs {args.concurrency} (= --concurrency: the served side runs at most "
