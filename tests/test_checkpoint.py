@@ -354,6 +354,38 @@ def test_unexpected_tensor_is_named(tmp_path):
         checkpoint.restore(out)
 
 
+@pytest.mark.parametrize("value, dtype, sharded", [(np.nan, "float32", False), (-np.inf, "bfloat16", True)])
+def test_weights_that_are_not_finite_are_refused_by_name(tmp_path, value, dtype, sharded):
+    """As for Hugging Face checkpoints (test_loading): a NaN or an infinity in a weight made every logit
+    NaN, and a jaxinfer checkpoint holding one restored without a word."""
+    params = jax.tree.map(np.array, init_params(SMALL, 0))  # writable copies
+    params["layer_1"]["mlp"]["w_down"].reshape(-1)[[5, -1]] = value
+    out = str(tmp_path / "ckpt")
+    checkpoint.save(out, SMALL, params, dtype=dtype)
+    shardings = None
+    if sharded:  # the count runs where the arrays are, split over two devices here
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+        shardings = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    with pytest.raises(CheckpointError, match=r"tensor 'layer_1/mlp/w_down' holds 2 NaN or infinite values"):
+        checkpoint.restore(out, dtype=dtype, shardings=shardings)
+    params["layer_1"]["mlp"]["w_down"].reshape(-1)[[5, -1]] = 0.5  # and the same checkpoint, mended, restores
+    checkpoint.save(str(tmp_path / "mended"), SMALL, params, dtype=dtype)
+    checkpoint.restore(str(tmp_path / "mended"), dtype=dtype, shardings=shardings)
+
+
+def test_the_on_device_count_of_non_finite_values_is_numpys():
+    """The count accelerators and multi-host jobs use (on the CPU in one process, the host's is)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.checkpoint import _nonfinite_counts
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(5000).astype(np.float32)
+    x[rng.choice(x.size, 23, replace=False)] = rng.choice([np.nan, np.inf, -np.inf], 23)
+    leaves = [jnp.asarray(x), jnp.asarray(x, jnp.bfloat16).reshape(50, 100), jnp.ones((3, 4))]
+    assert [int(c) for c in _nonfinite_counts(leaves)] == [23, 23, 0]
+
+
 def test_wrong_shape_is_named(small_ckpt):
     path = os.path.join(small_ckpt, "config.json")
     with open(path) as f:
