@@ -85,8 +85,11 @@ def huge_page_ranges(arrays, size: int) -> list[tuple[int, int]]:
     into a neighbouring allocation."""
     ranges = []
     for a in arrays:
-        for shard in getattr(a, "addressable_shards", ()):
-            data = shard.data
+        try:
+            shards = [s.data for s in getattr(a, "addressable_shards", ())]
+        except RuntimeError:  # deleted (donated): nothing of it to move
+            continue
+        for data in shards:
             if data.device.platform != "cpu" or data.nbytes < size:
                 continue
             start = data.unsafe_buffer_pointer()
