@@ -29,6 +29,7 @@ it works. Where the kernel cannot (huge pages off, an older kernel), the memory 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -107,15 +108,21 @@ def _collapse(ranges: list[tuple[int, int]]) -> tuple[int, str | None]:
     except (OSError, AttributeError) as e:
         return 0, f"no madvise: {e}"
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    done, why = 0, None
+    done, why, collapse = 0, None, True
     for start, length in ranges:
         # Neither call changes what the memory holds, so a range whose array has been freed (and its
         # memory reused) since it was listed comes to no harm: it is merely backed differently.
-        if madvise(start, length, _MADV_HUGEPAGE) != 0 or madvise(start, length, _MADV_COLLAPSE) != 0:
+        if madvise(start, length, _MADV_HUGEPAGE) != 0:
             why = os.strerror(ctypes.get_errno())
-            if ctypes.get_errno() == 22:  # EINVAL: this kernel has no MADV_COLLAPSE
-                break
-            continue  # EAGAIN / ENOMEM: no huge page free now; the next range may find one
+            continue
+        if not collapse:
+            continue
+        if madvise(start, length, _MADV_COLLAPSE) != 0:
+            why = os.strerror(ctypes.get_errno())
+            # EINVAL: a kernel before 6.1, without MADV_COLLAPSE; the ranges stay advised, for its
+            # khugepaged to collapse in its own time. EAGAIN / ENOMEM: no huge page free just now.
+            collapse = ctypes.get_errno() != errno.EINVAL
+            continue
         done += length
     return done, why
 

@@ -129,3 +129,32 @@ def test_huge_pages_left_alone_when_asked():
     )
     before, after, spanned, same = out.stdout.split()[-4:]
     assert int(after) - int(before) < 0.5 * int(spanned) and same == "True"
+
+
+def test_a_kernel_without_madv_collapse_still_gets_every_range_advised(monkeypatch):
+    """Before Linux 6.1 MADV_COLLAPSE is EINVAL: each range is still marked MADV_HUGEPAGE (khugepaged
+    then collapses it in its own time), and the refused call is not tried again range after range."""
+    import ctypes
+    import errno
+
+    from jaxinfer import _malloc
+
+    calls = []
+
+    def madvise(start, length, advice):
+        calls.append((start, advice))
+        if advice == _malloc._MADV_COLLAPSE:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return 0
+
+    class Libc:
+        pass
+
+    libc = Libc()
+    libc.madvise = madvise
+    monkeypatch.setattr(_malloc.ctypes, "CDLL", lambda *a, **k: libc)
+    done, why = _malloc._collapse([(0, 2 << 20), (4 << 20, 2 << 20), (8 << 20, 4 << 20)])
+    assert done == 0 and why == os.strerror(errno.EINVAL)
+    assert [a for s, a in calls if a == _malloc._MADV_HUGEPAGE] == [_malloc._MADV_HUGEPAGE] * 3
+    assert [s for s, a in calls if a == _malloc._MADV_COLLAPSE] == [0]
