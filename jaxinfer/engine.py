@@ -416,8 +416,12 @@ class Engine:
         self.cache = self._new_cache()
         # On the CPU, the weights and the cache move into huge pages while the engine runs (a
         # decode step streams them all: ~1.09x at batch 1 for the 150M model; _malloc explains).
+        # The new cache is all zeros: its pages are given back, to come again as huge pages when written.
+        self._cpu_memory = platform == "cpu"
         self._huge_pages = (
-            _malloc.back_with_huge_pages([*jax.tree.leaves(self.params), *jax.tree.leaves(self.cache)], what="engine")
+            _malloc.back_with_huge_pages(
+                jax.tree.leaves(self.params), zeros=jax.block_until_ready(jax.tree.leaves(self.cache)), what="engine"
+            )
             if platform == "cpu"
             else None
         )
@@ -934,8 +938,10 @@ class Engine:
         )
         self.cache = None  # whatever the failed step left, before allocating its replacement
         self.cache = self._new_cache()  # if this fails too, the next step tries again
-        if self._huge_pages is not None:
-            self._huge_pages = _malloc.back_with_huge_pages(jax.tree.leaves(self.cache), what="new cache")
+        if self._cpu_memory:
+            self._huge_pages = _malloc.back_with_huge_pages(
+                [], zeros=jax.block_until_ready(jax.tree.leaves(self.cache)), what="new cache"
+            )
 
     def _step(self) -> list[SeqUpdate]:
         ahead = self._ahead

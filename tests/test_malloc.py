@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the mallopt knobs are glibc's")
@@ -86,49 +87,91 @@ def _huge_pages_unavailable() -> str | None:
     return None
 
 
-# An engine whose cache (12 pools of 16 MB) has whole huge pages to move; prints the process's huge
-# pages before and after, the bytes the engine's ranges span, and whether greedy tokens made while
-# the collapse may still run equal those made after it.
+# An engine whose cache (12 pools of 16 MB) spans whole huge pages. Prints, as JSON: the share of
+# the cache's huge-page ranges resident right after the engine is built (a new cache is all zeros,
+# given back), the cache's huge pages after a generate (written pages come back huge), the weights'
+# ranges and their huge pages once moved, and whether greedy tokens made while the move may still run
+# equal those made after it.
 _ENGINE_PROBE = textwrap.dedent(
     """
-    import os, re, jax
+    import ctypes, json, re, jax
     from jaxinfer import LLM, SamplingParams, _malloc
-    def anon_huge():
-        text = open(f"/proc/{os.getpid()}/smaps_rollup").read()
-        return int(re.search(r"AnonHugePages:\\s+(\\d+)", text).group(1)) * 1024
-    before = anon_huge()
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    def resident(ranges):
+        pages = total = 0
+        for start, length in ranges:
+            vec = (ctypes.c_ubyte * (length // 4096))()
+            assert libc.mincore(start, length, vec) == 0
+            pages += sum(b & 1 for b in vec); total += len(vec)
+        return pages / max(total, 1)
+    def huge(ranges):  # AnonHugePages of the mappings lying within the ranges
+        out, lo = 0, None
+        for line in open("/proc/self/smaps"):
+            if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+                lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+                inside = any(s <= lo and hi <= s + n for s, n in ranges)
+            elif line.startswith("AnonHugePages:") and inside:
+                out += int(line.split()[1]) * 1024
+        return out
+    size = _malloc.huge_page_size() or 2 << 20
     llm = LLM(max_model_len=256, num_kv_pages=2048)
+    cache = _malloc.huge_page_ranges(jax.tree.leaves(llm.engine.cache), size)
+    params = _malloc.huge_page_ranges(jax.tree.leaves(llm.engine.params), size)
+    given_back = 1 - resident(cache)
     sp = SamplingParams(max_tokens=24, temperature=0.0)
     during = [o.token_ids for o in llm.generate(["In the beginning", "And the LORD"], sp)]
     assert llm.engine.wait_for_huge_pages(timeout=120)
     after = [o.token_ids for o in llm.generate(["In the beginning", "And the LORD"], sp)]
-    leaves = [*jax.tree.leaves(llm.engine.params), *jax.tree.leaves(llm.engine.cache)]
-    size = _malloc.huge_page_size() or 2 << 20
-    print(before, anon_huge(), sum(n for _, n in _malloc.huge_page_ranges(leaves, size)), during == after)
+    print(json.dumps({
+        "cache_spanned": sum(n for _, n in cache), "cache_given_back": given_back, "cache_huge": huge(cache),
+        "params_spanned": sum(n for _, n in params), "params_huge": huge(params), "same": during == after,
+    }))
     """
 )
 
 
-def test_an_engine_on_the_cpu_moves_its_weights_and_cache_into_huge_pages():
+def _engine_probe(**env) -> dict:
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ENGINE_PROBE], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_an_engine_on_the_cpu_puts_its_weights_and_cache_in_huge_pages():
     if why := _huge_pages_unavailable():
         pytest.skip(why)
-    out = subprocess.run([sys.executable, "-c", _ENGINE_PROBE], capture_output=True, text=True, check=True)
-    before, after, spanned, same = out.stdout.split()[-4:]
-    assert int(spanned) >= 150 << 20
-    assert int(after) - int(before) >= 0.9 * int(spanned), out.stdout  # the kernel backs them in huge pages
-    assert same == "True"  # and what they hold is what it was
+    got = _engine_probe()
+    assert got["cache_spanned"] >= 150 << 20 and got["params_spanned"] >= 2 << 20
+    assert got["cache_given_back"] > 0.95  # the new cache's zeros given back, not copied
+    assert got["cache_huge"] >= 2 << 20  # what the steps wrote came back in huge pages
+    assert got["params_huge"] >= 0.9 * got["params_spanned"]  # the weights moved
+    assert got["same"]  # and what they hold is what it was
 
 
 def test_huge_pages_left_alone_when_asked():
-    out = subprocess.run(
-        [sys.executable, "-c", _ENGINE_PROBE],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "JAXINFER_HUGE_PAGES": "0"},
-    )
-    before, after, spanned, same = out.stdout.split()[-4:]
-    assert int(after) - int(before) < 0.5 * int(spanned) and same == "True"
+    got = _engine_probe(JAXINFER_HUGE_PAGES="0")
+    assert got["cache_given_back"] < 0.05 and got["cache_huge"] == 0 and got["params_huge"] == 0 and got["same"]
+
+
+def test_only_zeros_are_given_back_and_they_come_back_as_huge_pages_when_written():
+    if why := _huge_pages_unavailable():
+        pytest.skip(why)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import _malloc
+
+    n = 16 << 20  # 64 MB of float32
+    zeros, ones = jnp.zeros((n,), jnp.float32), jnp.ones((n,), jnp.float32)
+    _malloc.back_with_huge_pages([], zeros=[zeros, ones], background=False)
+    assert not np.asarray(zeros).any() and np.asarray(ones).all()  # what each held, it holds
+    ptr = zeros.unsafe_buffer_pointer()
+    written = jax.jit(lambda a: a + 2.0, donate_argnums=0)(zeros)
+    assert written.unsafe_buffer_pointer() == ptr  # written in place, into the pages given back
+    assert (np.asarray(written) == 2.0).all()
 
 
 def test_a_kernel_without_madv_collapse_still_gets_every_range_advised(monkeypatch):
