@@ -401,6 +401,29 @@ def test_a_follower_killed_while_loading_fails_the_leader_at_once(tmp_path):
         job.close()
 
 
+def test_a_jaxinfer_checkpoint_with_a_nan_is_refused_by_every_process(tmp_path):
+    """The restored weights' count of non-finite values runs as one program over arrays that span
+    both processes: both see it, and both exit 2 naming the tensor (not one erroring while the other
+    waits in a collective)."""
+    import numpy as np
+
+    from jaxinfer import checkpoint
+    from jaxinfer.default_model import ASSETS
+
+    cfg, params = checkpoint.restore(ASSETS)
+    params = jax.tree.map(np.array, params)
+    params["layer_1"]["mlp"]["w_down"].reshape(-1)[7] = np.nan
+    checkpoint.save(tmp_path / "ckpt", cfg, params, tokenizer_dir=ASSETS)
+    job = Job(tmp_path, str(tmp_path / "ckpt"), "data=2,model=4", wait=False)
+    try:
+        codes = {role: p.wait(timeout=120) for role, p in job.procs.items()}
+        assert codes == {"leader": 2, "follower": 2}, {r: job.log(r)[-2000:] for r in job.procs}
+        for role in job.procs:
+            assert "tensor 'layer_1/mlp/w_down' holds 1 NaN or infinite value" in job.log(role), job.log(role)[-2000:]
+    finally:
+        job.close()
+
+
 def test_processes_started_with_different_settings_are_refused_by_name(tmp_path, model_dir):
     """A follower with another page count would run every step on a cache of another size (the
     collectives only need equal shapes) and return wrong tokens; both processes now refuse to start,
