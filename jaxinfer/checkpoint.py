@@ -399,7 +399,8 @@ def _check_finite(params, params_dir: str) -> None:
     """Every restored value must be finite, as for Hugging Face checkpoints (loading.count_nonfinite):
     one NaN in a weight makes every logit NaN. In one process on the CPU the arrays are host memory,
     read in place (the default model: ~2 ms); elsewhere counted on their devices by one program, which
-    every process of a multi-host job runs (the arrays span them all, and all then see the count)."""
+    every process of a multi-host job runs (a tensor split over processes by a collective, so all of
+    them see its count; one each holds whole is counted by each)."""
     from jaxinfer.loading import count_nonfinite
 
     named = jax.tree_util.tree_leaves_with_path(params)
