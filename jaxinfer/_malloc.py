@@ -106,14 +106,20 @@ def huge_page_ranges(arrays, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _madvise():
+    """libc's madvise(addr, length, advice), errno kept; None where there is none to call."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def _collapse(ranges: list[tuple[int, int]]) -> tuple[int, str | None]:
     """madvise each range into huge pages; (bytes the kernel collapsed, why it did not, or None)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError) as e:
-        return 0, f"no madvise: {e}"
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if (madvise := _madvise()) is None:
+        return 0, "no madvise in this C library"
     done, why, collapse = 0, None, True
     for start, length in ranges:
         # Neither call changes what the memory holds, so a range whose array has been freed (and its
@@ -159,12 +165,8 @@ def back_with_huge_pages(arrays, *, what: str = "arrays", background: bool = Tru
         return None
     ranges = huge_page_ranges(arrays, size)
     if zero_ranges := huge_page_ranges(zeros, size):
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            ranges += _drop_zero_ranges(zero_ranges, madvise)
-        except (OSError, AttributeError):
-            ranges += zero_ranges
+        madvise = _madvise()
+        ranges += zero_ranges if madvise is None else _drop_zero_ranges(zero_ranges, madvise)
     if not ranges:
         return None
 

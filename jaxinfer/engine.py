@@ -418,13 +418,9 @@ class Engine:
         # decode step streams them all: ~1.09x at batch 1 for the 150M model; _malloc explains).
         # The new cache is all zeros: its pages are given back, to come again as huge pages when written.
         self._cpu_memory = platform == "cpu"
-        self._huge_pages = (
-            _malloc.back_with_huge_pages(
-                jax.tree.leaves(self.params), zeros=jax.block_until_ready(jax.tree.leaves(self.cache)), what="engine"
-            )
-            if platform == "cpu"
-            else None
-        )
+        self._huge_pages: list = []  # the threads moving memory into huge pages
+        if self._cpu_memory:
+            self._back_with_huge_pages(jax.tree.leaves(self.params), what="engine")
         # Device memory the cache holds, every device and copy counted (on a mesh: KV heads copied
         # for the `model` axis, pages whole on every `data` device).
         self.kv_cache_bytes = sum(shard_bytes(self.cache).values())
@@ -604,14 +600,23 @@ class Engine:
         except Exception as e:
             raise PeerFailureError(f"a heartbeat to the other processes failed (a follower died?): {e}") from e
 
+    def _back_with_huge_pages(self, params, *, what: str) -> None:
+        """`params` and the present cache (new, so all zeros: its pages given back, to come again as
+        huge pages when written) into huge pages; the thread that moves the rest is kept for
+        `wait_for_huge_pages`."""
+        thread = _malloc.back_with_huge_pages(
+            params, zeros=jax.block_until_ready(jax.tree.leaves(self.cache)), what=what
+        )
+        self._huge_pages = [t for t in self._huge_pages if t.is_alive()] + ([thread] if thread else [])
+
     def wait_for_huge_pages(self, timeout: float | None = None) -> bool:
         """Waits until the weights and the cache are in huge pages, as far as the kernel allowed (CPU
         only; see _malloc.back_with_huge_pages): for a benchmark that must time the engine as it will
         run. Whether that work is over (True where there was none)."""
-        if self._huge_pages is not None:
-            self._huge_pages.join(timeout)
-            return not self._huge_pages.is_alive()
-        return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._huge_pages:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._huge_pages)
 
     def close(self) -> None:
         """Multi-host leader: tells the followers to exit (they return from run_follower)."""
@@ -939,9 +944,7 @@ class Engine:
         self.cache = None  # whatever the failed step left, before allocating its replacement
         self.cache = self._new_cache()  # if this fails too, the next step tries again
         if self._cpu_memory:
-            self._huge_pages = _malloc.back_with_huge_pages(
-                [], zeros=jax.block_until_ready(jax.tree.leaves(self.cache)), what="new cache"
-            )
+            self._back_with_huge_pages([], what="new cache")
 
     def _step(self) -> list[SeqUpdate]:
         ahead = self._ahead
