@@ -134,7 +134,7 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
                 raise CheckpointError(f"{index}: file name {fname!r} points outside the model directory")
             if not os.path.isfile(os.path.join(model_dir, fname)):
                 raise CheckpointError(f"{index} points at missing file {fname!r}")
-        return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+        return _tensors_of_shards(model_dir, index, weight_map)
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         pickled = sorted(f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth")))
@@ -155,6 +155,41 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
                 )
             out[k] = os.path.join(model_dir, fname)
     return out
+
+
+def _tensors_of_shards(model_dir: str, index: str, weight_map: dict[str, str]) -> dict[str, str]:
+    """Tensor name -> file for the shards an index lists, read off the shards' own headers, as
+    transformers reads every tensor of every listed shard: a tensor the weight_map leaves out or files
+    under another listed shard is found where it is. A tensor held by two shards with different
+    values is refused by name (transformers silently takes the later file's, a stale copy left by
+    a botched re-shard as often as not); one listed but held by none is missing."""
+    out: dict[str, str] = {}
+    opened: dict[str, SafetensorsFile] = {}
+    for fname in sorted(set(weight_map.values())):
+        path = os.path.join(model_dir, fname)
+        opened[path] = shard = SafetensorsFile(path)
+        for k in shard.keys():
+            first = out.setdefault(k, path)
+            if first != path and not _same_bytes(opened[first], shard, k):
+                raise CheckpointError(
+                    f"{index}: tensor {k!r} is in both {os.path.basename(first)} and {fname} with different "
+                    "values; remove the stale copy (or its shard from the index)"
+                )
+    for k, fname in weight_map.items():
+        if k not in out:
+            raise CheckpointError(f"{index} lists tensor {k!r} in {fname!r}, but no listed shard holds it")
+    return out
+
+
+def _same_bytes(a: SafetensorsFile, b: SafetensorsFile, name: str) -> bool:
+    """Whether two files hold the tensor `name` with the same dtype, shape and bytes."""
+    ha, hb = a.header[name], b.header[name]
+    if (ha["dtype"], ha["shape"]) != (hb["dtype"], hb["shape"]):
+        return False
+    (a0, a1), (b0, b1) = ha["data_offsets"], hb["data_offsets"]
+    x, y = a._mmap[a._data_start + a0 : a._data_start + a1], b._mmap[b._data_start + b0 : b._data_start + b1]
+    step = 1 << 26  # 64 MiB at a time: no full-size temporaries for a duplicated embedding
+    return all(np.array_equal(x[i : i + step], y[i : i + step]) for i in range(0, len(x), step))
 
 
 def stored_float_dtype(model_dir: str) -> str | None:
@@ -384,11 +419,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, *, shardings=None)
             if fname not in opened:
                 opened[fname] = SafetensorsFile(fname)
             st = opened[fname]
-            if names[hf_name] not in st.header:
-                raise CheckpointError(
-                    f"tensor {names[hf_name]!r} is not in {os.path.basename(fname)} as the index says"
-                )
-            raw = st.get(names[hf_name])
+            raw = st.get(names[hf_name])  # `files` comes from the shards' own headers
             if raw.dtype not in _FLOAT_DTYPES:
                 raise CheckpointError(
                     f"tensor {names[hf_name]!r} in {os.path.basename(fname)} holds {raw.dtype} values; weights must be "

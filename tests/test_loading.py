@@ -341,16 +341,62 @@ def test_index_pointing_at_missing_file(tmp_path):
         load_hf_checkpoint(str(tmp_path))
 
 
-def test_index_naming_the_wrong_file_for_a_tensor_is_named(tmp_path):
-    """The index sends a tensor to a shard that exists but does not hold it: a CheckpointError that
-    names the tensor, not a KeyError from inside the loader."""
+def _sharded(tmp_path):
     save_hf_model(make_hf_model("llama2"), tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    name = next(k for k, v in index["weight_map"].items() if v == files[0])
-    index["weight_map"][name] = files[1]
+    return index, sorted(set(index["weight_map"].values()))
+
+
+def _write_index(tmp_path, index):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=re.escape(name) + ".*as the index says"):
+
+
+def _leaves(params):
+    return jax.tree_util.tree_leaves_with_path(params)
+
+
+def test_an_index_is_read_as_transformers_reads_it_every_tensor_of_every_listed_shard(tmp_path):
+    """transformers loads every tensor of the shards an index lists, wherever the weight_map files it:
+    a tensor sent to the wrong shard, or left out of the map, loads from the shard that holds it
+    (jaxinfer refused the first and called the second missing). One that no listed shard holds is
+    named."""
+    index, files = _sharded(tmp_path)
+    _, want = load_hf_checkpoint(str(tmp_path))
+    held = {f: [k for k, v in index["weight_map"].items() if v == f] for f in files}
+    shared = [f for f in files if len(held[f]) > 1]  # a shard the map still lists with one tensor gone
+    moved, dropped = held[shared[0]][0], held[shared[1]][0]
+    index["weight_map"][moved] = next(f for f in files if f != shared[0])
+    del index["weight_map"][dropped]
+    _write_index(tmp_path, index)
+    _, got = load_hf_checkpoint(str(tmp_path))
+    for (path, a), (_, b) in zip(_leaves(got), _leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    index["weight_map"]["model.layers.0.self_attn.q_proj.lora_A"] = files[0]
+    _write_index(tmp_path, index)
+    with pytest.raises(
+        CheckpointError, match=re.escape("'model.layers.0.self_attn.q_proj.lora_A' in") + ".*no listed shard holds it"
+    ):
+        load_hf_checkpoint(str(tmp_path))
+
+
+def test_a_tensor_in_two_listed_shards_loads_only_when_the_copies_agree(tmp_path):
+    """A stale copy of a tensor in a second shard (a re-shard gone wrong): transformers silently takes
+    the later file's. jaxinfer takes either when they are the same bytes and otherwise names both files."""
+    from safetensors.numpy import load_file, save_file
+
+    index, files = _sharded(tmp_path)
+    _, want = load_hf_checkpoint(str(tmp_path))
+    name = "model.embed_tokens.weight"
+    holder = index["weight_map"][name]
+    other = next(f for f in files if f != holder)
+    tensors = load_file(tmp_path / other)
+    save_file({**tensors, name: load_file(tmp_path / holder)[name]}, tmp_path / other, metadata={"format": "pt"})
+    _, got = load_hf_checkpoint(str(tmp_path))  # an identical copy
+    for (path, a), (_, b) in zip(_leaves(got), _leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    stale = load_file(tmp_path / holder)[name] + 1
+    save_file({**tensors, name: stale}, tmp_path / other, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(name) + ".*in both.*different values"):
         load_hf_checkpoint(str(tmp_path))
 
 
