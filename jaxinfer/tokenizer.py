@@ -72,6 +72,7 @@ def encode_prompt(
     result afterwards costs seconds, and on a server holds up every other request meanwhile. One that
     passes that bound (or has none: see `max_token_bytes`) is refused when its tokens are too many.
     """
+    _refuse_fill_token(text, getattr(tok, "fill_token", None), field)
     if max_tokens is None:
         return tok.encode(text, add_special_tokens=add_special_tokens)
     per_token = getattr(tok, "max_token_bytes", None)  # None: no bound, the text is encoded and counted
@@ -121,6 +122,7 @@ class TokenizerSettings:
     add_prefix_space: bool | None = None
     legacy: bool | None = None
     tokenizer_class: str | None = None
+    fill_token: str | None = None  # CodeLlama's infilling marker: transformers rewrites such prompts; refused here
     chat_templates: dict[str, str] = dataclasses.field(default_factory=dict)  # by name; "default" the main one
     has_config: bool = False  # whether there was a tokenizer_config.json at all
 
@@ -273,6 +275,17 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         for t, i in listed.items():
             added.setdefault(_token_id(i, f"{path}: the id of {t!r}"), (t, t in named))
 
+    fill = None
+    if config.get("tokenizer_class") in _CODE_LLAMA_CLASSES:
+        # CodeLlamaTokenizer makes its infilling markers special tokens, whatever tokenizer.json says (its
+        # defaults unless the config names others, or null for none); the fill token marks where the
+        # middle goes in a prompt.
+        for key, default in _CODE_LLAMA_MARKERS.items():
+            text = _token_text(config.get(key, default))
+            if text is not None:
+                special.setdefault(key, text)
+        fill = _token_text(config.get("fill_token", "<FILL_ME>"))
+
     def flag(name):
         value = config.get(name)
         return None if value is None else bool(value)
@@ -287,12 +300,21 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         add_prefix_space=flag("add_prefix_space"),
         legacy=flag("legacy"),
         tokenizer_class=config.get("tokenizer_class"),
+        fill_token=fill,
         chat_templates=_chat_templates(model_dir, config),
         has_config=has_config,
     )
 
 
-_METASPACE_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+_CODE_LLAMA_CLASSES = ("CodeLlamaTokenizer", "CodeLlamaTokenizerFast")
+_METASPACE_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", *_CODE_LLAMA_CLASSES)
+# CodeLlamaTokenizer's infilling markers and their defaults (tokenizer_config.json keys).
+_CODE_LLAMA_MARKERS = {
+    "prefix_token": "▁<PRE>",
+    "middle_token": "▁<MID>",
+    "suffix_token": "▁<SUF>",
+    "eot_token": "▁<EOT>",
+}
 
 
 def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
@@ -301,19 +323,32 @@ def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
     post-processor, and replaces the rest. No normaliser (the files' Prepend("▁") + Replace(" ", "▁")
     doubled a leading space and added "▁" after special tokens); a Metaspace pre-tokenizer that
     prepends "▁" to the first word only ("always": after every special token, when `legacy` is
-    true; "never" with add_prefix_space false); byte fallback; a decoder that strips the prefix."""
+    true; "never" with add_prefix_space false); byte fallback; a decoder that strips the prefix.
+    CodeLlamaTokenizer does the same but ignores `legacy` and always strips the decoded prefix."""
     from tokenizers import decoders, models, pre_tokenizers
 
     if not isinstance(tok.model, models.BPE):
         return  # transformers rebuilds a BPE; anything else is read as written
+    code = settings.tokenizer_class in _CODE_LLAMA_CLASSES
     prefix = settings.add_prefix_space if settings.add_prefix_space is not None else True
-    scheme = ("always" if settings.legacy else "first") if prefix else "never"
+    scheme = ("always" if settings.legacy and not code else "first") if prefix else "never"
     tok.model.fuse_unk = True
     tok.model.byte_fallback = True
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix or code else []))
+
+
+def _refuse_fill_token(text: str, fill: str | None, field: str = "prompt") -> None:
+    """transformers' CodeLlamaTokenizer turns a prompt holding its fill token ("def f(<FILL_ME>)")
+    into an infilling prompt (prefix, suffix and middle markers around the two halves); jaxinfer does
+    not, so it refuses the text rather than encode it differently."""
+    if fill is not None and fill in text:
+        raise InvalidRequestError(
+            f"{field} holds the fill token {fill!r}: CodeLlama infilling prompts are not supported; write the "
+            "prefix/suffix/middle markers out yourself, or pass prompt_token_ids"
+        )
 
 
 def _add_config_tokens(tok, settings: TokenizerSettings) -> None:
@@ -403,6 +438,7 @@ class HFTokenizer:
         self.special_tokens = dict(settings.special_tokens)
         self.chat_templates = dict(settings.chat_templates)
         self.chat_template = settings.chat_template
+        self.fill_token = settings.fill_token
         self.bos_id = self._id(self.special_tokens.get("bos_token"))
         eos_id = self._id(self.special_tokens.get("eos_token"))
         self.eos_ids = _with_own_eos(eos_ids, eos_id)
@@ -411,6 +447,7 @@ class HFTokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        _refuse_fill_token(text, self.fill_token, "text")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     @functools.cached_property
@@ -484,12 +521,15 @@ class SentencePieceTokenizer:
             self._prefix_space = False  # Gemma's tokenizer never adds one
         if settings.add_prefix_space is None and cls in _METASPACE_CLASSES:
             self._prefix_space = True  # LlamaTokenizer's default, whatever the model's own flag
-        self._prefix_everywhere = bool(settings.legacy)
+        code = cls in _CODE_LLAMA_CLASSES
+        self._prefix_everywhere = bool(settings.legacy) and not code  # CodeLlama ignores `legacy`
+        self._strip_decoded = self._prefix_space or code  # and always strips a decoded leading space
+        self.fill_token = settings.fill_token
         bos = self._piece_id(self.special_tokens.get("bos_token"))
         self.bos_id = bos if bos is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
         eos = self._piece_id(self.special_tokens.get("eos_token"))
         eos = eos if eos is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
-        add_bos = settings.add_bos if settings.add_bos is not None else not settings.has_config
+        add_bos = settings.add_bos if settings.add_bos is not None else not settings.has_config or code
         self.add_bos = add_bos and self.bos_id is not None
         self.add_eos = bool(settings.add_eos) and eos is not None
         self._eos_id = eos
@@ -532,6 +572,7 @@ class SentencePieceTokenizer:
         return self._sp.encode(text, out_type=int)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        _refuse_fill_token(text, self.fill_token, "text")
         ids, pos = [], 0
         for m in self._split.finditer(text):
             if m.start() < pos:  # (inside whitespace an rstrip token took)
@@ -575,7 +616,7 @@ class SentencePieceTokenizer:
                 except UnicodeDecodeError:
                     parts.append("\ufffd" * len(data))
         text = "".join(parts)
-        return text[1:] if self._prefix_space and text.startswith(" ") else text
+        return text[1:] if self._strip_decoded and text.startswith(" ") else text
 
     def _kind(self, i: int) -> str:
         if i in self._byte_of:

@@ -12,7 +12,7 @@ from hf_models import make_hf_model, save_hf_model, train_sentencepiece
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.errors import CheckpointError, InvalidRequestError
-from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+from jaxinfer.tokenizer import HFTokenizer, SentencePieceTokenizer, encode_prompt, load_tokenizer
 
 STRINGS = [
     "Hello world",
@@ -284,6 +284,9 @@ def test_eos_ids_are_the_models_and_the_tokenizers(tmp_path):
         (True, "identity", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_prefix_space": False}),
         # LlamaTokenizer prefixes "▁" by default even when the model's own add_dummy_prefix is off.
         (False, "identity", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}),
+        # CodeLlamaTokenizer: BOS unless the config says no, `legacy` ignored.
+        (True, "identity", {"tokenizer_class": "CodeLlamaTokenizer"}),
+        (True, "identity", {"tokenizer_class": "CodeLlamaTokenizer", "legacy": True}),
     ],
 )
 def test_sentencepiece_ids_match_transformers(tmp_path, dummy_prefix, normalization, config):
@@ -329,6 +332,56 @@ def test_llama2_style_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, l
     for text in strings:
         ids = theirs(text)["input_ids"]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def _code_llama_dir(path, config):
+    """A CodeLlama-style checkpoint's tokenizer: a Llama 2 style tokenizer.json (Prepend("▁") +
+    Replace(" ", "▁") normaliser, byte fallback) with the four infilling markers as added tokens,
+    under tokenizer_class CodeLlamaTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(
+        _corpus(), trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    )
+    tok.add_tokens(["▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    base = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "CodeLlamaTokenizer"}
+    (path / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"legacy": None}, {"legacy": True, "add_bos_token": True}, {"add_prefix_space": False}],
+    ids=["legacy-null", "legacy-true", "no-prefix-space"],
+)
+def test_code_llama_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, config):
+    """CodeLlama checkpoints name CodeLlamaTokenizer, which transformers 5 rebuilds like LlamaTokenizer
+    but with `legacy` ignored (prepend "first"), a decoder that always strips the prefix, and its
+    infilling markers special. jaxinfer read the file as written: " Hello" gave ['▁▁', 'He', ...] and
+    "a</s>b" an extra '▁' after '</s>'."""
+    d = _code_llama_dir(tmp_path / "code", config)
+    strings = [*STRINGS, " Hello world", "a</s>b", "x</s> Hello", "<s>hi", "  two spaces", "a ▁<PRE> b"]
+    strings += ["▁<PRE> def f(x):▁<SUF>\n    return x▁<MID>", "def f(x):\n\treturn x * 2"]
+    ours, theirs = _assert_same_ids(d, strings)
+    assert isinstance(ours, HFTokenizer)
+    for text in strings:
+        ids = theirs(text)["input_ids"]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+    # transformers turns a prompt with the fill token into an infilling prompt; jaxinfer refuses it.
+    with pytest.raises(InvalidRequestError, match="prompt holds the fill token '<FILL_ME>'"):
+        encode_prompt(ours, "def f(<FILL_ME>):", max_tokens=100, field="prompt")
 
 
 def test_byte_level_tokenizer_json_under_a_llama_class_is_read_as_written(tmp_path):
