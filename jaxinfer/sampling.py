@@ -41,7 +41,11 @@ from jaxinfer.sampling_params import (  # noqa: F401 - re-exported: jaxinfer.sam
     is_int,
 )
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger temperature is uniform all the same
+# A larger temperature draws as uniformly all the same (logits of size ~10 divided by it differ by
+# ~1e-29). Not float32's largest: XLA divides by multiplying with 1 / temperature, which from ~1e38
+# is below the smallest normal float and flushed to 0, and a banned logit's -inf * 0 is NaN (a
+# temperature of 1e38 drew tokens outside allowed_token_ids).
+_MAX_TEMPERATURE = 1e30
 
 
 @struct.dataclass
@@ -122,7 +126,7 @@ class SamplingBatch:
             if p.allowed_token_ids:
                 allowed[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
         for i, (p, s, n, tokens, prompt_len) in enumerate(rows):
-            temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else min(p.temperature, _FLOAT32_MAX)
+            temp[i] = 0.0 if p.temperature < GREEDY_TEMPERATURE else min(p.temperature, _MAX_TEMPERATURE)
             top_k[i], top_p[i], min_p[i] = max(p.top_k, 0), p.top_p, p.min_p
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seed[i], step[i], want[i] = s, n, p.logprobs is not None

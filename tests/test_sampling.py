@@ -124,6 +124,21 @@ def test_values_past_float32_still_draw_a_token_the_filters_keep():
     assert len(set(got.tolist())) > V // 2  # as good as uniform
 
 
+@pytest.mark.parametrize("temperature", [1e30, 8e37, 1e38, 3.4e38, 1e300])
+def test_a_huge_temperature_never_draws_a_banned_token(temperature):
+    """XLA divides the logits by the temperature as a multiply by its reciprocal, which from ~1e38 on
+    is below float32's smallest normal and flushed to 0: a banned logit (-inf) times 0 was NaN, and
+    every draw at 1e38 came out as token 0, outside allowed_token_ids. The temperature is capped at
+    1e30, as uniform a draw already."""
+    allowed = [5, 6, 7]
+    rows = [
+        (SamplingParams(temperature=temperature, seed=s, allowed_token_ids=allowed), s, 0, [], 0) for s in range(64)
+    ]
+    sb = SamplingBatch.from_rows(rows, len(rows), history_len=16, allowed_width=4)
+    got = np.asarray(sample(jnp.asarray(np.tile(LOGITS, (len(rows), 1))), sb).tokens)
+    assert set(got.tolist()) == set(allowed)  # each allowed one, as good as uniform; nothing else
+
+
 def test_a_row_the_filters_empty_falls_back_to_greedy():
     """A row of NaN logits (a broken model) keeps no token at all; the draw then returned the last
     padded index, past the vocabulary. It now falls back to greedy, an id inside it."""
