@@ -725,11 +725,14 @@ class Engine:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
             raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        if not all(is_int(t) for t in prompt_ids):
-            raise InvalidRequestError("prompt_ids must hold integers")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: it must hold at least one token")
-        prompt_ids = self.truncated(prompt_ids, params)
+        kept = self.truncated(prompt_ids, params)
+        # The length first (a request of millions of ids is refused at once: on a server this runs on
+        # the event loop), then every id's type (a Python int is the common case, checked fastest).
+        if len(kept) < self.max_model_len and not all(type(t) is int or is_int(t) for t in prompt_ids):
+            raise InvalidRequestError("prompt_ids must hold integers")
+        prompt_ids = kept
         if len(prompt_ids) >= self.max_model_len:
             kept = (
                 ""

@@ -177,26 +177,27 @@ class SamplingParams:
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
+        # Each list's length is checked before its elements: a request of millions must be refused
+        # at once (on a server this runs on the event loop, where every stream waits for it).
+        too_many = f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"
+        if isinstance(stop, (list, tuple)) and len(stop) > MAX_STOP_STRINGS:
+            bad("stop", self.stop, too_many)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
             bad("stop", self.stop, "must be a string or a list of strings")
         if any(x == "" for x in stop):
             bad("stop", self.stop, "must not contain an empty string")
         for i, x in enumerate(stop):
             require_unicode(x, f"SamplingParams.stop[{i}]")
-        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stop):
-            bad(
-                "stop",
-                self.stop,
-                f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters",
-            )
+        if any(len(x) > MAX_STOP_STRING_CHARS for x in stop):
+            bad("stop", self.stop, too_many)
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if isinstance(ids, np.ndarray) and ids.ndim == 1:  # as allowed_token_ids and prompt ids take it
             ids = ids.tolist()
+        if isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         if not isinstance(ids, (list, tuple)) or not all(is_int(t) and 0 <= t < 2**31 for t in ids):
             bad("stop_token_ids", ids, "must be a list of integers in [0, 2**31)")
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            bad("stop_token_ids", ids, f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
@@ -212,14 +213,13 @@ class SamplingParams:
             bad("truncate_prompt_tokens", k, "must be None, -1 (the engine's prompt limit) or an integer >= 1")
         self._check_logit_bias(bad)
         words = self.bad_words
+        too_many = f"must hold at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_BAD_WORD_CHARS} characters"
+        if isinstance(words, (list, tuple)) and len(words) > MAX_BAD_WORDS:
+            bad("bad_words", words, too_many)
         if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
             bad("bad_words", words, "must be a list of strings")
-        if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
-            bad(
-                "bad_words",
-                words,
-                f"must hold at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_BAD_WORD_CHARS} characters",
-            )
+        if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+            bad("bad_words", words, too_many)
         for i, w in enumerate(words):
             require_unicode(w, f"SamplingParams.bad_words[{i}]")
         object.__setattr__(self, "bad_words", tuple(words))
@@ -227,6 +227,8 @@ class SamplingParams:
         if allowed is not None:
             if isinstance(allowed, np.ndarray):
                 allowed = allowed.tolist() if allowed.ndim == 1 else allowed
+            if isinstance(allowed, (list, tuple)) and len(allowed) > MAX_ALLOWED_TOKEN_IDS:  # repeats count too
+                bad("allowed_token_ids", self.allowed_token_ids, f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} distinct ids")
             if not isinstance(allowed, (list, tuple)) or not all(is_int(t) and 0 <= t < 2**31 for t in allowed):
                 bad("allowed_token_ids", allowed, "must be None or a list of integers in [0, 2**31)")
             allowed = tuple(sorted({int(t) for t in allowed}))

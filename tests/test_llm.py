@@ -196,6 +196,8 @@ def test_engine_add_request_refuses_what_llm_would(llm):
         ([3, 4], None, "params must be a SamplingParams, got NoneType"),
         ([3, 4.5], GREEDY, "prompt_ids must hold integers"),
         ("34", GREEDY, "prompt_ids must be a list"),
+        # Too long is refused before the ids are looked at one by one (on a server, on its event loop).
+        (["x"] * 10**6, GREEDY, f"prompt has 1000000 tokens; the limit is max_model_len - 1 = {e.max_model_len - 1}"),
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             e.add_request(prompt, params)

@@ -597,6 +597,13 @@ def test_logprobs_are_raw_whatever_the_penalties_bias_and_temperature():
         (dict(bad_words=["y" * 257]), "bad_words must hold at most 64 non-blank strings of at most 256 characters"),
         (dict(allowed_token_ids=[2**31]), r"allowed_token_ids must be None or a list of integers in \[0, 2\*\*31\)"),
         (dict(logit_bias={2**31: 1.0}), r"logit_bias keys must be token ids, integers in \[0, 2\*\*31\)"),
+        # A list's length is checked before its elements (a million of them took a server's event
+        # loop ~1 s): a list too long is refused as such, whatever it holds.
+        (dict(stop=[None] * 10**6), "stop must hold at most 64"),
+        (dict(stop_token_ids=["x"] * 10**6), "stop_token_ids must hold at most 256"),
+        (dict(bad_words=[None] * 10**6), "bad_words must hold at most 64"),
+        (dict(allowed_token_ids=[None] * 10**6), "allowed_token_ids must hold 1 to 4096"),
+        (dict(allowed_token_ids=[7] * 4097), "allowed_token_ids must hold 1 to 4096"),  # repeats count
     ],
 )
 def test_bad_engine_sampling_values_name_the_field(kw, field):
