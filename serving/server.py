@@ -79,16 +79,17 @@ class ServerConfig:
 class _CountReceived(grpc.aio.ServerInterceptor):
     """Counts the RPCs that `jaxinfer_requests` counts when they finish, as they arrive. gRPC ends a
     call whose deadline passes while its request is read without running the handler, so without
-    this such calls would go uncounted. `observed`: the method names `Server._observe` wraps."""
+    this such calls would go uncounted. `observed`: the full paths ("/service/method") of the
+    methods `Server._observe` wraps; a call to another service's method of the same name (answered
+    UNIMPLEMENTED) is not counted."""
 
     def __init__(self, counter, observed: set[str]):
         self._counter = counter
         self._observed = observed
 
     async def intercept_service(self, continuation, details):
-        method = details.method.rsplit("/", 1)[-1]
-        if method in self._observed:
-            self._counter.labels(method).inc()
+        if details.method in self._observed:
+            self._counter.labels(details.method.rsplit("/", 1)[-1]).inc()
         return await continuation(details)
 
 
@@ -178,7 +179,7 @@ class Server:
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=_TOKENIZE_THREADS, thread_name_prefix="jaxinfer-tokenize"
         )
-        self._observed: set[str] = set()  # methods counted in jaxinfer_requests (filled by _observe)
+        self._observed: set[str] = set()  # "/service/method" counted in jaxinfer_requests (by _observe)
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "jaxinfer_requests", "Finished RPCs by method and status code", ["method", "code"], registry=self.registry
@@ -471,9 +472,9 @@ class Server:
         except EngineFailedError as e:
             raise _engine_failed(e) from None
 
-    def _observe(self, method: str, handler, *, streaming: bool):
+    def _observe(self, method: str, handler, *, streaming: bool, service: str = SERVICE):
         """Wraps a handler: RpcError -> status, cancellation -> abort, metrics and the log line."""
-        self._observed.add(method)  # counted on arrival too (_CountReceived)
+        self._observed.add(f"/{service}/{method}")  # counted on arrival too (_CountReceived)
 
         def begin(request) -> None:
             if isinstance(request, wire.BadMessage):
@@ -739,7 +740,7 @@ class Server:
     def _jetstream_handler(self):
         handlers = {
             "Decode": grpc.unary_stream_rpc_method_handler(
-                self._observe("Decode", self._decode, streaming=True),
+                self._observe("Decode", self._decode, streaming=True, service=JETSTREAM_SERVICE),
                 request_deserializer=wire.Parser(js.DecodeRequest),
                 response_serializer=js.DecodeResponse.SerializeToString,
             ),

@@ -1437,6 +1437,17 @@ def test_metrics_endpoint_and_stream_interval(llm):
             assert len(deltas[0].prompt_logprobs) == len(offline.prompt_logprobs)
             with pytest.raises(ServerError):
                 c.generate("", SamplingParams(max_tokens=4))
+        # Another service's method of the same name is no call of ours: UNIMPLEMENTED, and not counted
+        # as received (it was, by its bare name).
+        with grpc.insecure_channel(s.address) as channel:
+            for path in (
+                "/nope.Service/Generate",
+                "/grpc.health.v1.Health/Generate",
+                "/jetstream_proto.Orchestrator/Generate",
+            ):
+                with pytest.raises(grpc.RpcError) as e:
+                    channel.unary_unary(path)(b"", timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, path
         body = urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
         for name in (
             "jaxinfer_time_to_first_token_seconds_bucket",
