@@ -167,6 +167,7 @@ class Server:
         self.ready = asyncio.Event()
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._health_status = health_pb2.HealthCheckResponse.NOT_SERVING  # of every HEALTH_SERVICES name
         self._metrics_http = None
         self._stopped = asyncio.Event()
         self._load_task: asyncio.Task | None = None
@@ -240,8 +241,7 @@ class Server:
                 self.port = 0
             if self.port == 0:
                 raise OSError(f"cannot bind {address}: is the port in use, or the address not this machine's?")
-            for name in HEALTH_SERVICES:
-                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             try:
                 await server.start()
             except BaseException:
@@ -348,18 +348,27 @@ class Server:
             return
         self.async_engine = async_engine
         self.state = "serving"
-        for name in HEALTH_SERVICES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(json.dumps({"event": "ready", "model": self.llm.cfg.name, "port": self.port}))
         self.ready.set()
+
+    async def _set_health(self, status) -> None:
+        """Every name health checks answer for gets `status` (Check and Watch read the stock servicer's,
+        List this server's record of it: the stock aio servicer leaves List unimplemented)."""
+        self._health_status = status
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, status)
+
+    async def _health_list(self, request, ctx) -> health_pb2.HealthListResponse:
+        statuses = {name: health_pb2.HealthCheckResponse(status=self._health_status) for name in HEALTH_SERVICES}
+        return health_pb2.HealthListResponse(statuses=statuses)
 
     def _on_broken(self, error: Exception) -> None:
         """The engine broke for good (multi-host: a follower died or hung; or its thread ended):
         stop serving, say so in health."""
         self.state = "failed"
         self.load_error = error
-        for name in HEALTH_SERVICES:
-            asyncio.ensure_future(self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self, drain_timeout: float | None = None) -> bool:
         """Drains and stops. Returns True if every request in flight finished within the drain time."""
@@ -370,8 +379,7 @@ class Server:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()  # the load thread itself cannot be interrupted: see still_loading
         self.state = "draining"
-        for name in HEALTH_SERVICES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         drained = True
         if self.async_engine is not None:
             self.async_engine.draining = True
@@ -720,12 +728,17 @@ class Server:
     def _health_handler(self):
         """grpc.health.v1.Health: the stock servicer (whose statuses start() and stop() set), behind
         request parsing that answers a malformed request with INVALID_ARGUMENT instead of a
-        traceback. Check and Watch, as the stock registration has them (List is unimplemented)."""
+        traceback. Check, List and Watch, as the stock registration has them."""
         handlers = {
             "Check": grpc.unary_unary_rpc_method_handler(
                 _parsed(self._health.Check),
                 request_deserializer=_HEALTH_REQUEST_PARSER,
                 response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+            "List": grpc.unary_unary_rpc_method_handler(
+                _parsed(self._health_list),
+                request_deserializer=wire.Parser(health_pb2.HealthListRequest),
+                response_serializer=health_pb2.HealthListResponse.SerializeToString,
             ),
             "Watch": grpc.unary_stream_rpc_method_handler(
                 _parsed(self._health.Watch),

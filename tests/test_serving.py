@@ -120,6 +120,12 @@ def test_health_reflection_and_model_info(server):
     with pytest.raises(grpc.RpcError) as e:
         stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # List (the health protocol's newer method, which reflection advertises) answers every service.
+    listed = stub.List(health_pb2.HealthListRequest(), timeout=5).statuses
+    assert {name: r.status for name, r in listed.items()} == {
+        name: health_pb2.HealthCheckResponse.SERVING
+        for name in ("", "jaxinfer.v1.InferenceService", "jetstream_proto.Orchestrator")
+    }
     with Client(server.address) as c:
         assert c.health() == "SERVING" and c.health("no.such.Service") == "NOT_FOUND"
 
@@ -745,6 +751,9 @@ def test_an_engine_thread_that_dies_takes_the_server_out_of_service():
                 c.generate("in flight", SamplingParams(max_tokens=4), timeout=20)
             assert e.value.code == "UNAVAILABLE" and "engine thread stopped on SystemExit" in e.value.details
             assert c.health() == "NOT_SERVING"
+            with grpc.insecure_channel(s.address) as channel:
+                listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
+            assert {r.status for r in listed.statuses.values()} == {health_pb2.HealthCheckResponse.NOT_SERVING}
             for call in (lambda: c.generate("later", SamplingParams(max_tokens=4), timeout=20), c.model_info):
                 with pytest.raises(ServerError) as e:
                     call()
