@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, SlidingWindow
+from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kv_cache import Batch, KVCache
 
 BOS, EOS = 1, 2
@@ -117,18 +118,28 @@ def find_corpus(path: str | None, workdir: str) -> str:
     """Returns the path of `bible.data`, from a .deb, an extracted tree, the file, or apt."""
     if path is None:
         print("downloading bible-kjv-text with apt-get", flush=True)
-        subprocess.run(["apt-get", "download", "bible-kjv-text"], cwd=workdir, check=True)
+        _run_tool(["apt-get", "download", "bible-kjv-text"], "fetch the corpus (pass --corpus FILE instead)", workdir)
         path = glob.glob(os.path.join(workdir, "bible-kjv-text_*.deb"))[0]
+    if not os.path.exists(path):
+        raise InvalidRequestError(f"--corpus {path!r}: no such file or directory")
     if path.endswith(".deb"):
         tree = os.path.join(workdir, "deb")
-        subprocess.run(["dpkg-deb", "-x", path, tree], check=True)
+        _run_tool(["dpkg-deb", "-x", path, tree], f"unpack --corpus {path!r}")
         path = tree
     if os.path.isdir(path):
         found = glob.glob(os.path.join(path, "**", "bible.data"), recursive=True)
         if not found:
-            raise FileNotFoundError(f"no bible.data under {path}")
+            raise InvalidRequestError(f"--corpus: no bible.data under {path!r}")
         path = found[0]
     return path
+
+
+def _run_tool(command: list[str], purpose: str, cwd: str | None = None) -> None:
+    """Runs an external tool; its absence or failure is a one-line error saying what it was for."""
+    try:
+        subprocess.run(command, cwd=cwd, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise InvalidRequestError(f"`{' '.join(command)}` failed ({e}): cannot {purpose}") from None
 
 
 _VERSE = re.compile(r"^([1-3]?[A-Z][A-Za-z]*)(\d+):(\d+) (.+)$")
@@ -159,6 +170,19 @@ def corpus_words(verses) -> list[str]:
 def train_tokenizer(sentences: list[str], prefix: str, vocab_size: int):
     import sentencepiece as spm
 
+    try:
+        _train_sentencepiece(spm, sentences, prefix, vocab_size)
+    except RuntimeError as e:
+        if m := re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e)):
+            raise InvalidRequestError(
+                f"--vocab-size must be at least {m[2]} for this corpus (its characters, 256 bytes and 3 "
+                f"control pieces), got {m[1]}"
+            ) from None
+        raise
+    return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+def _train_sentencepiece(spm, sentences, prefix, vocab_size) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_prefix=prefix,
@@ -176,7 +200,6 @@ def train_tokenizer(sentences: list[str], prefix: str, vocab_size: int):
         num_threads=1,
         minloglevel=2,
     )
-    return spm.SentencePieceProcessor(model_file=prefix + ".model")
 
 
 def encode_stream(sp, verses) -> tuple[np.ndarray, np.ndarray]:
@@ -387,7 +410,42 @@ def main(argv=None) -> int:
     ap.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--log-every", type=int, default=20)
     args = ap.parse_args(argv)
+    try:
+        _check_args(args)
+        return _train(args, argv)
+    except Exception as e:
+        from jaxinfer.cli import error_status, is_usage_error
 
+        if os.environ.get("JAXINFER_TRACEBACK") and not is_usage_error(e):
+            raise
+        return error_status(e)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _check_args(args) -> None:
+    """Every number in range before anything runs (optax's schedule raised from deep inside for a
+    --steps at or below --warmup, after the corpus and tokenizer work)."""
+
+    def need(ok: bool, flag: str, limit: str) -> None:
+        if not ok:
+            raise InvalidRequestError(f"{flag} must be {limit}, got {getattr(args, flag[2:].replace('-', '_'))!r}")
+
+    need(args.steps >= 1, "--steps", "an integer >= 1")
+    need(0 <= args.warmup < args.steps, "--warmup", f"an integer in [0, --steps = {args.steps})")
+    need(args.batch_size >= 1, "--batch-size", "an integer >= 1")
+    need(args.seq_len >= 2, "--seq-len", "an integer >= 2")
+    need(260 <= args.vocab_size <= 65536, "--vocab-size", "an integer in [260, 65536] (256 byte pieces and more)")
+    need(math.isfinite(args.lr) and args.lr > 0, "--lr", "a finite number > 0")
+    need(math.isfinite(args.weight_decay) and args.weight_decay >= 0, "--weight-decay", "a finite number >= 0")
+    need(0 < args.heldout_frac < 1, "--heldout-frac", "a number in (0, 1)")
+    need(args.max_minutes is None or args.max_minutes > 0, "--max-minutes", "a number > 0")
+    need(args.log_every >= 1, "--log-every", "an integer >= 1")
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        raise InvalidRequestError(f"--out {args.out!r} exists and is not an empty directory")
+
+
+def _train(args, argv) -> int:
     t_start = time.time()
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxinfer-train-")
     os.makedirs(workdir, exist_ok=True)

@@ -177,6 +177,33 @@ def test_learning_rate_warms_up_then_decays_on_a_cosine_to_a_tenth():
         assert float(schedule(step)) == pytest.approx(want, rel=1e-5, abs=1e-9), step
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "2"], r"--warmup must be an integer in \[0, --steps = 2\), got 50"),  # optax raised, deep inside
+        (["--steps", "0"], "--steps must be an integer >= 1"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+        (["--heldout-frac", "1"], r"--heldout-frac must be a number in \(0, 1\)"),
+        (["--vocab-size", "100"], r"--vocab-size must be an integer in \[260, 65536\]"),
+        (["--corpus", "/nonexistent/bible.data"], "--corpus '/nonexistent/bible.data': no such file or directory"),
+    ],
+)
+def test_the_training_command_refuses_bad_flags_in_one_line(tmp_path, capsys, flags, message):
+    assert train.main(["--out", str(tmp_path / "out"), "--warmup", "50", *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"error: {message}.*\n", err) and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_vocabulary_smaller_than_the_corpus_needs_is_named(tmp_path):
+    """SentencePiece needs a piece per character of the corpus besides the 256 bytes: fewer raised
+    its RuntimeError from C++."""
+    sentences = [f"verse {i}: {chr(0x3B1 + i % 24)}{chr(0x410 + i % 32)} and so on" for i in range(200)]
+    with pytest.raises(train.InvalidRequestError, match=r"--vocab-size must be at least \d+ for this corpus.*got 260"):
+        train.train_tokenizer(sentences, str(tmp_path / "tok"), 260)
+
+
 def test_shipped_files_config_and_report():
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(default_model.ASSETS) for f in fs)
     assert total <= 25 * 2**20
