@@ -143,10 +143,19 @@ def _check_out_dir(out_dir: str | os.PathLike) -> str:
     if not os.fspath(out_dir):  # abspath("") is the working directory
         raise CheckpointError("the output directory must be a path, got an empty string")
     out_dir = os.path.abspath(os.fspath(out_dir))
+    try:
+        out_dir.encode("utf-8")
+    except UnicodeEncodeError:  # (undecodable bytes in argv): orbax and its C++ take only UTF-8 paths
+        raise CheckpointError(f"output directory {out_dir!r} is not valid UTF-8") from None
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"output directory {out_dir!r} is a file")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"output directory {out_dir!r} exists and is not empty")
+    parent = os.path.dirname(out_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"output directory {out_dir!r} cannot be created: {parent!r} is not a writable directory")
     return out_dir
 
 
@@ -175,7 +184,21 @@ def save(
     dtype = dtype or cfg.dtype
     if dtype not in config_module.DTYPES:
         raise CheckpointError(f"dtype must be one of {config_module.DTYPES}, got {dtype!r}")
-    os.makedirs(out_dir, exist_ok=True)
+    created = not os.path.exists(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create output directory {out_dir!r}: {e.strerror or e}") from None
+    try:
+        _write(out_dir, cfg, params, dtype, tokenizer_dir, tokenizer_files, tokenizer_config)
+    except BaseException:  # (Ctrl-C too) no half-written checkpoint left behind: the directory was new or empty
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if not created:
+            os.makedirs(out_dir, exist_ok=True)
+        raise
+
+
+def _write(out_dir, cfg, params, dtype, tokenizer_dir, tokenizer_files, tokenizer_config) -> None:
     if cfg.weight_strips:  # an LLM's params (see jaxinfer.llm): written in the declared layout
         from jaxinfer.model import from_weight_strips
 
@@ -463,11 +486,11 @@ def bench_load(hf_dir: str, *, dtype: str = "float32", repeats: int = 3, orbax_d
     from jaxinfer.loading import load_hf_checkpoint
 
     tmp = None
-    if orbax_dir is None:
-        tmp = tempfile.mkdtemp(prefix="jaxinfer-bench-load-")
-        orbax_dir = os.path.join(tmp, "ckpt")
-        convert_hf(hf_dir, orbax_dir, dtype=dtype)
     try:
+        if orbax_dir is None:  # (inside the try: a failed or interrupted conversion leaves no temp dir)
+            tmp = tempfile.mkdtemp(prefix="jaxinfer-bench-load-")
+            orbax_dir = os.path.join(tmp, "ckpt")
+            convert_hf(hf_dir, orbax_dir, dtype=dtype)
         hf_s, orbax_s = [], []
         nbytes = n = 0
         for _ in range(repeats):

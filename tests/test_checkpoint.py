@@ -4,6 +4,7 @@ errors that name the file or tensor."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -484,3 +485,44 @@ def test_cli_convert_error_and_bench_load(tmp_path, hf_dir, small_ckpt, capsys, 
     assert "holds another model than" in capsys.readouterr().err
     assert main(["bench", "load", hf_dir, "--repeats", "1", "--orbax-dir", str(tmp_path / "a_file")]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_convert_refuses_an_output_it_cannot_write_before_loading(tmp_path, hf_dir, capsys, monkeypatch):
+    """An output path that is not UTF-8 (undecodable bytes in argv) ran into orbax's C++ after the load
+    (hundreds of lines of tracebacks, exit 1, a half-written directory); one under a file or /proc
+    gave a bare errno line. `bench load` left its temp dir behind when the conversion failed."""
+    import tempfile
+
+    undecodable = os.fsdecode(os.fsencode(str(tmp_path)) + b"/out\xff")
+    assert main(["convert", hf_dir, undecodable]) == 2
+    assert "is not valid UTF-8" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "a_file").write_text("x")
+    for out in (str(tmp_path / "a_file" / "out"), "/proc/jaxinfer-out"):  # (root may write /proc, until mkdir)
+        assert main(["convert", hf_dir, out]) == 2
+        err = capsys.readouterr().err
+        assert re.fullmatch(
+            rf"error: (output directory '{re.escape(out)}' cannot be created: .* is not a writable directory"
+            rf"|cannot create output directory '{re.escape(out)}': .*)\n",
+            err,
+        ), err
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert main(["bench", "load", str(tmp_path / "no_such_hf")]) == 2
+    assert "does not exist" in capsys.readouterr().err and os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_save_that_fails_leaves_no_half_written_checkpoint(tmp_path, hf_dir, monkeypatch):
+    cfg, params = load_hf_checkpoint(hf_dir)
+
+    def broken(*args):
+        raise KeyboardInterrupt  # Ctrl-C while the parameters are written
+
+    monkeypatch.setattr(checkpoint, "_checkpointer", broken)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path / "new", cfg, params)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path / "empty", cfg, params)
+    assert os.listdir(tmp_path / "empty") == []
