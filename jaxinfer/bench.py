@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxinfer import _malloc
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.tokenizer import require_unicode
 
 PRESETS = {
     # The ~150M-parameter Llama shape the project's decode targets are stated for.
@@ -60,7 +61,7 @@ PRESETS = {
 
 def _ints(s: str) -> list[int]:
     try:
-        values = [int(x) for x in s.split(",") if x.strip()]
+        values = [int(x) for x in s.split(",")]  # "1,,2" is a typo, not [1, 2]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
     if not values or any(v < 1 for v in values):
@@ -397,6 +398,7 @@ def run(args) -> dict:
         if on:  # refused now: without it the comparison would fail after the whole benchmark had run
             _check_hf_stack(flag)
     if args.profile:  # refused now, not after minutes of benchmarking
+        require_unicode(args.profile, "--profile")  # (the profiler takes UTF-8 paths only)
         try:
             os.makedirs(args.profile, exist_ok=True)
         except OSError as e:

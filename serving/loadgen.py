@@ -133,9 +133,9 @@ def _wait_serving(client, proc: subprocess.Popen | None, errors=None) -> None:
     deadline = time.monotonic() + STARTUP_LIMIT
     while client.health() != "SERVING":
         if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"error: the server exited with status {proc.returncode} while starting{_why(errors)}")
+            raise InvalidRequestError(f"the server exited with status {proc.returncode} while starting{_why(errors)}")
         if time.monotonic() > deadline:
-            raise SystemExit(f"error: {client.target} was not SERVING after {STARTUP_LIMIT:g} s")
+            raise InvalidRequestError(f"{client.target} was not SERVING after {STARTUP_LIMIT:g} s")
         time.sleep(0.2)
 
 
@@ -164,7 +164,7 @@ def _start_server(args, model_dir, max_model_len: int) -> tuple[subprocess.Popen
         proc.wait()
         why = _why(errors)
         errors.close()
-        raise SystemExit(f"error: the server did not start: {line.strip() or 'no output'}{why}")
+        raise InvalidRequestError(f"the server did not start: {line.strip() or 'no output'}{why}")
     address = line.split("listening on ", 1)[1].split(",")[0].split(";")[0].strip()
     return proc, address, errors
 
@@ -201,7 +201,7 @@ def run(args, model_dir: str | None) -> dict:
         with Client(address) as c:
             status = c.health()
             if status == "UNREACHABLE" and proc is None:  # `jaxinfer serve` listens while it loads
-                raise SystemExit(f"error: --server {address}: nothing answers there (is `jaxinfer serve` running?)")
+                raise InvalidRequestError(f"--server {address}: nothing answers there (is `jaxinfer serve` running?)")
             if status != "SERVING":
                 print(f"waiting up to {STARTUP_LIMIT:g} s for {address} to report SERVING", file=sys.stderr)
             _wait_serving(c, proc, errors)

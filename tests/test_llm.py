@@ -1183,8 +1183,11 @@ def test_cli_sampling_flags_are_the_sampling_params_fields(capsys):
         (["generate", "--server", "127.0.0.1", "x"], "--server must be HOST:PORT ([IPv6]:PORT"),  # dialled :443
         # Not gRPC's "failed to connect to all addresses; last error: UNKNOWN: ipv4:...".
         (["generate", "--server", "127.0.0.1:1", "x"], "--server 127.0.0.1:1: nothing answers there"),
+        (["bench", "serve", "--server", "127.0.0.1:1", "--num-requests", "2"], "--server 127.0.0.1:1: nothing answers"),
         (["generate", "--server", "127.0.0.1:1", "--timeout", "0", "x"], "error: --timeout must be a positive"),
         (["bench", "--repeats", "2", "kernels"], "`jaxinfer bench kernels` takes flags of its own"),
+        # Refused before the benchmark runs (the profiler's TypeError came after it, exit 1).
+        (["bench", "--profile", "/tmp/p\udcff"], "--profile is not valid Unicode: lone surrogate"),
     ],
 )
 def test_cli_errors_are_one_line_no_traceback(argv, message):
@@ -1427,7 +1430,7 @@ def test_bench_serve_says_why_its_server_did_not_start():
     from jaxinfer import bench
 
     args = _bench_args(["serve", "--num-requests", "2", "--prompt-len-range", "600", "--output-len-range", "600"])
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(InvalidRequestError) as e:  # (a SystemExit before: exit status 1, a bug's)
         bench.run(args)
     assert (
         "exited with status 2 while starting: max_model_len must be an integer in [2, 1024 for this model], got 1201"
@@ -1627,6 +1630,7 @@ def test_bench_throughput_runs_and_reports(capsys, rounds):
         (["throughput", "--prompt-len-range", "100,10"], "--prompt-len-range: expected MIN,MAX with 1 <= MIN <= MAX"),
         (["throughput", "--num-requests", "-1"], "--num-requests: expected a positive integer, got -1"),
         (["--context", "-5"], "--context: expected a positive integer, got -5"),
+        (["--prompt-lens", "1,,2"], "--prompt-lens: expected comma-separated integers, got '1,,2'"),  # was [1, 2]
         (["serve", "--request-rate", "nan"], "--request-rate: expected a positive number of requests per second"),
         (["serve", "--duration-limit", "inf"], "--duration-limit: expected a positive, finite number of seconds"),
     ],
