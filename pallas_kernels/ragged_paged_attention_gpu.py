@@ -55,12 +55,15 @@ def _visible_steps(
 ):
     """Inside a kernel: which pages one program (row block x KV split) of a row reads.
 
-    Returns (kv_len, q_start, lo, steps): the row's length and first query position, clamped here,
-    not in XLA before the call (a launch each), so that whatever the inputs no read leaves the table
-    or the pool (the wrappers refuse out-of-range values when they can see them); and the program's
-    first page-table slot and its number of steps of `pages_per_step` pages. The visible keys are
-    causal up to the block's last real token and windowed from its first; a split gets whole steps,
-    and splits past the row's pages get none. Shared by the Triton and Mosaic GPU kernels.
+    Returns (kv_len, q_start, lo, steps, lo_pos): the row's length and first query position, clamped
+    here, not in XLA before the call (a launch each), so that whatever the inputs no read leaves the
+    table or the pool (the wrappers refuse out-of-range values when they can see them); the program's
+    first page-table slot and its number of steps of `pages_per_step` pages; and the first key any
+    query of the block sees. The visible keys are causal up to the block's last real token and
+    windowed from its first; a split gets whole steps, and splits past the row's pages get none. The
+    first page read may start before `lo_pos` (a window's start inside a page): values there, like
+    those past `kv_len`, are zeroed before they meet the weights. Shared by the Triton and Mosaic GPU
+    kernels.
     """
     s_, n = page_size, pages_per_step
     kv_len = jnp.clip(kv_len, 0, width * s_)
@@ -74,7 +77,7 @@ def _visible_steps(
     per_split = ((last - first + splits - 1) // splits + n - 1) // n * n
     lo = first + split * per_split
     hi = jnp.minimum(lo + per_split, last)
-    return kv_len, q_start, lo, jnp.maximum((hi - lo + n - 1) // n, 0)
+    return kv_len, q_start, lo, jnp.maximum((hi - lo + n - 1) // n, 0), lo_pos
 
 
 def _kernel(
@@ -105,7 +108,7 @@ def _kernel(
     n, s_ = pages_per_step, page_size
     keys = n * s_
     width, num_pages = page_table_ref.shape[0], k_ref.shape[0]
-    kv_len, q_start, lo, steps = _visible_steps(
+    kv_len, q_start, lo, steps, lo_pos = _visible_steps(
         kv_lens_ref[b], q_lens_ref[b], row_block=row_block, split=split, rows=rows, group=group, width=width,
         page_size=s_, pages_per_step=n, splits=splits, q_tokens=q_tokens, window=window,
     )  # fmt: skip
@@ -145,11 +148,14 @@ def _kernel(
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
-        if quantized:  # zero scales past the row's length: stale (even NaN) scales never count
+        # Zero what no query sees: past the row's length (stale slots may hold anything, NaN included,
+        # and 0 * NaN is NaN) and before the window of the block's first query (on the first page).
+        if quantized:  # the scales, then: int8 values are finite
             v_scale = v_scale_ref[idx].reshape(1, keys)
-            weights = p * jnp.where(start + key_offsets < kv_len, v_scale, 0.0)
-        else:  # stale slots past the row's length may hold anything, NaN included: 0 * NaN is NaN
-            v = jnp.where(start + v_offsets < kv_len, v, jnp.zeros((), v.dtype))
+            seen = (start + key_offsets < kv_len) & (start + key_offsets >= lo_pos)
+            weights = p * jnp.where(seen, v_scale, 0.0)
+        else:
+            v = jnp.where((start + v_offsets < kv_len) & (start + v_offsets >= lo_pos), v, jnp.zeros((), v.dtype))
             weights = p
         pv = jax.lax.dot_general(
             weights.astype(compute),

@@ -134,7 +134,7 @@ def _kernel(
     n = keys // s_  # pages per step
     dtype = q_ref.dtype
 
-    kv_len, q_start, lo, steps = _visible_steps(
+    kv_len, q_start, lo, steps, lo_pos = _visible_steps(
         kv_lens_ref[b], q_lens_ref[b], row_block=row_block, split=split, rows=ROWS, group=group, width=width,
         page_size=s_, pages_per_step=n, splits=splits, q_tokens=q_tokens, window=window,
     )  # fmt: skip
@@ -202,10 +202,13 @@ def _kernel(
 
             plgpu.barrier_wait(v_bars.at[slot])
 
-            @pl.when(start + keys > kv_len)  # the step that holds the row's end: zero what follows it
+            # The steps that hold the row's end or its window's start: zero what no query sees (stale
+            # slots, or the sequence's own keys before the window, may hold NaN, and 0 * NaN is NaN).
+            @pl.when((start + keys > kv_len) | (start < lo_pos))
             def _():
                 v = v_smem[slot]
-                v_smem[slot] = jnp.where(start + v_offsets < kv_len, v, jnp.zeros((), dtype))
+                seen = (start + v_offsets < kv_len) & (start + v_offsets >= lo_pos)
+                v_smem[slot] = jnp.where(seen, v, jnp.zeros((), dtype))
                 plgpu.commit_smem()
 
             p_smem[...] = p.astype(dtype)  # wgmma's A operand from shared memory

@@ -5,7 +5,8 @@ Each static configuration (group size, head dim, window, soft cap, dtype, query 
 page size) compiles once and then runs on many random ragged batches: lengths 0 and 1, on and one
 past a page boundary, full tables, page tables wider than needed, padding rows, and NaN in every
 page a row does not own (so masking, not luck, keeps them out), including page 0, where a windowed
-row's table points for the pages wholly before its window (the engine gives those back). Only each
+row's table points for the pages wholly before its window (the engine gives those back), and in the
+keys before that window on the page it starts in. Only each
 row's real query tokens are compared; the rest is don't-care.
 """
 
@@ -102,6 +103,12 @@ def random_batch(rng, st: Static):
             last = owned[i, kv[i] // page]
             k[:, last, kv[i] % page :] = np.nan
             v[:, last, kv[i] % page :] = np.nan
+        # So are a windowed row's keys before its first query's window, on the page the window starts
+        # in: no query sees them (the GPU kernels let such a NaN through, from 0 * NaN, until 2026-12-07).
+        lo = max(kv[i] - ql[i] - st.window + 1, 0) if st.window else 0
+        if lo % page and ql[i]:
+            k[:, owned[i, lo // page], : lo % page] = np.nan
+            v[:, owned[i, lo // page], : lo % page] = np.nan
     q = rng.standard_normal((b, st.t, n, st.head_dim)).astype(np.float32)
     if st.int8:
         k, v = np_quantized(rng, k), np_quantized(rng, v)
