@@ -98,17 +98,28 @@ _write = jax.jit(_write_pools, static_argnames=("interpret",), donate_argnames=(
 _write_keeping = jax.jit(_write_pools, static_argnames=("interpret",))
 
 
-def check_slots(slots, *, num_pages: int, page_size: int) -> None:
-    """ValueError naming the first slot outside the pools, for concrete `slots` [B, T]; nothing for a
-    tracer (inside a jit, where no value can be refused)."""
+def check_slots(slots, *, num_pages: int, page_size: int, scratch_page: int = 0) -> None:
+    """ValueError naming the first slot outside the pools, or the first token of a page whose tokens
+    are not consecutive (the kernel copies a page in at the start of each run: a second run would
+    overwrite the first run's writes; the scratch page, written by padding and never read, is exempt),
+    for concrete `slots` [B, T]; nothing for a tracer (inside a jit, where no value can be refused)."""
     if isinstance(slots, jax.core.Tracer):
         return
     flat = np.asarray(slots).reshape(-1)
+    where = lambda i: f"slots[{i // slots.shape[1]}, {i % slots.shape[1]}] = {flat[i]}"  # noqa: E731
     if flat.size and (flat.min() < 0 or flat.max() >= num_pages * page_size):
         i = int(np.argwhere((flat < 0) | (flat >= num_pages * page_size))[0, 0])
+        raise ValueError(f"{where(i)} is outside [0, {num_pages * page_size}) (pages x page_size)")
+    pages = flat // page_size
+    starts = np.flatnonzero(np.diff(pages, prepend=-1))  # the first token of each run of one page
+    run_pages = pages[starts]
+    real = run_pages != scratch_page
+    seen, first = np.unique(run_pages[real], return_index=True)
+    if len(seen) < real.sum():
+        again = np.setdiff1d(np.arange(len(run_pages))[real], np.flatnonzero(real)[first])[0]
         raise ValueError(
-            f"slots[{i // slots.shape[1]}, {i % slots.shape[1]}] = {flat[i]} is outside "
-            f"[0, {num_pages * page_size}) (pages x page_size)"
+            f"{where(int(starts[again]))} returns to page {run_pages[again]} after other pages: a page's tokens "
+            "must be consecutive"
         )
 
 

@@ -176,6 +176,8 @@ def check_pools(k_pages, v_pages, k_scales=None, v_scales=None) -> None:
             f"k_scales/v_scales must have shape {k_pages.shape[:3]} (pool [K, P, S]), got "
             f"{k_scales.shape} and {v_scales.shape}"
         )
+    if quantized and not (k_scales.dtype == v_scales.dtype == jnp.float32):  # integer scales gave all zeros
+        raise ValueError(f"k_scales/v_scales must be float32, got {k_scales.dtype} and {v_scales.dtype}")
 
 
 def check_call(
@@ -186,6 +188,9 @@ def check_call(
     of bounds), static scale, window and soft-cap, and (when the arrays are concrete) indices that
     would read out of bounds."""
     check_pools(k_pages, v_pages, k_scales, v_scales)
+    for name, x in (("page_table", page_table), ("kv_lens", kv_lens), ("q_lens", q_lens)):
+        if not hasattr(x, "shape"):  # a list would fail below on `.ndim`, with an AttributeError
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H], got shape {q.shape}")
     b = q.shape[0]
@@ -203,6 +208,8 @@ def check_call(
         raise ValueError(f"q must be floating point, got {q.dtype}")
     if not isinstance(scale, float):
         raise TypeError(f"scale must be a Python float (it is compiled in), got {type(scale).__name__}")
+    if not 0 < scale < float("inf"):  # NaN, inf, 0 or a negative scale: non-finite or meaningless logits
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
 
     def positive(x) -> bool:  # a static Python number in (0, inf): it is compiled in, never traced
         return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
@@ -349,7 +356,9 @@ def ragged_paged_attention(
     check_call(
         q, k_pages, v_pages, page_table, kv_lens, q_lens, scale, k_scales, v_scales, window=window, soft_cap=soft_cap
     )
-    if pages_per_block is not None and (not isinstance(pages_per_block, int) or pages_per_block < 1):
+    if pages_per_block is not None and (
+        not isinstance(pages_per_block, int) or isinstance(pages_per_block, bool) or pages_per_block < 1
+    ):
         raise ValueError(f"pages_per_block must be a positive int or None, got {pages_per_block!r}")
     return _ragged_paged_attention(
         q,

@@ -95,6 +95,12 @@ def test_kv_write_refuses_mismatched_inputs():
             kv_write(k_pages, v_pages, k, k, slots, interpret=True)
     with pytest.raises(ValueError, match="slots must hold integers"):
         kv_write(k_pages, v_pages, k, k, jnp.zeros((1, 2), jnp.float32), interpret=True)
+    # A page's tokens must be consecutive (the kernel copies a page in at the start of each run: the
+    # first run's write was lost); the scratch page, padding's, may come back.
+    k3 = jnp.zeros((1, 3, NK, H))
+    with pytest.raises(ValueError, match=rf"slots\[0, 2\] = {3 * PAGE + 1} returns to page 3 after other pages"):
+        kv_write(k_pages, v_pages, k3, k3, jnp.asarray([[3 * PAGE, 1 * PAGE, 3 * PAGE + 1]], jnp.int32), interpret=True)
+    kv_write(k_pages, v_pages, k3, k3, jnp.asarray([[0, 3 * PAGE, 1]], jnp.int32), interpret=True, donate=False)
 
 
 def test_kv_write_inside_a_jit_clamps_a_slot_past_the_pools_onto_the_last_slot():

@@ -205,9 +205,21 @@ def test_inputs_of_the_wrong_shape_or_kind_are_refused(kernel):
         (dict(window=2.0), r"window must be a positive int"),
         (dict(soft_cap=0.0), r"soft_cap must be a positive finite Python number"),
         (dict(soft_cap=float("nan")), r"soft_cap must be a positive finite"),
+        (dict(kv=[int(x) for x in kv]), r"kv_lens must be an array, got list"),  # an AttributeError before
     ]:
         with pytest.raises(ValueError, match=message):
             call(**kw)
+    # A scale that is not a positive finite float made every output NaN or meaningless.
+    for scale in (float("nan"), float("inf"), 0.0, -0.125):
+        with pytest.raises(ValueError, match="scale must be a positive finite float"):
+            kernel(q, k, v, table, kv, ql, scale=scale, interpret=True)
+    # int8 pools with integer scales ran, and every output was 0.
+    st = Static(group=2, head_dim=64, t=2, int8=True)
+    q8, k8, v8, table8, kv8, ql8 = random_batch(rng, st)
+    kp, vp, kwargs = kernel_args(k8, v8)
+    kwargs = {name: x.astype(jnp.int32) for name, x in kwargs.items()}
+    with pytest.raises(ValueError, match="k_scales/v_scales must be float32, got int32 and int32"):
+        kernel(q8, kp, vp, table8, kv8, ql8, scale=0.125, interpret=True, **kwargs)
 
 
 def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
@@ -233,8 +245,9 @@ def test_block_tables_choose_per_shape_and_refuse_bad_overrides():
     assert not supports(page_size=16, head_dim=80) and not supports(page_size=12, head_dim=128)
     assert not supports(page_size=16, head_dim=8)  # a dot of fewer than 16 columns: Triton refuses it
     q, k, v, table, kv, ql = random_batch(np.random.default_rng(0), Static(group=1, head_dim=64, t=1))
-    with pytest.raises(ValueError, match="pages_per_block must be a positive int"):
-        ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_block=0)
+    for bad in (0, True):  # (True was taken for 1)
+        with pytest.raises(ValueError, match="pages_per_block must be a positive int"):
+            ragged_paged_attention(q, k, v, table, kv, ql, scale=0.125, interpret=True, pages_per_block=bad)
     with pytest.raises(ValueError, match="num_warps must be a positive int"):
         ragged_paged_attention_gpu(q, k, v, table, kv, ql, scale=0.125, interpret=True, num_warps=-1)
 
