@@ -659,8 +659,14 @@ def _bench_mesh(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    return run_command(_main, argv)
+
+
+def run_command(command, *args) -> int:
+    """`command(*args)`'s exit status; an exception ends it with one line on stderr (`error_status`)
+    instead of a traceback, unless JAXINFER_TRACEBACK is set and it is no usage error."""
     try:
-        return _main(argv)
+        return command(*args)
     except Exception as e:
         if os.environ.get("JAXINFER_TRACEBACK") and not is_usage_error(e):
             raise

@@ -410,17 +410,9 @@ def main(argv=None) -> int:
     ap.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--log-every", type=int, default=20)
     args = ap.parse_args(argv)
-    try:
-        _check_args(args)
-        return _train(args, argv)
-    except Exception as e:
-        from jaxinfer.cli import error_status, is_usage_error
+    from jaxinfer.cli import run_command  # one-line errors, as every jaxinfer command
 
-        if os.environ.get("JAXINFER_TRACEBACK") and not is_usage_error(e):
-            raise
-        return error_status(e)
-    except KeyboardInterrupt:
-        return 130
+    return run_command(_train, args, argv)
 
 
 def _check_args(args) -> None:
@@ -446,6 +438,7 @@ def _check_args(args) -> None:
 
 
 def _train(args, argv) -> int:
+    _check_args(args)
     t_start = time.time()
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxinfer-train-")
     os.makedirs(workdir, exist_ok=True)
