@@ -310,6 +310,7 @@ class Engine:
         self._allowed_width = max(2, min(MAX_ALLOWED_TOKEN_IDS, bucket(cfg.vocab_size)))
         self._top_n = min(MAX_LOGPROBS, cfg.vocab_size)  # prompt_logprobs' top-n, as the sampler's
         self.params = params
+        self._kv_copies = 1  # KV heads stored this many times over (a mesh's model axis: see below)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.page_size = page_size
@@ -383,6 +384,7 @@ class Engine:
 
             # KV heads fewer than the model axis are stored once per device that needs them (see
             # sharding.kv_head_copies): the engine's cfg then counts the copies.
+            self._kv_copies = sharding.kv_head_copies(cfg, mesh)
             cfg, self.params = sharding.place_params(cfg, params, mesh)
             self.cfg = cfg
             create = functools.partial(
@@ -1272,6 +1274,15 @@ class Engine:
         m.sync_counters(preemptions=s.num_preemptions, prefix_hits=s.prefix_cache_hit_tokens)
 
     # -- metrics ----------------------------------------------------------------------------
+
+    def model_params(self):
+        """The parameters in the model's own layout: the engine's own, or where a mesh copies the KV
+        heads (`sharding.kv_head_copies`), new arrays with one of each head's copies."""
+        if self._kv_copies == 1:
+            return self.params
+        from jaxinfer.sharding import narrow_kv_heads
+
+        return narrow_kv_heads(self.params, self._kv_copies)
 
     def memory_per_device(self) -> dict:
         """The most parameter and KV-cache bytes any one device holds (they shrink as `model` grows)."""

@@ -362,7 +362,6 @@ class LLM:
             if multi_process:  # each process measured its own free memory: all take the leader's count
                 num_kv_pages = distributed.leader_value(num_kv_pages)
         self.cfg = cfg
-        self.params = params
         self.tokenizer = tokenizer
         # The fields the checkpoint's generation_config.json sets (`jaxinfer generate` merges them too).
         self._generation_overrides = _generation_overrides(model, generation_config)
@@ -400,6 +399,14 @@ class LLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def params(self):
+        """The parameters in the model's own layout (`self.cfg`). The engine holds the only copy on
+        the devices; over a mesh whose model axis copies the KV heads, the K/V weights here are taken
+        out of its widened ones when asked for (an LLM holding the unwidened set too kept every
+        weight twice)."""
+        return self.engine.model_params()
 
     def get_tokenizer(self):
         """The model's tokenizer (`llm.tokenizer`; None for a checkpoint without one), as in vLLM."""

@@ -166,6 +166,9 @@ def kv_head_copies(cfg, mesh: Mesh) -> int:
     return m // k if k < m and m % k == 0 and n % m == 0 else 1
 
 
+_KV_WEIGHTS = ("wk", "wv", "bk", "bv")  # their KV-head axis is the second to last
+
+
 def place_params(cfg, params, mesh: Mesh, rules: Mapping = RULES):
     """(cfg, params) placed on the mesh by the rules, KV heads copied `kv_head_copies` times first
     (the returned cfg then has that many more KV heads; the K/V weights and biases are repeated so
@@ -175,12 +178,24 @@ def place_params(cfg, params, mesh: Mesh, rules: Mapping = RULES):
         return cfg, jax.device_put(params, param_shardings(cfg, mesh, rules))
     wide = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
 
-    def widen(path, x):  # wk, wv [D, K, H]; bk, bv [K, H]: the KV-head axis is the second to last
+    def widen(path, x):  # wk, wv [D, K, H]; bk, bv [K, H]
         name = getattr(path[-1], "key", None)
-        return jnp.repeat(x, copies, axis=x.ndim - 2) if name in ("wk", "wv", "bk", "bv") else x
+        return jnp.repeat(x, copies, axis=x.ndim - 2) if name in _KV_WEIGHTS else x
 
     shardings = param_shardings(wide, mesh, rules)
     return wide, jax.jit(lambda p: jax.tree_util.tree_map_with_path(widen, p), out_shardings=shardings)(params)
+
+
+def narrow_kv_heads(params, copies: int):
+    """`place_params`' widening undone: one of each KV head's `copies` copies (the others' arrays are
+    the params' own)."""
+
+    def narrow(path, x):
+        if getattr(path[-1], "key", None) not in _KV_WEIGHTS:
+            return x
+        return jax.lax.slice_in_dim(x, 0, x.shape[-2], copies, axis=x.ndim - 2)
+
+    return jax.tree_util.tree_map_with_path(narrow, params)
 
 
 def cache_shardings(cache, mesh: Mesh, rules: Mapping = RULES):

@@ -347,6 +347,31 @@ def test_hf_checkpoint_is_read_straight_onto_the_mesh(tmp_path, monkeypatch):
     assert llm_mesh.engine.params["embedding"].sharding.spec == P("model", None)
 
 
+def test_an_llm_over_a_mesh_that_copies_kv_heads_holds_its_weights_once(tmp_path):
+    """Over model=8, 2 KV heads are stored 4 times each (`kv_head_copies`): the engine widens the K/V
+    weights into new arrays. The LLM kept the unwidened set too, so every weight sat twice on the
+    devices (and memory_per_device counted one set). `llm.params` now narrows the engine's on demand,
+    to the values loaded."""
+    import gc
+
+    from hf_models import make_hf_model, save_hf_model
+
+    from jaxinfer import loading
+
+    save_hf_model(make_hf_model("qwen2", num_attention_heads=8, num_key_value_heads=2), tmp_path)
+    llm = LLM(str(tmp_path), max_model_len=64, num_kv_pages=32, mesh="data=1,model=8")
+    gc.collect()
+    attn = llm.engine.params["layer_0"]["attn"]
+    assert attn["wk"].shape[1] == attn["bk"].shape[0] == 8  # 2 heads x 4 copies
+    narrow = {(attn["wk"].shape[0], 2, attn["wk"].shape[2]), (2, attn["bk"].shape[1])}
+    on_mesh = [a for a in jax.live_arrays() if len(a.sharding.device_set) == 8 and a.shape in narrow]
+    assert on_mesh == []  # no unwidened K/V weight left beside the engine's
+    _, want = loading.load_hf_checkpoint(str(tmp_path))
+    got = llm.params
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
 def test_a_kv_cache_too_big_for_a_device_is_refused_with_or_without_a_mesh(monkeypatch):
     """What must fit on an accelerator is one device's share: KV heads split over `model` (or
     copied, then split), whole on every `data` device. Before, a mesh skipped the check: a huge
