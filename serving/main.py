@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import traceback
 
 
@@ -227,6 +228,33 @@ def run(args) -> int:
     return asyncio.run(main())
 
 
+def _exit_on_stop_signals(who: str) -> None:
+    """SIGTERM or SIGINT ends this process at once (status 128 + the signal), whatever its main thread
+    is doing. A follower's main thread sits in collectives (C code, where no Python handler runs) and
+    JAX's distributed runtime installs a C handler for SIGTERM (its preemption notice) that does
+    nothing else: a follower told to stop went on serving until the leader stopped it. The C side of
+    Python's handler writes the signal's number to the wakeup fd from whichever thread takes it, and a
+    thread of ours waits on that. The job cannot serve without this process: the leader finds it
+    gone at its next collective (UNAVAILABLE, NOT_SERVING), as for any follower that dies."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)
+    stops = (signal.SIGTERM, signal.SIGINT)
+    for sig in stops:
+        signal.signal(sig, lambda *_: None)  # the main thread's part: nothing (the thread below acts)
+
+    def watch() -> None:
+        while True:
+            for number in os.read(read_end, 64):
+                if number in stops:
+                    sys.stderr.write(
+                        f"{who}: {signal.Signals(number).name}; exiting (the job cannot serve without it)\n"
+                    )
+                    _exit_now(128 + number)
+
+    threading.Thread(target=watch, name="jaxinfer-stop-signals", daemon=True).start()
+
+
 def _exit_now(code: int) -> int:
     """Exit at once, skipping interpreter teardown and `jax.distributed`'s shutdown barrier.
 
@@ -262,6 +290,7 @@ def _follow(args) -> int:
         _exit_now(1)
 
     watchdog = Watchdog(args.peer_startup_timeout, hung)
+    _exit_on_stop_signals(f"jaxinfer serve: follower {me}")
     # Every exit goes through _exit_now, not the interpreter's: its exit runs JAX's shutdown, and
     # once the leader (which hosts the coordination service) is gone - it exits on the same bad
     # setting, or after its stop without waiting for us (recoverable mode) - the disconnect RPC

@@ -315,6 +315,27 @@ def test_a_follower_that_died_while_the_job_idled_makes_sigterm_exit_1(tmp_path)
         job.close()
 
 
+def test_sigterm_to_a_follower_ends_it_and_the_leader_finds_it_gone(tmp_path):
+    """A follower sits in collectives, where no Python handler runs, and JAX's runtime takes SIGTERM
+    with a C handler of its own that only notes it: a follower told to stop went on serving until
+    the leader stopped it (a supervisor's stop did nothing until its SIGKILL). It now exits at once,
+    and the leader fails the next request as for any follower that dies."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", "--peer-timeout", "4")
+    try:
+        client = Client(job.address)
+        assert len(client.generate(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY).token_ids) == 10
+        job.procs["follower"].send_signal(signal.SIGTERM)
+        assert job.procs["follower"].wait(timeout=30) == 128 + signal.SIGTERM, job.log("follower")[-2000:]
+        assert "SIGTERM; exiting" in job.log("follower")
+        with pytest.raises(ServerError) as e:
+            client.generate(prompt_token_ids=[1, 5, 9], sampling_params=GREEDY, timeout=60)
+        assert e.value.code == "UNAVAILABLE", e.value
+        job.procs["leader"].send_signal(signal.SIGTERM)
+        assert job.procs["leader"].wait(timeout=60) == 1, job.log("leader")[-2000:]
+    finally:
+        job.close()
+
+
 def test_processes_with_different_device_counts_are_refused_by_name(tmp_path):
     """A mesh over 4 + 2 devices: the settings check's collective assumes equal counts and failed
     with NumPy's "cannot reshape array of size 6 into shape (2,4)" (on the follower as an
