@@ -372,6 +372,20 @@ def test_kernel_bench_figures_on_made_up_times(monkeypatch):
         assert r["mbu"] == moved / (0.5 / 4) / (2 * 512 * 2**20 / 0.5)
 
 
+def test_the_copy_ceiling_copies_into_the_same_buffers_every_call():
+    """A fresh output per call is faulted in page by page on a CPU: the ceiling measured page faults
+    (3-4 GB/s where the memory reads and writes at 22-26), and MBU came out several times too high."""
+    from pallas_kernels import bench
+
+    x = jnp.ones((1 << 20,), jnp.float32)
+    where = x.unsafe_buffer_pointer()
+    call = bench._copier([x])
+    for _ in range(3):
+        jax.block_until_ready(call())
+    (buf,) = call.buffers()
+    assert buf.unsafe_buffer_pointer() == where and float(buf[0]) == float(buf[-1]) == 4.0
+
+
 def test_kernel_bench_samples_its_variants_in_interleaved_rounds(monkeypatch):
     """Each round times every call once, in a rotating order, and each call's median is its own:
     a machine that slows down mid-run slows every variant alike instead of the last ones timed."""
