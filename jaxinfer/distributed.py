@@ -149,6 +149,12 @@ def initialize(
         initialization_timeout=initialization_timeout,
         coordinator_bind_address=bind,
     )
+    if num_processes is not None and jax.process_count() != num_processes:
+        # The coordinator's count wins: a follower told 3 joined a job of 2 and served without a word.
+        raise ValueError(
+            f"--num-processes {num_processes} differs from the job's: the coordinator at {coordinator_address} "
+            f"counts {jax.process_count()} processes"
+        )
 
 
 def is_loopback(host: str) -> bool:

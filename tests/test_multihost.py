@@ -510,6 +510,21 @@ def test_a_kv_cache_no_device_holds_is_refused_by_every_process(tmp_path, model_
         job.close()
 
 
+def test_a_follower_told_another_process_count_is_refused_by_name(tmp_path):
+    """The coordinator's count wins: a follower told --num-processes 3 joined a job of 2 and served
+    without a word. It now says so and exits 2 (what the leader then does is the lost-follower case)."""
+    job = Job(tmp_path, "embedded:tiny-random", "data=2,model=4", follower_extra=["--num-processes", "3"], wait=False)
+    try:
+        assert job.procs["follower"].wait(timeout=120) == 2, job.log("follower")[-2000:]
+        log = job.log("follower")
+        assert re.search(
+            r"error: --num-processes 3 differs from the job's: the coordinator at 127\.0\.0\.1:\d+ counts 2", log
+        )
+        assert "Traceback" not in log
+    finally:
+        job.close()
+
+
 @pytest.mark.parametrize(
     "address", ["127.0.0.1:abc", "nonsense", "127.0.0.1:70000", "127.0.0.1:65536", "127.0.0.1:0", ":8476", "127.0.0.1:"]
 )
@@ -587,6 +602,7 @@ def test_a_loopback_coordinator_listens_on_loopback_only(monkeypatch):
     joined = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
     monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the test process's runtime stays as it is
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # as a job of 2 would answer
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
