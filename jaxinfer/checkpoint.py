@@ -35,7 +35,7 @@ from jaxinfer import config as config_module
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.model import abstract_params
-from jaxinfer.tokenizer import CHAT_TEMPLATE_DIR
+from jaxinfer.tokenizer import CHAT_TEMPLATE_DIR, require_unicode
 
 MARKER = "jaxinfer_checkpoint.json"
 FORMAT = "jaxinfer-orbax"
@@ -143,10 +143,7 @@ def _check_out_dir(out_dir: str | os.PathLike) -> str:
     if not os.fspath(out_dir):  # abspath("") is the working directory
         raise CheckpointError("the output directory must be a path, got an empty string")
     out_dir = os.path.abspath(os.fspath(out_dir))
-    try:
-        out_dir.encode("utf-8")
-    except UnicodeEncodeError:  # (undecodable bytes in argv): orbax and its C++ take only UTF-8 paths
-        raise CheckpointError(f"output directory {out_dir!r} is not valid UTF-8") from None
+    require_unicode(out_dir, "the output directory")  # (undecodable bytes in argv): orbax takes UTF-8 paths only
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"output directory {out_dir!r} is a file")
     if os.path.isdir(out_dir) and os.listdir(out_dir):

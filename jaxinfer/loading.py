@@ -104,13 +104,14 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.header)
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, a zero-copy uint8 view."""
+        begin, end = self.header[name]["data_offsets"]  # checked at open
+        return self._mmap[self._data_start + begin : self._data_start + end]
+
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]  # checked at open
-        dtype = _ST_DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        raw = self._mmap[self._data_start + begin : self._data_start + end]
-        return raw.view(dtype).reshape(shape)
+        info = self.header[name]
+        return self.raw(name).view(_ST_DTYPES[info["dtype"]]).reshape(tuple(info["shape"]))
 
 
 def _checkpoint_files(model_dir: str) -> dict[str, str]:
@@ -186,8 +187,7 @@ def _same_bytes(a: SafetensorsFile, b: SafetensorsFile, name: str) -> bool:
     ha, hb = a.header[name], b.header[name]
     if (ha["dtype"], ha["shape"]) != (hb["dtype"], hb["shape"]):
         return False
-    (a0, a1), (b0, b1) = ha["data_offsets"], hb["data_offsets"]
-    x, y = a._mmap[a._data_start + a0 : a._data_start + a1], b._mmap[b._data_start + b0 : b._data_start + b1]
+    x, y = a.raw(name), b.raw(name)
     step = 1 << 26  # 64 MiB at a time: no full-size temporaries for a duplicated embedding
     return all(np.array_equal(x[i : i + step], y[i : i + step]) for i in range(0, len(x), step))
 

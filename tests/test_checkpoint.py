@@ -495,7 +495,7 @@ def test_convert_refuses_an_output_it_cannot_write_before_loading(tmp_path, hf_d
 
     undecodable = os.fsdecode(os.fsencode(str(tmp_path)) + b"/out\xff")
     assert main(["convert", hf_dir, undecodable]) == 2
-    assert "is not valid UTF-8" in capsys.readouterr().err
+    assert "error: the output directory is not valid Unicode: lone surrogate" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
     (tmp_path / "a_file").write_text("x")
     for out in (str(tmp_path / "a_file" / "out"), "/proc/jaxinfer-out"):  # (root may write /proc, until mkdir)
