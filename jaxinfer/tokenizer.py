@@ -121,7 +121,8 @@ class TokenizerSettings:
     add_eos: bool | None = None
     add_prefix_space: bool | None = None
     legacy: bool | None = None
-    tokenizer_class: str | None = None
+    tokenizer_class: str | None = None  # tokenizer_config.json's, else config.json's
+    model_type: str | None = None  # config.json's: it can override the class (`resolve_tokenizer_class`)
     fill_token: str | None = None  # CodeLlama's infilling marker: transformers rewrites such prompts; refused here
     chat_templates: dict[str, str] = dataclasses.field(default_factory=dict)  # by name; "default" the main one
     has_config: bool = False  # whether there was a tokenizer_config.json at all
@@ -275,8 +276,24 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         for t, i in listed.items():
             added.setdefault(_token_id(i, f"{path}: the id of {t!r}"), (t, t in named))
 
+    model_config = {}
+    path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(path):
+        model_config = _read_json(path)
+        if not isinstance(model_config, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+    declared = config.get("tokenizer_class") or model_config.get("tokenizer_class")
+    model_type = model_config.get("model_type")
+    if declared is not None and not isinstance(declared, str):
+        raise CheckpointError(f"{model_dir}: tokenizer_class must be a string, got {declared!r}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{model_dir}: config.json's model_type must be a string, got {model_type!r}")
+    tj = os.path.join(model_dir, "tokenizer.json")
+    byte_level = os.path.isfile(tj) and _is_byte_level(tj)
+    tokenizer_class = resolve_tokenizer_class(declared, model_type, byte_level=byte_level)
+
     fill = None
-    if config.get("tokenizer_class") in _CODE_LLAMA_CLASSES:
+    if tokenizer_class == "CodeLlamaTokenizer":
         # CodeLlamaTokenizer makes its infilling markers special tokens, whatever tokenizer.json says (its
         # defaults unless the config names others, or null for none); the fill token marks where the
         # middle goes in a prompt.
@@ -299,15 +316,67 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         add_eos=flag("add_eos_token"),
         add_prefix_space=flag("add_prefix_space"),
         legacy=flag("legacy"),
-        tokenizer_class=config.get("tokenizer_class"),
+        tokenizer_class=tokenizer_class,
+        model_type=model_type,
         fill_token=fill,
         chat_templates=_chat_templates(model_dir, config),
         has_config=has_config,
     )
 
 
-_CODE_LLAMA_CLASSES = ("CodeLlamaTokenizer", "CodeLlamaTokenizerFast")
-_METASPACE_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", *_CODE_LLAMA_CLASSES)
+# How transformers 5 (checked against 5.25) picks the tokenizer class of a checkpoint directory. The
+# class matters because the classes with a constructor of their own (below) keep only the vocabulary,
+# merges, added tokens and post-processor of a tokenizer.json and rebuild the rest; the generic one
+# (TokenizersBackend, "PreTrainedTokenizerFast") reads the file as written.
+_AS_WRITTEN = "TokenizersBackend"
+# config.json's model_type -> the class transformers registers for it (none for Llama: the generic one
+# then; Mistral: the generic one, when the optional mistral-common package is not installed, which
+# jaxinfer does not ask for).
+_REGISTERED_CLASSES = {
+    "mistral": _AS_WRITTEN,
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "gemma": "GemmaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3": "GemmaTokenizer",
+    "gemma3_text": "GemmaTokenizer",
+}
+# Model types whose registered class wins over the class the checkpoint names (transformers'
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, as far as it concerns the families jaxinfer loads).
+_CLASS_FORCED_BY_MODEL_TYPE = frozenset({"qwen2"})
+_GENERIC_CLASSES = frozenset({"PreTrainedTokenizer", "PreTrainedTokenizerFast", "TokenizersBackend", "PythonBackend"})
+
+
+def resolve_tokenizer_class(declared: str | None, model_type: str | None, *, byte_level: bool) -> str:
+    """The class transformers 5's AutoTokenizer builds (without its "Fast" suffix; `_AS_WRITTEN` for
+    the generic one), from the class the checkpoint declares (tokenizer_config.json, else config.json),
+    config.json's model_type, and whether the tokenizer.json is byte-level. Its order:
+
+    1. a byte-level file declared LlamaTokenizer is read as written (Llama 3 style files saved under
+       that name; DeepSeek), unless the model type forces its own class;
+    2. where the model type registers another class than the declared one: the generic registration
+       (Mistral) wins, then a forced one (Qwen 2), else the declared class;
+    3. the declared class, or without one, the model type's.
+
+    A Mistral v0.1 checkpoint (LlamaTokenizer under model_type mistral) is therefore read as written,
+    a Llama 2 one rebuilt, a Llama one that names no class read as written; a SmolLM one
+    (GPT2Tokenizer under llama) loses what its file's pre-tokenizer adds to GPT-2's (its digit
+    splitting), as in transformers 5.
+    """
+    if declared in _GENERIC_CLASSES:
+        declared = _AS_WRITTEN
+    elif declared is not None:
+        declared = declared.removesuffix("Fast")
+    registered = _REGISTERED_CLASSES.get(model_type or "")
+    if declared == "LlamaTokenizer" and byte_level and model_type not in _CLASS_FORCED_BY_MODEL_TYPE:
+        return _AS_WRITTEN
+    if declared is not None and registered is not None and registered != declared:
+        if registered == _AS_WRITTEN:
+            return _AS_WRITTEN
+        return registered if model_type in _CLASS_FORCED_BY_MODEL_TYPE else declared
+    return declared or registered or _AS_WRITTEN
+
+
 # CodeLlamaTokenizer's infilling markers and their defaults (tokenizer_config.json keys).
 _CODE_LLAMA_MARKERS = {
     "prefix_token": "▁<PRE>",
@@ -325,11 +394,11 @@ def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
     prepends "▁" to the first word only ("always": after every special token, when `legacy` is
     true; "never" with add_prefix_space false); byte fallback; a decoder that strips the prefix.
     CodeLlamaTokenizer does the same but ignores `legacy` and always strips the decoded prefix."""
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, pre_tokenizers
 
-    if not isinstance(tok.model, models.BPE):
+    if _bpe_model(tok) is None:
         return  # transformers rebuilds a BPE; anything else is read as written
-    code = settings.tokenizer_class in _CODE_LLAMA_CLASSES
+    code = settings.tokenizer_class == "CodeLlamaTokenizer"
     prefix = settings.add_prefix_space if settings.add_prefix_space is not None else True
     scheme = ("always" if settings.legacy and not code else "first") if prefix else "never"
     tok.model.fuse_unk = True
@@ -338,6 +407,76 @@ def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix or code else []))
+
+
+def _bpe_model(tok):
+    from tokenizers import models
+
+    return tok.model if isinstance(tok.model, models.BPE) else None
+
+
+def _rebuild_as_gemma_tokenizer(tok, settings: TokenizerSettings) -> None:
+    """transformers 5's GemmaTokenizer: spaces become "▁" (no prefix), split after each, byte fallback."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    if (model := _bpe_model(tok)) is None:
+        return
+    unk = settings.special_tokens.get("unk_token", "<unk>")
+    if model.token_to_id(unk) is None:
+        raise CheckpointError(
+            f"tokenizer.json has no unk_token {unk!r} in its vocabulary, which GemmaTokenizer (the class "
+            "transformers builds for this checkpoint) needs: transformers cannot encode text with it either"
+        )
+    model.fuse_unk = True
+    model.byte_fallback = True
+    model.unk_token = unk
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
+# Qwen 2's pre-tokenizer split (a fact of its tokenizer, as transformers and Qwen's files write it).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _rebuild_as_byte_level_bpe(tok, settings: TokenizerSettings, *, qwen: bool) -> None:
+    """transformers 5's GPT2Tokenizer (GPT-2's byte-level pre-tokenizer alone: no normaliser, and
+    nothing else the file's pre-tokenizer had, such as digit splitting) and Qwen2Tokenizer (NFC, then
+    Qwen's split, then bytes); `add_prefix_space` from the config, false when unstated."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    if (model := _bpe_model(tok)) is None:
+        return
+    model.fuse_unk = False
+    model.byte_fallback = False
+    model.dropout = None
+    model.continuing_subword_prefix = ""
+    model.end_of_word_suffix = ""
+    model.unk_token = None  # a byte no merge covers is dropped, not <unk>
+    prefix = bool(settings.add_prefix_space)
+    if qwen:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=False),
+            ]
+        )
+    else:
+        tok.normalizer = None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix)
+    tok.decoder = decoders.ByteLevel()
+
+
+_REBUILDS = {
+    "LlamaTokenizer": _rebuild_as_llama_tokenizer,
+    "CodeLlamaTokenizer": _rebuild_as_llama_tokenizer,
+    "GemmaTokenizer": _rebuild_as_gemma_tokenizer,
+    "GPT2Tokenizer": functools.partial(_rebuild_as_byte_level_bpe, qwen=False),
+    "Qwen2Tokenizer": functools.partial(_rebuild_as_byte_level_bpe, qwen=True),
+}
 
 
 def _refuse_fill_token(text: str, fill: str | None, field: str = "prompt") -> None:
@@ -401,7 +540,17 @@ def _with_own_eos(eos_ids, own: int | None) -> tuple[int, ...]:
 def _is_byte_level(path: str) -> bool:
     """Whether a tokenizer.json uses a ByteLevel pre-tokenizer or decoder (GPT-2 / Llama 3 style). Such
     files under a LlamaTokenizer class name (DeepSeek checkpoints) are read as written, as transformers
-    5 reads them: the Metaspace rebuild would drop every byte it cannot place."""
+    5 reads them: the Metaspace rebuild would drop every byte it cannot place. (A file that cannot be
+    read says no here; loading it then names what is wrong.)"""
+    try:
+        stat = os.stat(path)
+        return _file_is_byte_level(path, stat.st_mtime_ns, stat.st_size)
+    except (OSError, ValueError, RecursionError):
+        return False
+
+
+@functools.lru_cache(maxsize=8)
+def _file_is_byte_level(path: str, mtime_ns: int, size: int) -> bool:  # read once per file version
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
 
@@ -416,8 +565,9 @@ def _is_byte_level(path: str) -> bool:
 class HFTokenizer:
     """A `tokenizers` fast tokenizer (tokenizer.json); BOS/EOS come from its own post-processor.
 
-    Under a `tokenizer_class` that transformers rebuilds from the file's vocabulary (LlamaTokenizer),
-    the pipeline is rebuilt the same way (`_rebuild_as_llama_tokenizer`), unless the file is byte-level.
+    Under a class that transformers 5 rebuilds from the file's vocabulary (`resolve_tokenizer_class`:
+    LlamaTokenizer, CodeLlamaTokenizer, GemmaTokenizer, GPT2Tokenizer, Qwen2Tokenizer), the pipeline
+    is rebuilt the same way (`_REBUILDS`); under any other the file is read as written.
     """
 
     def __init__(self, path: str, *, settings: TokenizerSettings | None = None, eos_ids: tuple[int, ...] = ()):
@@ -429,8 +579,8 @@ class HFTokenizer:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         settings = settings or TokenizerSettings()
         self._byte_level = _is_byte_level(path)
-        if settings.tokenizer_class in _METASPACE_CLASSES and not self._byte_level:
-            _rebuild_as_llama_tokenizer(self._tok, settings)
+        if (rebuild := _REBUILDS.get(settings.tokenizer_class)) is not None:
+            rebuild(self._tok, settings)
         _add_config_tokens(self._tok, settings)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
@@ -517,12 +667,20 @@ class SentencePieceTokenizer:
         self.special_tokens = dict(settings.special_tokens)
         cls = settings.tokenizer_class or ""
         self._prefix_space = settings.add_prefix_space if settings.add_prefix_space is not None else own_prefix
-        if settings.add_prefix_space is None and cls.startswith("Gemma"):
-            self._prefix_space = False  # Gemma's tokenizer never adds one
-        if settings.add_prefix_space is None and cls in _METASPACE_CLASSES:
+        if cls == "GemmaTokenizer":
+            self._prefix_space = False  # Gemma's tokenizer never adds one, whatever the config says
+        if settings.add_prefix_space is None and cls in ("LlamaTokenizer", "CodeLlamaTokenizer"):
             self._prefix_space = True  # LlamaTokenizer's default, whatever the model's own flag
-        code = cls in _CODE_LLAMA_CLASSES
-        self._prefix_everywhere = bool(settings.legacy) and not code  # CodeLlama ignores `legacy`
+        code = cls == "CodeLlamaTokenizer"
+        # The generic class (transformers' TokenizersBackend: no tokenizer class named, or Mistral's)
+        # converts the model as SentencePiece encodes: the model's own dummy prefix (add_prefix_space
+        # is not read) in front of every run of text, after each special token and before a leading
+        # space too (" hi" is "▁", "▁hi"); with `legacy` false, only at the start, as LlamaTokenizer.
+        generic = cls == _AS_WRITTEN
+        if generic:
+            self._prefix_space = own_prefix
+        self._prefix_always = generic and settings.legacy is not False
+        self._prefix_everywhere = self._prefix_always or (bool(settings.legacy) and not code)  # CodeLlama: no
         self._strip_decoded = self._prefix_space or code  # and always strips a decoded leading space
         self.fill_token = settings.fill_token
         bos = self._piece_id(self.special_tokens.get("bos_token"))
@@ -567,9 +725,11 @@ class SentencePieceTokenizer:
     def _encode_text(self, text: str, at_start: bool) -> list[int]:
         if not text:
             return []
-        if self._prefix_space and (at_start or self._prefix_everywhere) and not text.startswith((" ", "▁")):
-            text = " " + text
-        return self._sp.encode(text, out_type=int)
+        if not self._prefix_space or not (at_start or self._prefix_everywhere):
+            return self._sp.encode(text, out_type=int)
+        if self._prefix_always:
+            return self._sp.encode("▁" + text.replace(" ", "▁"), out_type=int)
+        return self._sp.encode(text if text.startswith((" ", "▁")) else " " + text, out_type=int)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         _refuse_fill_token(text, self.fill_token, "text")
@@ -670,6 +830,13 @@ def load_tokenizer(model_dir: str, *, eos_ids: tuple[int, ...] = ()) -> Tokenize
         return HFTokenizer(tj, settings=settings, eos_ids=eos_ids)
     sp = os.path.join(model_dir, "tokenizer.model")
     if os.path.isfile(sp):
+        if settings.tokenizer_class in ("GPT2Tokenizer", "Qwen2Tokenizer"):
+            raise CheckpointError(
+                f"{model_dir}: a SentencePiece tokenizer.model without a tokenizer.json, under "
+                f"{settings.tokenizer_class} (the class transformers 5 builds here, from tokenizer_config.json's "
+                "tokenizer_class and config.json's model_type), which would re-encode its vocabulary as a "
+                "byte-level BPE; jaxinfer does not build that: add the checkpoint's tokenizer.json"
+            )
         return SentencePieceTokenizer(sp, settings=settings, eos_ids=eos_ids)
     return None
 

@@ -595,7 +595,7 @@ def test_min_tokens_ignores_a_stop_string_the_text_completes_before_it():
     # A character made of byte pieces before min_tokens is not searched either, though the byte run
     # it is in is still open then (the text takes it in only when the run ends, past min_tokens).
     tok = llm.tokenizer
-    ids = tok.encode(" \U0001f600,eh", add_special_tokens=False)  # the emoji is 4 byte pieces
+    ids = tok.encode("\U0001f600,eh", add_special_tokens=False)  # "▁", then the emoji's 4 byte pieces
     made = next(k for k in range(1, len(ids) + 1) if "\U0001f600" in tok.decode(ids[:k]))
     assert ids[made - 1] in tok.byte_ids  # the emoji's last piece: the byte run is still open after it
     for include in (False, True):

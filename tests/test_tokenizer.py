@@ -2,6 +2,7 @@
 
 import dataclasses
 import enum
+import itertools
 import json
 import random
 from typing import Any, Literal
@@ -302,25 +303,13 @@ def test_sentencepiece_ids_match_transformers(tmp_path, dummy_prefix, normalizat
 
 @pytest.mark.parametrize("legacy", [None, True, False])
 def test_llama2_style_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, legacy):
-    """Llama 2 / Mistral v0.1 checkpoints ship a tokenizer.json with a Prepend("▁") + Replace(" ", "▁")
+    """Llama 2 checkpoints ship a tokenizer.json with a Prepend("▁") + Replace(" ", "▁")
     normaliser under tokenizer_class LlamaTokenizer. transformers 5 keeps only its vocabulary, merges
     and post-processor and rebuilds the rest (Metaspace, prepend "first", or "always" when legacy): read
     as written, " hello" gave ['▁▁', 'hello'] and "a</s>b" a '▁' after '</s>'."""
     (tmp_path / "spm").mkdir()
     spm = _spm_dir(tmp_path / "spm", tokenizer_config={"tokenizer_class": "LlamaTokenizer", "add_bos_token": True})
-    hub = tmp_path / "hub"
-    transformers.AutoTokenizer.from_pretrained(str(spm)).save_pretrained(str(hub))
-    tj = json.loads((hub / "tokenizer.json").read_text())
-    tj["normalizer"] = {
-        "type": "Sequence",
-        "normalizers": [
-            {"type": "Prepend", "prepend": "▁"},
-            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-        ],
-    }
-    tj["pre_tokenizer"] = None
-    (hub / "tokenizer.json").write_text(json.dumps(tj))
-    (hub / "tokenizer.model").unlink(missing_ok=True)
+    hub = _llama2_style_dir(tmp_path / "hub", spm)
     config = json.loads((hub / "tokenizer_config.json").read_text())
     config.pop("legacy", None)
     if legacy is not None:
@@ -332,6 +321,122 @@ def test_llama2_style_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, l
     for text in strings:
         ids = theirs(text)["input_ids"]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def _llama2_style_dir(path, spm_dir):
+    """A Llama 2 / Mistral v0.1 style tokenizer.json (Prepend("▁") + Replace(" ", "▁") normaliser, byte
+    fallback, no pre-tokenizer), converted by transformers from the SentencePiece model in spm_dir."""
+    transformers.AutoTokenizer.from_pretrained(str(spm_dir)).save_pretrained(str(path))
+    tj = json.loads((path / "tokenizer.json").read_text())
+    tj["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    }
+    tj["pre_tokenizer"] = None
+    (path / "tokenizer.json").write_text(json.dumps(tj))
+    (path / "tokenizer.model").unlink(missing_ok=True)
+    return path
+
+
+def _byte_level_extras_dir(path):
+    """A byte-level BPE tokenizer.json whose pipeline adds to GPT-2's: a lowercasing normaliser and
+    digit splitting before the bytes (trained without either, so a rebuild that drops them shows)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_corpus() + ["Hello HELLO World 2024 20 24 cafe\u0301"] * 20, trainer)
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama2-style", "byte-level"])
+@pytest.mark.parametrize("model_type", [None, "llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_the_tokenizer_class_is_chosen_and_rebuilt_as_transformers_does(tmp_path, kind, model_type):
+    """transformers 5 picks the tokenizer class from tokenizer_config.json's tokenizer_class and
+    config.json's model_type (Mistral's registration reads the file as written, Qwen 2's overrides the
+    declared class), and LlamaTokenizer, GemmaTokenizer, GPT2Tokenizer and Qwen2Tokenizer rebuild the
+    file's pipeline. A Mistral v0.1 checkpoint (LlamaTokenizer under model_type mistral) was rebuilt
+    here: its [INST] prompts and every text with a leading space came out other ids."""
+    if kind == "llama2-style":
+        (tmp_path / "spm").mkdir()
+        spm = _spm_dir(tmp_path / "spm", tokenizer_config={"add_bos_token": True})
+        source = _llama2_style_dir(tmp_path / "src", spm)
+    else:
+        source = _byte_level_extras_dir(tmp_path / "src")
+    strings = [*STRINGS, " hello", "a</s>b", "<s>[INST] hi [/INST] ok</s>[INST] q [/INST]", "2024 HELLO cafe\u0301"]
+    declared = [None, "LlamaTokenizerFast", "GPT2Tokenizer", "Qwen2TokenizerFast", "GemmaTokenizer"]
+    declared += ["PreTrainedTokenizerFast", "MyOwnTokenizer"]
+    for i, cls in enumerate(declared):
+        for prefix_space in [None, True] if cls in ("GPT2Tokenizer", "Qwen2TokenizerFast") else [None]:
+            d = tmp_path / f"case{i}{prefix_space}"
+            d.mkdir()
+            (d / "tokenizer.json").write_text((source / "tokenizer.json").read_text())
+            config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+            config |= {"tokenizer_class": cls} if cls else {}
+            config |= {"add_prefix_space": prefix_space} if prefix_space is not None else {}
+            (d / "tokenizer_config.json").write_text(json.dumps(config))
+            if model_type is not None:
+                (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+            theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+            try:
+                theirs("hello world")
+            except Exception as e:  # GemmaTokenizer over a vocabulary without its <unk>
+                assert "Unk token" in str(e), e
+                with pytest.raises(CheckpointError, match="GemmaTokenizer"):
+                    load_tokenizer(str(d))
+                continue
+            ours = load_tokenizer(str(d))
+            for text in strings:
+                expected = theirs(text)["input_ids"]
+                assert ours.encode(text) == expected, (cls, prefix_space, type(theirs).__name__, text)
+                assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), (cls, text)
+
+
+@pytest.mark.parametrize("dummy_prefix", [True, False])
+@pytest.mark.parametrize("model_type", [None, "llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_a_sentencepiece_model_alone_encodes_as_the_class_transformers_chooses(tmp_path, dummy_prefix, model_type):
+    """A tokenizer.model without a tokenizer.json, under each class transformers 5 can choose for it.
+    The generic one (no class named, or a Mistral model type) converts the model as SentencePiece
+    encodes: its own dummy prefix, before every run of text and before a leading space too (unless
+    `legacy` is false), add_prefix_space unread. Under GPT2Tokenizer / Qwen2Tokenizer transformers
+    re-encodes the vocabulary as byte-level BPE, which jaxinfer refuses by name."""
+    (tmp_path / "spm").mkdir()
+    model = _spm_dir(tmp_path / "spm", dummy_prefix=dummy_prefix) / "tokenizer.model"
+    strings = [*STRINGS, " hello", "a</s>b", "x<s> y", "<s>[INST] hi [/INST] ok</s>[INST] q [/INST]"]
+    classes = [None, "LlamaTokenizer", "GemmaTokenizer", "PreTrainedTokenizerFast", "GPT2Tokenizer"]
+    variants = [{}, {"legacy": False}, {"legacy": True}, {"add_prefix_space": False}, {"add_prefix_space": True}]
+    for i, (cls, variant) in enumerate(itertools.product(classes, variants)):
+        d = tmp_path / f"case{i}"
+        d.mkdir()
+        (d / "tokenizer.model").write_bytes(model.read_bytes())
+        config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, **variant}
+        config |= {"tokenizer_class": cls} if cls else {}
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+        if model_type is not None:
+            (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+        theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+        if type(theirs).__name__ in ("GPT2Tokenizer", "Qwen2Tokenizer"):
+            with pytest.raises(CheckpointError, match=type(theirs).__name__):
+                load_tokenizer(str(d))
+            continue
+        ours = load_tokenizer(str(d))
+        for text in strings:
+            expected = theirs(text)["input_ids"]
+            assert ours.encode(text) == expected, (cls, variant, type(theirs).__name__, text)
+            assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), (cls, variant, text)
 
 
 def _code_llama_dir(path, config):
@@ -428,9 +533,8 @@ def test_sentencepiece_decode_skips_unk_and_ids_past_the_model(tmp_path):
 def test_a_bare_sentencepiece_model_encodes_as_sentencepiece_does(tmp_path, ids):
     """A tokenizer.model with no tokenizer_config.json: BOS and EOS are the model's own (id 0 is an
     id, -1 none), BOS is added, and the model's dummy prefix is kept (no tokenizer class to say
-    otherwise), as sentencepiece itself encodes. (Not for texts that start with a space: there the
-    dummy prefix and the space make one piece, as in transformers' Llama tokenizer, two in
-    sentencepiece's own encode.)"""
+    otherwise), as sentencepiece itself encodes, before a leading space too (as transformers'
+    generic class converts the model; its Llama class would make the prefix and that space one)."""
     import sentencepiece as spm
 
     _spm_dir(tmp_path, ids=ids)
@@ -438,7 +542,7 @@ def test_a_bare_sentencepiece_model_encodes_as_sentencepiece_does(tmp_path, ids)
     ours = load_tokenizer(str(tmp_path))
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     assert (ours.bos_id, ours.eos_ids) == (ids[1], (ids[2],))
-    for text in (t for t in STRINGS if not t[:1].isspace()):
+    for text in STRINGS:
         assert ours.encode(text) == [ids[1], *sp.encode(text)], text
     assert ours._piece_id("<unk>") == ids[0] and ours._piece_id("<not-a-piece>") is None
 
