@@ -283,7 +283,9 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         if not isinstance(model_config, dict):
             raise CheckpointError(f"{path} must hold a JSON object")
     declared = config.get("tokenizer_class") or model_config.get("tokenizer_class")
-    model_type = model_config.get("model_type")
+    # A jaxinfer checkpoint's config.json (checkpoint.py) names the family, which is the model_type
+    # for this purpose (gemma3 for gemma3_text too: both register GemmaTokenizer).
+    model_type = model_config.get("model_type", model_config.get("family"))
     if declared is not None and not isinstance(declared, str):
         raise CheckpointError(f"{model_dir}: tokenizer_class must be a string, got {declared!r}")
     if model_type is not None and not isinstance(model_type, str):

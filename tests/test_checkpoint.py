@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import transformers
 from hf_models import make_hf_model, save_hf_model, train_sentencepiece
 
 from jaxinfer import LLM, SamplingParams, checkpoint
@@ -153,6 +154,34 @@ def test_convert_keeps_special_tokens_named_only_in_special_tokens_map(tmp_path)
     a, b = load_tokenizer(str(src)), load_tokenizer(str(tmp_path / "out"))
     assert a.bos_id is not None and a.eos_ids
     assert (b.special_tokens, b.bos_id, b.eos_ids) == (a.special_tokens, a.bos_id, a.eos_ids)
+
+
+def test_the_copy_of_a_mistral_tokenizer_encodes_as_the_original(tmp_path):
+    """transformers 5 reads a Mistral checkpoint's tokenizer.json as written although it names
+    LlamaTokenizer (which Llama 2 checkpoints get rebuilt as): the model_type decides. A jaxinfer copy's
+    config.json names the family instead; the copy must encode as the original does."""
+    from test_tokenizer import STRINGS, _llama2_style_dir, _spm_dir
+
+    (tmp_path / "spm").mkdir()
+    src = _llama2_style_dir(tmp_path / "src", _spm_dir(tmp_path / "spm", tokenizer_config={"add_bos_token": True}))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    (src / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    cfg = ModelConfig(
+        family="mistral",
+        vocab_size=512,
+        hidden_size=16,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    checkpoint.save(tmp_path / "out", cfg, init_params(cfg), tokenizer_dir=str(src))
+    original, copy = load_tokenizer(str(src)), load_tokenizer(str(tmp_path / "out"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(src))
+    for text in [*STRINGS, " hello", "<s>[INST] hi [/INST] ok</s>[INST] q [/INST]"]:
+        assert copy.encode(text) == original.encode(text) == theirs(text)["input_ids"], text
 
 
 def test_llm_on_converted_dir_matches_llm_on_hf_dir(converted, hf_dir):
