@@ -289,7 +289,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     if declared is not None and not isinstance(declared, str):
         raise CheckpointError(f"{model_dir}: tokenizer_class must be a string, got {declared!r}")
     if model_type is not None and not isinstance(model_type, str):
-        raise CheckpointError(f"{model_dir}: config.json's model_type must be a string, got {model_type!r}")
+        raise CheckpointError(f"{model_dir}: config.json's model_type (or family) must be a string, got {model_type!r}")
     tj = os.path.join(model_dir, "tokenizer.json")
     byte_level = os.path.isfile(tj) and _is_byte_level(tj)
     tokenizer_class = resolve_tokenizer_class(declared, model_type, byte_level=byte_level)
