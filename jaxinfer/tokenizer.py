@@ -291,8 +291,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     if model_type is not None and not isinstance(model_type, str):
         raise CheckpointError(f"{model_dir}: config.json's model_type (or family) must be a string, got {model_type!r}")
     tj = os.path.join(model_dir, "tokenizer.json")
-    byte_level = os.path.isfile(tj) and _is_byte_level(tj)
-    tokenizer_class = resolve_tokenizer_class(declared, model_type, byte_level=byte_level)
+    tokenizer_class = resolve_tokenizer_class(declared, model_type, byte_level=_mentions_byte_level(tj))
 
     fill = None
     if tokenizer_class == "CodeLlamaTokenizer":
@@ -412,9 +411,16 @@ def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
 
 
 def _bpe_model(tok):
+    """The file's BPE model with what every rebuilding class builds afresh: no dropout (the file's
+    would make encoding random), merges never skipped for a word the vocabulary holds whole (Llama 3's
+    files set that). None for a model of another kind, which the rebuilds leave as written."""
     from tokenizers import models
 
-    return tok.model if isinstance(tok.model, models.BPE) else None
+    if not isinstance(tok.model, models.BPE):
+        return None
+    tok.model.dropout = None
+    tok.model.ignore_merges = False
+    return tok.model
 
 
 def _rebuild_as_gemma_tokenizer(tok, settings: TokenizerSettings) -> None:
@@ -453,7 +459,6 @@ def _rebuild_as_byte_level_bpe(tok, settings: TokenizerSettings, *, qwen: bool) 
         return
     model.fuse_unk = False
     model.byte_fallback = False
-    model.dropout = None
     model.continuing_subword_prefix = ""
     model.end_of_word_suffix = ""
     model.unk_token = None  # a byte no merge covers is dropped, not <unk>
@@ -539,11 +544,21 @@ def _with_own_eos(eos_ids, own: int | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys((*eos_ids, *((own,) if own is not None else ()))))
 
 
+def _mentions_byte_level(path: str) -> bool:
+    """transformers 5's test for "this LlamaTokenizer file is really byte-level, read it as written"
+    (`_tokenizer_json_has_byte_level`): the text '"ByteLevel"' anywhere in tokenizer.json, in a
+    vocabulary entry or a post-processor too. (What the pipeline really does is `_is_byte_level`.)"""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return '"ByteLevel"' in f.read()
+    except (OSError, ValueError):
+        return False
+
+
 def _is_byte_level(path: str) -> bool:
-    """Whether a tokenizer.json uses a ByteLevel pre-tokenizer or decoder (GPT-2 / Llama 3 style). Such
-    files under a LlamaTokenizer class name (DeepSeek checkpoints) are read as written, as transformers
-    5 reads them: the Metaspace rebuild would drop every byte it cannot place. (A file that cannot be
-    read says no here; loading it then names what is wrong.)"""
+    """Whether a tokenizer.json uses a ByteLevel pre-tokenizer or decoder (GPT-2 / Llama 3 style): then
+    every byte of text has a token (`HFTokenizer.max_token_bytes`). (A file that cannot be read says
+    no here; loading it then names what is wrong.)"""
     try:
         stat = os.stat(path)
         return _file_is_byte_level(path, stat.st_mtime_ns, stat.st_size)
@@ -579,6 +594,10 @@ class HFTokenizer:
             self._tok = _Tok.from_file(path)
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        # A file saved with truncation or padding switched on (a fine-tuning run's) would cut or pad
+        # every prompt; transformers switches both off for each call.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         settings = settings or TokenizerSettings()
         self._byte_level = _is_byte_level(path)
         if (rebuild := _REBUILDS.get(settings.tokenizer_class)) is not None:

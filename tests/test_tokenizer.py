@@ -501,20 +501,74 @@ def test_byte_level_tokenizer_json_under_a_llama_class_is_read_as_written(tmp_pa
         assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
 
 
-def test_byte_level_is_read_from_the_pipeline_not_from_the_vocabulary(tmp_path):
-    """A file was taken as byte-level when the string "ByteLevel" appeared anywhere in it, a
-    vocabulary entry of that name included; now only its pre-tokenizer or decoder count."""
+def test_a_llama_class_file_that_mentions_byte_level_is_read_as_written_as_transformers_reads_it(tmp_path):
+    """transformers 5 reads a LlamaTokenizer file as written when the text '"ByteLevel"' appears anywhere
+    in it (`_tokenizer_json_has_byte_level`), a vocabulary entry or a post-processor included; the
+    pipeline test (`_is_byte_level`, which bounds a prompt's bytes per token) looks at what runs."""
     from jaxinfer.tokenizer import _is_byte_level
 
-    def spec(pre, vocab=()):
+    (tmp_path / "spm").mkdir()
+    spm = _spm_dir(tmp_path / "spm", tokenizer_config={"tokenizer_class": "LlamaTokenizer", "add_bos_token": True})
+    for where in ("vocab", "post_processor"):
+        d = _llama2_style_dir(tmp_path / where, spm)
+        spec = json.loads((d / "tokenizer.json").read_text())
+        if where == "vocab":
+            vocab = spec["model"]["vocab"]
+            victim = max((t for t in vocab if t.startswith("▁") and len(t) > 3), key=vocab.get)  # the last merged
+            vocab["ByteLevel"] = vocab.pop(victim)
+            merges = [m if isinstance(m, list) else m.split(" ") for m in spec["model"]["merges"]]
+            spec["model"]["merges"] = [m for m in merges if "".join(m) != victim]
+        else:
+            byte_level = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+            spec["post_processor"] = {"type": "Sequence", "processors": [byte_level, spec["post_processor"]]}
+        (d / "tokenizer.json").write_text(json.dumps(spec))
+        ours, theirs = _assert_same_ids(d, [*STRINGS, " hello", "a</s>b"])
+        assert type(theirs).__name__ == "TokenizersBackend" and not _is_byte_level(str(d / "tokenizer.json"))
+
+    def spec(pre):
         path = tmp_path / "tokenizer.json"
-        model = {"vocab": dict.fromkeys(vocab, 0)}
-        path.write_text(json.dumps({"pre_tokenizer": pre, "decoder": None, "model": model}))
+        path.write_text(json.dumps({"pre_tokenizer": pre, "decoder": None, "model": {"vocab": {}}}))
         return str(path)
 
-    assert not _is_byte_level(spec({"type": "Metaspace"}, vocab=["ByteLevel"]))
+    assert not _is_byte_level(spec({"type": "Metaspace"}))
     assert _is_byte_level(spec({"type": "ByteLevel"}))
     assert _is_byte_level(spec({"type": "Sequence", "pretokenizers": [{"type": "Split"}, {"type": "ByteLevel"}]}))
+
+
+@pytest.mark.parametrize("kind", ["as written", "rebuilt"])
+def test_a_file_saved_with_truncation_or_padding_still_encodes_the_whole_prompt(tmp_path, kind):
+    """A tokenizer.json saved by a fine-tuning run with truncation or padding switched on: transformers
+    switches both off for each call. Left on, every prompt was cut to 4 tokens or padded to 16."""
+    if kind == "as written":
+        source = _bpe_dir(tmp_path / "src")
+    else:
+        (tmp_path / "spm").mkdir()
+        spm = _spm_dir(tmp_path / "spm", tokenizer_config={"tokenizer_class": "LlamaTokenizer", "add_bos_token": True})
+        source = _llama2_style_dir(tmp_path / "src", spm)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    truncation = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    padding = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0}
+    padding |= {"pad_type_id": 0, "pad_token": "<pad>"}
+    (source / "tokenizer.json").write_text(json.dumps(spec | {"truncation": truncation, "padding": padding}))
+    ours, _ = _assert_same_ids(source)
+    assert len(ours.encode("hello world, the quick brown fox.")) > 4
+    assert len(ours.encode("a")) < 16
+
+
+def test_rebuilt_classes_neither_drop_out_merges_nor_skip_them(tmp_path):
+    """The classes transformers 5 rebuilds make a fresh BPE: no dropout (a file's would make encoding
+    random) and merges never skipped for a word the vocabulary holds whole (`ignore_merges`, which
+    Llama 3's files set); both were kept from the file."""
+    source = _bpe_dir(tmp_path / "src")
+    spec = json.loads((source / "tokenizer.json").read_text())
+    spec["model"] |= {"ignore_merges": True, "dropout": 0.5}
+    used = [*spec["model"]["vocab"].values(), *(t["id"] for t in spec["added_tokens"])]
+    spec["model"]["vocab"]["Ġzzyzx"] = max(used) + 1  # no merge reaches it
+    (source / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "GPT2Tokenizer"}))
+    ours, theirs = _assert_same_ids(source, [*STRINGS, "a zzyzx", "zzyzx zzyzx"] * 3)
+    assert type(theirs).__name__ == "GPT2Tokenizer" and len(ours.encode("a zzyzx")) > 3
 
 
 def test_sentencepiece_decode_skips_unk_and_ids_past_the_model(tmp_path):
