@@ -114,6 +114,7 @@ class TokenizerSettings:
 
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     extra_special_tokens: tuple[str, ...] = ()  # additional / added special tokens, matched inside text
+    additional_special_tokens: tuple[str, ...] = ()  # those of them the configs list by that name
     added_tokens: tuple[tuple[int, str, bool], ...] = ()  # (id, text, special), from added_tokens_decoder / .json
     # added_tokens_decoder's AddedToken options by text: (lstrip, rstrip, single_word, normalized)
     added_token_options: tuple[tuple[str, tuple[bool, bool, bool, bool]], ...] = ()
@@ -238,22 +239,52 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     # everything and special_tokens_map.json is not read; an older one is overridden by the map.
     if "added_tokens_decoder" in config:
         tokens_map = {}
+    model_config = {}
+    path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(path):
+        model_config = _read_json(path)
+        if not isinstance(model_config, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+    declared = config.get("tokenizer_class") or model_config.get("tokenizer_class")
+    # A jaxinfer checkpoint's config.json (checkpoint.py) names the family, which is the model_type
+    # for this purpose (gemma3 for gemma3_text too: both register GemmaTokenizer).
+    model_type = model_config.get("model_type", model_config.get("family"))
+    if declared is not None and not isinstance(declared, str):
+        raise CheckpointError(f"{model_dir}: tokenizer_class must be a string, got {declared!r}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{model_dir}: config.json's model_type (or family) must be a string, got {model_type!r}")
+    tj = os.path.join(model_dir, "tokenizer.json")
+    tokenizer_class = resolve_tokenizer_class(declared, model_type, byte_level=_mentions_byte_level(tj))
+
     special = {}
+    defaults = _CLASS_SPECIAL_TOKENS.get(tokenizer_class, {})
     for name in _SPECIAL_NAMES:
-        text = _token_text(tokens_map[name] if name in tokens_map else config.get(name))
+        # (a key present with null says none, over the class's default)
+        text = _token_text(tokens_map[name] if name in tokens_map else config.get(name, defaults.get(name)))
         if text is not None:
             special[name] = text
+    # transformers 5 also names every other "*_token" entry of the config that holds a token (Gemma 3's
+    # boi_token, image_token): special like the seven, and a variable of the chat template.
+    consumed = (*_CODE_LLAMA_MARKERS, "fill_token") if tokenizer_class == "CodeLlamaTokenizer" else ()
+    for key, value in config.items():
+        if key.endswith("_token") and key not in special and key not in consumed and key not in _SPECIAL_NAMES:
+            if (text := _token_text(value)) is not None:
+                special[key] = text
     extra = []
     for key in ("additional_special_tokens", "extra_special_tokens"):
         for source in (config, tokens_map):
             values = source.get(key)
-            if isinstance(values, dict):
+            if isinstance(values, dict):  # named model-specific tokens (transformers 5's form)
+                for name, value in values.items():
+                    if isinstance(name, str) and (text := _token_text(value)) is not None:
+                        special.setdefault(name, text)
                 values = list(values.values())
             if values is not None and not isinstance(values, list):
                 raise CheckpointError(f"{model_dir}: {key} in the tokenizer settings must be a list, got {values!r}")
             for v in values or ():
                 if (t := _token_text(v)) is not None:
                     extra.append(t)
+    listed = tuple(dict.fromkeys(extra))  # the additional special tokens as the configs list them
     decoder = config.get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
         raise CheckpointError(f"{model_dir}: tokenizer_config.json's added_tokens_decoder must be an object")
@@ -276,23 +307,6 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         for t, i in listed.items():
             added.setdefault(_token_id(i, f"{path}: the id of {t!r}"), (t, t in named))
 
-    model_config = {}
-    path = os.path.join(model_dir, "config.json")
-    if os.path.isfile(path):
-        model_config = _read_json(path)
-        if not isinstance(model_config, dict):
-            raise CheckpointError(f"{path} must hold a JSON object")
-    declared = config.get("tokenizer_class") or model_config.get("tokenizer_class")
-    # A jaxinfer checkpoint's config.json (checkpoint.py) names the family, which is the model_type
-    # for this purpose (gemma3 for gemma3_text too: both register GemmaTokenizer).
-    model_type = model_config.get("model_type", model_config.get("family"))
-    if declared is not None and not isinstance(declared, str):
-        raise CheckpointError(f"{model_dir}: tokenizer_class must be a string, got {declared!r}")
-    if model_type is not None and not isinstance(model_type, str):
-        raise CheckpointError(f"{model_dir}: config.json's model_type (or family) must be a string, got {model_type!r}")
-    tj = os.path.join(model_dir, "tokenizer.json")
-    tokenizer_class = resolve_tokenizer_class(declared, model_type, byte_level=_mentions_byte_level(tj))
-
     fill = None
     if tokenizer_class == "CodeLlamaTokenizer":
         # CodeLlamaTokenizer makes its infilling markers special tokens, whatever tokenizer.json says (its
@@ -311,6 +325,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     return TokenizerSettings(
         special_tokens=special,
         extra_special_tokens=tuple(dict.fromkeys(extra)),
+        additional_special_tokens=listed,
         added_tokens=tuple((i, t, sp) for i, (t, sp) in sorted(added.items())),
         added_token_options=tuple(options.items()),
         add_bos=flag("add_bos_token"),
@@ -335,6 +350,7 @@ _AS_WRITTEN = "TokenizersBackend"
 # jaxinfer does not ask for).
 _REGISTERED_CLASSES = {
     "mistral": _AS_WRITTEN,
+    "ministral": _AS_WRITTEN,  # (also a Mistral config.json with layer_types, as transformers reads it)
     "qwen2": "Qwen2Tokenizer",
     "qwen3": "Qwen2Tokenizer",
     "gemma": "GemmaTokenizer",
@@ -346,6 +362,20 @@ _REGISTERED_CLASSES = {
 # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, as far as it concerns the families jaxinfer loads).
 _CLASS_FORCED_BY_MODEL_TYPE = frozenset({"qwen2"})
 _GENERIC_CLASSES = frozenset({"PreTrainedTokenizer", "PreTrainedTokenizerFast", "TokenizersBackend", "PythonBackend"})
+# The special tokens each class names when the configs leave the name out (its constructor's defaults).
+_CLASS_SPECIAL_TOKENS = {
+    "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    "CodeLlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    "GemmaTokenizer": {
+        "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    },
+    "GPT2Tokenizer": dict.fromkeys(("unk_token", "bos_token", "eos_token"), "<|endoftext|>"),
+    "Qwen2Tokenizer": dict.fromkeys(("unk_token", "eos_token", "pad_token"), "<|endoftext|>"),
+}
 
 
 def resolve_tokenizer_class(declared: str | None, model_type: str | None, *, byte_level: bool) -> str:
@@ -538,6 +568,30 @@ def _add_config_tokens(tok, settings: TokenizerSettings) -> None:
         tok.add_tokens(new)
 
 
+def _bos_only_post_processor(tok, bos: str | None) -> None:
+    """CodeLlamaTokenizer passes add_bos_token=True to its base class, which then writes its own
+    post-processor over the file's: BOS (where it has one) and never EOS (the config's add_*_token
+    flags are dropped when a tokenizer.json is read)."""
+    from tokenizers import processors
+
+    bos_id = tok.token_to_id(bos) if bos is not None else None
+    if bos_id is None:
+        tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+
+
+def _readd_plain_special_tokens(tok, settings: TokenizerSettings) -> None:
+    """What Qwen2Tokenizer's constructor ends with: every named and listed special token added again as
+    a plain special token, which drops the lstrip / rstrip / single_word flags the files gave it."""
+    from tokenizers import AddedToken
+
+    texts = dict.fromkeys((*settings.special_tokens.values(), *settings.additional_special_tokens))
+    tok.add_tokens([AddedToken(text, special=True) for text in texts])
+
+
 def _with_own_eos(eos_ids, own: int | None) -> tuple[int, ...]:
     """The model's EOS ids (config.json / generation_config.json) and the tokenizer's own eos_token, as
     vLLM stops on both: chat fine-tunes often name <|eot_id|> / <|im_end|> only in the tokenizer."""
@@ -603,6 +657,10 @@ class HFTokenizer:
         if (rebuild := _REBUILDS.get(settings.tokenizer_class)) is not None:
             rebuild(self._tok, settings)
         _add_config_tokens(self._tok, settings)
+        if settings.tokenizer_class == "Qwen2Tokenizer":
+            _readd_plain_special_tokens(self._tok, settings)
+        if settings.tokenizer_class == "CodeLlamaTokenizer":
+            _bos_only_post_processor(self._tok, settings.special_tokens.get("bos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
         self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)

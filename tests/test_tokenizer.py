@@ -439,7 +439,72 @@ def test_a_sentencepiece_model_alone_encodes_as_the_class_transformers_chooses(t
             assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), (cls, variant, text)
 
 
-def _code_llama_dir(path, config):
+@pytest.mark.parametrize("kind", ["tokenizer.json", "tokenizer.model"])
+def test_special_tokens_named_by_the_class_or_by_any_token_key_are_special(tmp_path, kind):
+    """transformers 5 names special tokens beyond the configs' seven: the class's own defaults where the
+    configs leave a name out (GemmaTokenizer's mask_token "<mask>", which real Gemma files list as a
+    plain added token) and every other "*_token" key holding a token (Gemma 3's boi_token). Decode
+    skips them and chat templates see them; jaxinfer kept them in the text and rendered nothing."""
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    (tmp_path / "spm").mkdir()
+    spm = _spm_dir(tmp_path / "spm", dummy_prefix=False, tokenizer_config={"tokenizer_class": "GemmaTokenizer"})
+    d = tmp_path / "gemma"
+    if kind == "tokenizer.json":
+        transformers.AutoTokenizer.from_pretrained(str(spm)).save_pretrained(str(d))
+        (d / "tokenizer.model").unlink(missing_ok=True)
+        spec = json.loads((d / "tokenizer.json").read_text())  # without the <pad> and <mask> saving added
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < 400]
+        (d / "tokenizer.json").write_text(json.dumps(spec))
+    else:
+        d.mkdir()
+        (d / "tokenizer.model").write_bytes((spm / "tokenizer.model").read_bytes())
+    config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config["boi_token"] = "<start_of_image>"
+    plain = {"special": False, "lstrip": False, "rstrip": False, "single_word": False, "normalized": False}
+    config["added_tokens_decoder"] = {
+        "400": {"content": "<mask>", **plain},
+        "401": {"content": "<start_of_image>", **plain},
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    ours = load_tokenizer(str(d))
+    hello, world = ours.encode("hello", add_special_tokens=False), ours.encode(" world", add_special_tokens=False)
+    for ids, text in [([*hello, 400, *world], "hello world"), ([*hello, 401, 400, *world], "hello world"), ([400], "")]:
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == text
+    for text in ["a<mask>b", "<start_of_image> x", "hello<mask> world"]:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+    template = "{{ boi_token }}|{{ mask_token }}|{{ pad_token }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    conv = [{"role": "user", "content": "hi"}]
+    rendered = render_chat_template(template, validate_messages(conv), special_tokens=ours.special_tokens)
+    assert (
+        rendered
+        == theirs.apply_chat_template(conv, chat_template=template, tokenize=False)
+        == ("<start_of_image>|<mask>|<pad>|hi")
+    )
+
+
+def test_qwen2_tokenizer_makes_its_special_tokens_plain_again(tmp_path):
+    """Qwen2Tokenizer's constructor ends by adding every named and listed special token again as a plain
+    special token: a fine-tune whose <|im_end|> strips the whitespace to its right (rstrip) keeps the
+    newline after it, as transformers 5 encodes it; jaxinfer let the token swallow it."""
+    d = _bpe_dir(tmp_path, specials=("<|im_start|>", "<|im_end|>"))
+    spec = json.loads((d / "tokenizer.json").read_text())
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    entries = [*spec["added_tokens"], *config.get("added_tokens_decoder", {}).values()]
+    for entry in entries:
+        entry["rstrip"] = entry["content"] == "<|im_end|>"
+        entry["lstrip"] = entry["content"] == "<|im_start|>"
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    (d / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "Qwen2Tokenizer"}))
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    ours, theirs = _assert_same_ids(d, [*STRINGS, "<|im_end|>\n", "hi <|im_start|>user\nx<|im_end|>\n"])
+    assert type(theirs).__name__ == "Qwen2Tokenizer"
+    assert ours.decode(ours.encode("a<|im_end|>\nb"), skip_special_tokens=False).endswith("<|im_end|>\nb")
+
+
+def _code_llama_dir(path, config, post=("<s> $A", [("<s>", 1)])):
     """A CodeLlama-style checkpoint's tokenizer: a Llama 2 style tokenizer.json (Prepend("▁") +
     Replace(" ", "▁") normaliser, byte fallback) with the four infilling markers as added tokens,
     under tokenizer_class CodeLlamaTokenizer."""
@@ -455,9 +520,7 @@ def _code_llama_dir(path, config):
         _corpus(), trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
     )
     tok.add_tokens(["▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"])
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single=post[0], special_tokens=post[1])
     path.mkdir()
     tok.save(str(path / "tokenizer.json"))
     base = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "CodeLlamaTokenizer"}
@@ -487,6 +550,19 @@ def test_code_llama_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, con
     # transformers turns a prompt with the fill token into an infilling prompt; jaxinfer refuses it.
     with pytest.raises(InvalidRequestError, match="prompt holds the fill token '<FILL_ME>'"):
         encode_prompt(ours, "def f(<FILL_ME>):", max_tokens=100, field="prompt")
+
+
+@pytest.mark.parametrize(
+    "post",
+    [("<s> $A </s>", [("<s>", 1), ("</s>", 2)]), ("$A", []), ("$A </s>", [("</s>", 2)])],
+    ids=["bos-eos", "none", "eos"],
+)
+def test_code_llama_encodes_with_bos_and_without_eos_whatever_the_file_says(tmp_path, post):
+    """CodeLlamaTokenizer replaces the file's post-processor with its own (BOS, never EOS): a fine-tune
+    saved with EOS in it got an EOS at the end of every prompt here, one saved without BOS none."""
+    d = _code_llama_dir(tmp_path / "code", {"add_eos_token": True}, post=post)
+    ours, _ = _assert_same_ids(d, [*STRINGS, "def f(x):"])
+    assert ours.encode("def f(x):")[0] == 1 and ours.encode("def f(x):")[-1] != 2
 
 
 def test_byte_level_tokenizer_json_under_a_llama_class_is_read_as_written(tmp_path):
