@@ -312,13 +312,24 @@ class ModelConfig:
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "mistral",  # Mistral whose layers follow layer_types (see _layer_attention)
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+# model_type -> family
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "ministral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 _GEMMA = ("gemma", "gemma2", "gemma3")
 # Vision-language checkpoints whose text decoder we run on text prompts (images are not supported):
 # architecture or model_type -> the model_type of their `text_config`.
@@ -480,7 +491,8 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
     """Per-layer attention kinds (empty: every layer global), as each transformers model reads them.
 
     Llama and Gemma 1 have no sliding windows (a stray `sliding_window` key is ignored, as there).
-    Mistral windows every layer and ignores `layer_types`. Qwen 2/3 window nothing unless
+    Mistral windows every layer, unless the config has a `layer_types` list: transformers' AutoConfig
+    then reads it as a Ministral config, whose layers follow that list. Qwen 2/3 window nothing unless
     `use_sliding_window`, then `layer_types` or the layers from `max_window_layers` on. Gemma 2/3
     follow `layer_types`, or their fixed patterns in configs written before it.
     """
@@ -491,7 +503,7 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
         window = _int_field(hf, "sliding_window")
         if window <= 0:
             raise UnsupportedModelError(f"config.json field 'sliding_window' must be a positive integer, got {window}")
-    if family == "mistral":
+    if family == "mistral" and hf.get("layer_types") is None:
         return (SlidingWindow(window),) * num_layers if window else ()
     if family in ("qwen2", "qwen3") and not _bool_field(hf, "use_sliding_window", False):
         # Qwen configs carry a sliding_window value even when the feature is off.
@@ -518,10 +530,13 @@ def _layer_attention(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
     if family == "gemma2":  # configs written before layer_types: even layers local, odd global
         return tuple(SlidingWindow(window) if i % 2 == 0 else GlobalAttention() for i in range(num_layers))
     if family == "gemma3":  # every `sliding_window_pattern`-th layer global, the rest local
-        key = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
-        pattern = _int_field(hf, key, 6)
+        # (transformers reads only this key here; the private `_sliding_window_pattern` it also writes
+        # never shapes the layers)
+        pattern = _int_field(hf, "sliding_window_pattern", 6)
         if pattern <= 0:
-            raise UnsupportedModelError(f"config.json field {key!r} must be a positive integer, got {pattern}")
+            raise UnsupportedModelError(
+                f"config.json field 'sliding_window_pattern' must be a positive integer, got {pattern}"
+            )
         return tuple(SlidingWindow(window) if (i + 1) % pattern else GlobalAttention() for i in range(num_layers))
     first_sliding = _int_field(hf, "max_window_layers")  # qwen2 / qwen3 (defaults: _HF_DEFAULTS)
     return tuple(SlidingWindow(window) if i >= first_sliding else GlobalAttention() for i in range(num_layers))
@@ -566,7 +581,7 @@ def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
     bases: 1e6 global, 1e4 local.
     """
     params = hf.get("rope_parameters")
-    if params is None:
+    if params is None or params == {}:  # (an empty object: transformers' defaults too, nothing dropped)
         params = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}
     if not isinstance(params, dict) or not ({"full_attention", "sliding_attention"} & set(params)):
         # transformers would silently drop such an object and run unscaled RoPE.
@@ -721,8 +736,8 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
         if arch in _ARCHITECTURES:
             family = _ARCHITECTURES[arch]
             break
-    typed = "gemma3" if model_type == "gemma3_text" else model_type
-    if family is not None and model_type in _MODEL_TYPES and typed != family:
+    typed = _MODEL_TYPES.get(model_type)
+    if family is not None and typed is not None and typed != family:
         # transformers builds the class model_type names; the weights may fit either (Llama, Mistral).
         raise UnsupportedModelError(
             f"config.json says architecture {arch!r} but model_type {model_type!r}, which disagree "
@@ -737,7 +752,7 @@ def _from_hf_config(hf: dict[str, Any], *, dtype: str, name: str) -> ModelConfig
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_MODEL_TYPES))})"
             )
-        family = "gemma3" if model_type == "gemma3_text" else model_type
+        family = typed
 
     hf = {**_HF_DEFAULTS[family], **hf}
     quant = hf.get("quantization_config")

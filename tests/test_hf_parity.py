@@ -162,13 +162,26 @@ EDITED_CONFIGS = {
             original_max_position_embeddings=16,
         ),
     ),
-    # Llama and Gemma 1 have no sliding window; Mistral windows every layer whatever layer_types says.
+    # Llama and Gemma 1 have no sliding window. A Mistral config with layer_types is read as Ministral's
+    # by transformers' AutoConfig, whose layers follow the list (only the second is windowed here).
     "llama+stray-window": (
         "llama2",
         dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     ),
     "gemma+stray-window": ("gemma", dict(sliding_window=6)),
     "mistral+layer_types": ("mistral-swa", dict(layer_types=["full_attention", "sliding_attention"])),
+    "mistral+layer_types-null": ("mistral-swa", dict(layer_types=None)),
+    "ministral": (
+        "mistral-swa",
+        dict(model_type="ministral", architectures=["MinistralForCausalLM"], layer_types=["sliding_attention"] * 2),
+    ),
+    # Gemma 3's layers come from sliding_window_pattern alone (default 6: both layers windowed here);
+    # the private _sliding_window_pattern transformers also writes never shapes them.
+    "gemma3+rope_parameters-empty": ("gemma3_text", dict(rope_parameters={})),
+    "gemma3+private-pattern-only": (
+        "gemma3_text",
+        dict(layer_types=None, sliding_window_pattern=None, _sliding_window_pattern=2),
+    ),
     # Qwen 2's max_window_layers defaults to 28: with fewer layers, use_sliding_window windows none.
     "qwen2+window-no-max_window_layers": (
         "qwen2",
@@ -201,11 +214,13 @@ def test_hand_edited_configs_read_as_transformers_reads_them(case, tmp_path):
 
 
 def _assert_logits_as_transformers_reads(path, model_cls: str, new: int) -> None:
-    """transformers loads `path` as `model_cls`; jaxinfer loads the same directory; prompt + `new`
-    teacher-forced tokens give the same logits."""
+    """transformers' AutoModelForCausalLM loads `path` (as `model_cls`, or whatever its AutoConfig makes
+    of the edited file: a Mistral config with layer_types is a Ministral one); jaxinfer loads the same
+    directory; prompt + `new` teacher-forced tokens give the same logits."""
     import transformers
 
-    hf = getattr(transformers, model_cls).from_pretrained(path, attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    assert type(hf).__name__ in (model_cls, "MinistralForCausalLM")
     tokens = PROMPT + PROMPT[:new]
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float().numpy()
