@@ -35,7 +35,8 @@ from typing import Any, Protocol
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError
 
-# The named special tokens transformers exposes to chat templates (its `special_tokens_map`).
+# The named special tokens of every transformers tokenizer (its SPECIAL_TOKENS_ATTRIBUTES); any other
+# "*_token" entry of the configs is named too (`read_settings`), and all are chat template variables.
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -114,7 +115,9 @@ class TokenizerSettings:
 
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     extra_special_tokens: tuple[str, ...] = ()  # additional / added special tokens, matched inside text
-    additional_special_tokens: tuple[str, ...] = ()  # those of them the configs list by that name
+    # those of them the configs list (additional_special_tokens / extra_special_tokens), not the added
+    # tokens marked special
+    additional_special_tokens: tuple[str, ...] = ()
     added_tokens: tuple[tuple[int, str, bool], ...] = ()  # (id, text, special), from added_tokens_decoder / .json
     # added_tokens_decoder's AddedToken options by text: (lstrip, rstrip, single_word, normalized)
     added_token_options: tuple[tuple[str, tuple[bool, bool, bool, bool]], ...] = ()
@@ -122,8 +125,9 @@ class TokenizerSettings:
     add_eos: bool | None = None
     add_prefix_space: bool | None = None
     legacy: bool | None = None
-    tokenizer_class: str | None = None  # tokenizer_config.json's, else config.json's
-    model_type: str | None = None  # config.json's: it can override the class (`resolve_tokenizer_class`)
+    # The class transformers 5 builds (`resolve_tokenizer_class`: "Fast" dropped, `_AS_WRITTEN` for the
+    # generic one), from tokenizer_config.json's or config.json's tokenizer_class and the model_type.
+    tokenizer_class: str | None = None
     fill_token: str | None = None  # CodeLlama's infilling marker: transformers rewrites such prompts; refused here
     chat_templates: dict[str, str] = dataclasses.field(default_factory=dict)  # by name; "default" the main one
     has_config: bool = False  # whether there was a tokenizer_config.json at all
@@ -148,6 +152,14 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
+
+
+def _named_token_text(value) -> str | None:
+    """A "*_token" entry transformers takes for a token: a string, or an AddedToken as the configs write
+    one (with its "__type"); a bare object with a "content" is something else to it."""
+    if isinstance(value, dict) and value.get("__type") != "AddedToken":
+        return None
+    return _token_text(value)
 
 
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers 5: named templates, one NAME.jinja each
@@ -263,12 +275,21 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         text = _token_text(tokens_map[name] if name in tokens_map else config.get(name, defaults.get(name)))
         if text is not None:
             special[name] = text
-    # transformers 5 also names every other "*_token" entry of the config that holds a token (Gemma 3's
-    # boi_token, image_token): special like the seven, and a variable of the chat template.
-    consumed = (*_CODE_LLAMA_MARKERS, "fill_token") if tokenizer_class == "CodeLlamaTokenizer" else ()
-    for key, value in config.items():
-        if key.endswith("_token") and key not in special and key not in consumed and key not in _SPECIAL_NAMES:
-            if (text := _token_text(value)) is not None:
+    fill = None
+    if tokenizer_class == "CodeLlamaTokenizer":
+        # CodeLlamaTokenizer names its infilling markers and fill token (its defaults unless the config
+        # names others, or null for none), special whatever tokenizer.json says; the fill token marks
+        # where the middle goes in a prompt.
+        for key, default in (*_CODE_LLAMA_MARKERS.items(), ("fill_token", "<FILL_ME>")):
+            if (text := _token_text(config.get(key, default))) is not None:
+                special[key] = text
+        fill = special.get("fill_token")
+    # transformers 5 names every other "*_token" entry that holds a token too (Gemma 3's boi_token,
+    # image_token): special like the seven, and a variable of chat templates. The config's first, then
+    # special_tokens_map.json's; an `extra_special_tokens` object names more, over all of these.
+    for key, value in (*config.items(), *tokens_map.items()):
+        if isinstance(key, str) and key.endswith("_token") and key not in special:
+            if (text := _named_token_text(value)) is not None:
                 special[key] = text
     extra = []
     for key in ("additional_special_tokens", "extra_special_tokens"):
@@ -277,14 +298,14 @@ def read_settings(model_dir: str) -> TokenizerSettings:
             if isinstance(values, dict):  # named model-specific tokens (transformers 5's form)
                 for name, value in values.items():
                     if isinstance(name, str) and (text := _token_text(value)) is not None:
-                        special.setdefault(name, text)
+                        special[name] = text
                 values = list(values.values())
             if values is not None and not isinstance(values, list):
                 raise CheckpointError(f"{model_dir}: {key} in the tokenizer settings must be a list, got {values!r}")
             for v in values or ():
                 if (t := _token_text(v)) is not None:
                     extra.append(t)
-    listed = tuple(dict.fromkeys(extra))  # the additional special tokens as the configs list them
+    additional = tuple(dict.fromkeys(extra))  # before the added tokens marked special join `extra`
     decoder = config.get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
         raise CheckpointError(f"{model_dir}: tokenizer_config.json's added_tokens_decoder must be an object")
@@ -307,17 +328,6 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         for t, i in listed.items():
             added.setdefault(_token_id(i, f"{path}: the id of {t!r}"), (t, t in named))
 
-    fill = None
-    if tokenizer_class == "CodeLlamaTokenizer":
-        # CodeLlamaTokenizer makes its infilling markers special tokens, whatever tokenizer.json says (its
-        # defaults unless the config names others, or null for none); the fill token marks where the
-        # middle goes in a prompt.
-        for key, default in _CODE_LLAMA_MARKERS.items():
-            text = _token_text(config.get(key, default))
-            if text is not None:
-                special.setdefault(key, text)
-        fill = _token_text(config.get("fill_token", "<FILL_ME>"))
-
     def flag(name):
         value = config.get(name)
         return None if value is None else bool(value)
@@ -325,7 +335,7 @@ def read_settings(model_dir: str) -> TokenizerSettings:
     return TokenizerSettings(
         special_tokens=special,
         extra_special_tokens=tuple(dict.fromkeys(extra)),
-        additional_special_tokens=listed,
+        additional_special_tokens=additional,
         added_tokens=tuple((i, t, sp) for i, (t, sp) in sorted(added.items())),
         added_token_options=tuple(options.items()),
         add_bos=flag("add_bos_token"),
@@ -333,7 +343,6 @@ def read_settings(model_dir: str) -> TokenizerSettings:
         add_prefix_space=flag("add_prefix_space"),
         legacy=flag("legacy"),
         tokenizer_class=tokenizer_class,
-        model_type=model_type,
         fill_token=fill,
         chat_templates=_chat_templates(model_dir, config),
         has_config=has_config,
@@ -342,7 +351,9 @@ def read_settings(model_dir: str) -> TokenizerSettings:
 
 # How transformers 5 (checked against 5.25) picks the tokenizer class of a checkpoint directory. The
 # class matters because the classes with a constructor of their own (below) keep only the vocabulary,
-# merges, added tokens and post-processor of a tokenizer.json and rebuild the rest; the generic one
+# merges and post-processor of a tokenizer.json and rebuild the rest (the added tokens come from
+# tokenizer_config.json's added_tokens_decoder, or the file's where it has none: jaxinfer keeps the
+# file's in either case, which differs only where the two lists disagree); the generic one
 # (TokenizersBackend, "PreTrainedTokenizerFast") reads the file as written.
 _AS_WRITTEN = "TokenizersBackend"
 # config.json's model_type -> the class transformers registers for it (none for Llama: the generic one
@@ -418,10 +429,11 @@ _CODE_LLAMA_MARKERS = {
 
 
 def _rebuild_as_llama_tokenizer(tok, settings: TokenizerSettings) -> None:
-    """What transformers 5's LlamaTokenizer does to a tokenizer.json it loads (Llama 2, Mistral v0.1
-    checkpoints name that class): it keeps the file's vocabulary, merges, added tokens and
-    post-processor, and replaces the rest. No normaliser (the files' Prepend("▁") + Replace(" ", "▁")
-    doubled a leading space and added "▁" after special tokens); a Metaspace pre-tokenizer that
+    """What transformers 5's LlamaTokenizer does to a tokenizer.json it loads (Llama 2 checkpoints name
+    that class; Mistral's too, but their model_type has the file read as written): it keeps the file's
+    vocabulary, merges and post-processor, and replaces the rest. No normaliser (the files'
+    Prepend("▁") + Replace(" ", "▁") doubled a leading space and added "▁" after special tokens); a
+    Metaspace pre-tokenizer that
     prepends "▁" to the first word only ("always": after every special token, when `legacy` is
     true; "never" with add_prefix_space false); byte fallback; a decoder that strips the prefix.
     CodeLlamaTokenizer does the same but ignores `legacy` and always strips the decoded prefix."""
@@ -462,7 +474,7 @@ def _rebuild_as_gemma_tokenizer(tok, settings: TokenizerSettings) -> None:
     unk = settings.special_tokens.get("unk_token", "<unk>")
     if model.token_to_id(unk) is None:
         raise CheckpointError(
-            f"tokenizer.json has no unk_token {unk!r} in its vocabulary, which GemmaTokenizer (the class "
+            f"no unk_token {unk!r} in the vocabulary, which GemmaTokenizer (the class "
             "transformers builds for this checkpoint) needs: transformers cannot encode text with it either"
         )
     model.fuse_unk = True
@@ -539,7 +551,9 @@ def _add_config_tokens(tok, settings: TokenizerSettings) -> None:
     from tokenizers import AddedToken
 
     present = {t.content: t for t in tok.get_added_tokens_decoder().values()}
-    named = set(settings.special_tokens.values())  # bos_token, eos_token, ...: special whatever the file says
+    # bos_token, eos_token, ...: special whatever the file says; one the vocabulary lacks gets the next
+    # id in the order transformers adds them (the seven, then the other named ones)
+    named = dict.fromkeys(settings.special_tokens.values())
     options = dict(settings.added_token_options)
     wanted = {text: special or text in named for _, text, special in settings.added_tokens}
     for text in named:
@@ -655,12 +669,18 @@ class HFTokenizer:
         settings = settings or TokenizerSettings()
         self._byte_level = _is_byte_level(path)
         if (rebuild := _REBUILDS.get(settings.tokenizer_class)) is not None:
-            rebuild(self._tok, settings)
+            try:
+                rebuild(self._tok, settings)
+            except CheckpointError as e:
+                raise CheckpointError(f"{path}: {e}") from None
         _add_config_tokens(self._tok, settings)
         if settings.tokenizer_class == "Qwen2Tokenizer":
             _readd_plain_special_tokens(self._tok, settings)
         if settings.tokenizer_class == "CodeLlamaTokenizer":
-            _bos_only_post_processor(self._tok, settings.special_tokens.get("bos_token"))
+            try:
+                _bos_only_post_processor(self._tok, settings.special_tokens.get("bos_token"))
+            except Exception as e:  # the library's template parser raises bare exceptions
+                raise CheckpointError(f"{path}: bos_token cannot head a post-processor template ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
         self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
@@ -741,6 +761,13 @@ class SentencePieceTokenizer:
         self._added = {i: t for i, t, _ in settings.added_tokens if i >= self._num_pieces and t not in is_piece}
         self._added_ids = {t: i for i, t in self._added.items()}
         self.vocab_size = max([self._num_pieces, *(i + 1 for i in self._added)])
+        # A named or listed special token the model and the configs give no id gets the next one, as
+        # transformers appends it (GemmaTokenizer's "<pad>" and "<mask>" over a model without them).
+        for text in dict.fromkeys((*settings.special_tokens.values(), *settings.extra_special_tokens)):
+            if text and text not in self._added_ids and self._sp.piece_to_id(text) == unk and text not in is_piece:
+                self._added[self.vocab_size] = text
+                self._added_ids[text] = self.vocab_size
+                self.vocab_size += 1
         self.chat_templates = dict(settings.chat_templates)
         self.chat_template = settings.chat_template
         self.special_tokens = dict(settings.special_tokens)

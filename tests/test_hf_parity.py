@@ -219,8 +219,12 @@ def _assert_logits_as_transformers_reads(path, model_cls: str, new: int) -> None
     directory; prompt + `new` teacher-forced tokens give the same logits."""
     import transformers
 
+    config = json.loads((path / "config.json").read_text())
+    ministral = config.get("model_type") == "ministral" or (
+        config.get("model_type") == "mistral" and "layer_types" in config
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    assert type(hf).__name__ in (model_cls, "MinistralForCausalLM")
+    assert type(hf).__name__ == ("MinistralForCausalLM" if ministral else model_cls)
     tokens = PROMPT + PROMPT[:new]
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float().numpy()

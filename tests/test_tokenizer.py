@@ -461,6 +461,8 @@ def test_special_tokens_named_by_the_class_or_by_any_token_key_are_special(tmp_p
         (d / "tokenizer.model").write_bytes((spm / "tokenizer.model").read_bytes())
     config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     config["boi_token"] = "<start_of_image>"
+    # named here, in no vocabulary: appended after the rest, in transformers' order (it was hash order)
+    config |= {"eoi_token": "<end_of_image>", "image_token": "<image_soft_token>", "audio_token": "<audio>"}
     plain = {"special": False, "lstrip": False, "rstrip": False, "single_word": False, "normalized": False}
     config["added_tokens_decoder"] = {
         "400": {"content": "<mask>", **plain},
@@ -473,8 +475,10 @@ def test_special_tokens_named_by_the_class_or_by_any_token_key_are_special(tmp_p
     hello, world = ours.encode("hello", add_special_tokens=False), ours.encode(" world", add_special_tokens=False)
     for ids, text in [([*hello, 400, *world], "hello world"), ([*hello, 401, 400, *world], "hello world"), ([400], "")]:
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == text
-    for text in ["a<mask>b", "<start_of_image> x", "hello<mask> world"]:
+    strings = ["a<mask>b", "<start_of_image> x", "hello<mask> world", "x<pad>y<end_of_image><audio>"]
+    for text in [*strings, "<image_soft_token>"]:
         assert ours.encode(text) == theirs(text)["input_ids"], text
+    assert ours.vocab_size == len(theirs) == 406  # <pad> and the last three appended
     template = "{{ boi_token }}|{{ mask_token }}|{{ pad_token }}|{% for m in messages %}{{ m.content }}{% endfor %}"
     conv = [{"role": "user", "content": "hi"}]
     rendered = render_chat_template(template, validate_messages(conv), special_tokens=ours.special_tokens)
@@ -483,6 +487,62 @@ def test_special_tokens_named_by_the_class_or_by_any_token_key_are_special(tmp_p
         == theirs.apply_chat_template(conv, chat_template=template, tokenize=False)
         == ("<start_of_image>|<mask>|<pad>|hi")
     )
+
+
+def test_named_special_tokens_follow_transformers_precedence(tmp_path):
+    """Which "*_token" entries name a token, and which value wins: special_tokens_map.json's count too
+    (after the config's), an `extra_special_tokens` object overrides the rest (eos_token included), an
+    object without AddedToken's "__type" is no token, and CodeLlama's fill token is named. An older
+    checkpoint's added_tokens.json left the list of additional special tokens a dict (a name reused),
+    which made Qwen 2's plain <tool_call> special: decode dropped it from tool calls."""
+    from jaxinfer.tokenizer import read_settings
+
+    d = _bpe_dir(tmp_path / "a", specials=("<img>", "<b>", "<c>"))
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config.pop("added_tokens_decoder", None)
+    config |= {"image_token": "<img>", "plain_token": {"content": "<c>"}}
+    config["extra_special_tokens"] = {"video_token": "<b>", "eos_token": "<b>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "special_tokens_map.json").write_text(json.dumps({"audio_token": "<c>", "image_token": "<b>"}))
+    named = read_settings(str(d)).special_tokens
+    assert {k: named.get(k) for k in ("image_token", "audio_token", "video_token", "eos_token", "plain_token")} == {
+        "image_token": "<img>",
+        "audio_token": "<c>",
+        "video_token": "<b>",
+        "eos_token": "<b>",
+        "plain_token": None,
+    }
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    assert named == {k: str(v) for k, v in theirs.special_tokens_map.items()}
+    assert load_tokenizer(str(d)).eos_ids == (theirs.eos_token_id,)
+
+    d = _bpe_dir(tmp_path / "qwen", specials=("<|im_end|>",))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+    tok.add_tokens(["<tool_call>"])  # a plain added token, as Qwen 2.5 has
+    tok.save_pretrained(str(d))
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<pad>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tool = tok.convert_tokens_to_ids("<tool_call>")
+    (d / "added_tokens.json").write_text(json.dumps({"<tool_call>": tool}))
+    ours, theirs = _assert_same_ids(d, ["<tool_call>{}</s>"])
+    ids = ours.encode("<tool_call>{}", add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "<tool_call>{}"
+
+    d = _code_llama_dir(tmp_path / "code", {})
+    from jaxinfer.tokenizer import render_chat_template, validate_messages
+
+    ours, theirs = load_tokenizer(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    conv = validate_messages([{"role": "user", "content": "x"}])
+    assert render_chat_template("[{{ fill_token }}]", conv, special_tokens=ours.special_tokens) == "[<FILL_ME>]"
+    assert ours.vocab_size == len(theirs)
+
+
+def test_a_code_llama_bos_that_cannot_head_a_template_is_a_checkpoint_error(tmp_path):
+    for i, bos in enumerate(["<s> x", "a:b"]):
+        d = _code_llama_dir(tmp_path / str(i), {"bos_token": bos})
+        with pytest.raises(CheckpointError, match="bos_token cannot head a post-processor template"):
+            load_tokenizer(str(d))
 
 
 def test_qwen2_tokenizer_makes_its_special_tokens_plain_again(tmp_path):
