@@ -323,6 +323,14 @@ def test_llama2_style_tokenizer_json_is_rebuilt_as_transformers_does(tmp_path, l
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
 
 
+def _assert_encodes_and_decodes_alike(ours, theirs, strings, *case):
+    """Our ids and transformers' for each text, and the decode of its ids; `case` labels a failure."""
+    for text in strings:
+        expected = theirs(text)["input_ids"]
+        assert ours.encode(text) == expected, (*case, type(theirs).__name__, text)
+        assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), (*case, text)
+
+
 def _llama2_style_dir(path, spm_dir):
     """A Llama 2 / Mistral v0.1 style tokenizer.json (Prepend("▁") + Replace(" ", "▁") normaliser, byte
     fallback, no pre-tokenizer), converted by transformers from the SentencePiece model in spm_dir."""
@@ -398,11 +406,7 @@ def test_the_tokenizer_class_is_chosen_and_rebuilt_as_transformers_does(tmp_path
                 with pytest.raises(CheckpointError, match="GemmaTokenizer"):
                     load_tokenizer(str(d))
                 continue
-            ours = load_tokenizer(str(d))
-            for text in strings:
-                expected = theirs(text)["input_ids"]
-                assert ours.encode(text) == expected, (cls, prefix_space, type(theirs).__name__, text)
-                assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), (cls, text)
+            _assert_encodes_and_decodes_alike(load_tokenizer(str(d)), theirs, strings, cls, prefix_space)
 
 
 @pytest.mark.parametrize("dummy_prefix", [True, False])
@@ -432,11 +436,7 @@ def test_a_sentencepiece_model_alone_encodes_as_the_class_transformers_chooses(t
             with pytest.raises(CheckpointError, match=type(theirs).__name__):
                 load_tokenizer(str(d))
             continue
-        ours = load_tokenizer(str(d))
-        for text in strings:
-            expected = theirs(text)["input_ids"]
-            assert ours.encode(text) == expected, (cls, variant, type(theirs).__name__, text)
-            assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), (cls, variant, text)
+        _assert_encodes_and_decodes_alike(load_tokenizer(str(d)), theirs, strings, cls, variant)
 
 
 @pytest.mark.parametrize("kind", ["tokenizer.json", "tokenizer.model"])
