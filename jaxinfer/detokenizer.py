@@ -48,13 +48,8 @@ class IncrementalDetokenizer:
         silent = getattr(tokenizer, "skipped_ids", frozenset()) if skip_special_tokens else frozenset()
         vocab = getattr(tokenizer, "vocab_size", None)
         self._has_text = lambda i: i not in silent and (vocab is None or 0 <= i < vocab)
-        self._ids = []  # the prompt's last _CONTEXT ids with text, then the output's
-        for i in reversed(prompt_ids):
-            if len(self._ids) == _CONTEXT:
-                break
-            if self._has_text(i):
-                self._ids.append(i)
-        self._ids.reverse()
+        self._byte_ids = getattr(tokenizer, "byte_ids", frozenset())
+        self._ids = self._context(prompt_ids)  # then the output's ids
         self._prefix = 0  # start of the decoding window
         self._read = len(self._ids)  # tokens before this are already in `text`
         self.text = ""  # the output text so far (stop string and what follows removed)
@@ -63,10 +58,31 @@ class IncrementalDetokenizer:
         self._search_back = max((len(s) for s in stop), default=1) - 1  # old text a new stop string may start in
         self._include_stop = include_stop
         self._holdback = 0 if include_stop else self._search_back  # text not yet streamed
-        self._byte_ids = getattr(tokenizer, "byte_ids", frozenset())
         self._unsearched = 0  # text taken in without a search (see `add`): no stop string ends in it
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text (the earliest in it)
+
+    def _context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last _CONTEXT ids with text, or up to 3 more where those would begin inside a
+        character spelled in byte-fallback pieces: the output's first bytes may continue that run,
+        and transformers decodes a run as a whole, so a context cut inside a character made every
+        byte after it U+FFFD ("🙃" after a prompt ending in two emoji came out as four U+FFFD). A
+        character is at most 4 bytes, so one of those starts is its first byte, unless the prompt's
+        bytes are invalid there anyway."""
+        ids = []
+        for i in reversed(prompt_ids):
+            if len(ids) == _CONTEXT + 3:
+                break
+            if self._has_text(i):
+                ids.append(i)
+        ids.reverse()
+        start = max(0, len(ids) - _CONTEXT)
+        if start > 0 and ids[start] in self._byte_ids and ids[start - 1] in self._byte_ids:
+            end = next((j for j in range(start, len(ids)) if ids[j] not in self._byte_ids), len(ids))
+            for first in range(start, start - 4, -1):
+                if first >= 0 and "\ufffd" not in self._decode(ids[first:end]):
+                    return ids[first:]
+        return ids[start:]
 
     def add(self, token_id: int, *, find_stops: bool = True) -> None:
         """Appends one generated token; sets `stopped` if the text now contains a stop string.

@@ -139,6 +139,32 @@ def test_byte_fallback_runs_come_out_as_the_whole_decode_gives_them(tmp_path):
     assert sum(map(len, deltas[:-1])) >= 80
 
 
+def test_an_output_continuing_the_prompts_byte_run_comes_out_as_the_whole_decode_gives_it(tmp_path):
+    """A prompt ending in characters spelled in byte pieces (two emoji: 8 pieces) and an output that
+    continues the run: the prompt context began inside the first emoji, and since a run decodes as a
+    whole, the output's own valid emoji came out as four U+FFFD."""
+    import random
+
+    from test_tokenizer import _spm_dir
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(_spm_dir(tmp_path, tokenizer_config={"tokenizer_class": "LlamaTokenizer"})))
+    emoji = tok.encode("\U0001f643", add_special_tokens=False)[-4:]  # its 4 byte pieces
+    assert set(emoji) <= tok.byte_ids
+    prompt = tok.encode("Hi \U0001f643\U0001f643")
+    deltas, d = feed(tok, prompt, emoji + tok.encode(" ok", add_special_tokens=False))
+    assert "".join(deltas) == d.text == "\U0001f643 ok"
+    rng = random.Random(0)
+    chars = ["\U0001f643", "\u00e9", "\u65e5", "\u20ac", "a", " "]
+    for _ in range(200):
+        prompt = tok.encode("x " + "".join(rng.choices(chars, k=rng.randrange(1, 12))))
+        out = tok.encode("".join(rng.choices(chars, k=rng.randrange(1, 6))), add_special_tokens=False)
+        out = out[rng.randrange(2) :]  # sometimes without the "▁" a fresh encode puts first
+        deltas, d = feed(tok, prompt, out)
+        assert "".join(deltas) == d.text == tok.decode(prompt + out)[len(tok.decode(prompt)) :], (prompt, out)
+
+
 @pytest.mark.parametrize("source", ["tokenizer.model", "tokenizer.json"])
 def test_ids_without_text_neither_fill_the_context_nor_hold_a_character_open(tmp_path, source):
     """Special tokens the decode skips add no text, so they are left out of the detokenizer's windows.
