@@ -49,6 +49,7 @@ class IncrementalDetokenizer:
         vocab = getattr(tokenizer, "vocab_size", None)
         self._has_text = lambda i: i not in silent and (vocab is None or 0 <= i < vocab)
         self._byte_ids = getattr(tokenizer, "byte_ids", frozenset())
+        self._byte_values = getattr(tokenizer, "byte_values", {})
         self._ids = self._context(prompt_ids)  # then the output's ids
         self._prefix = 0  # start of the decoding window
         self._read = len(self._ids)  # tokens before this are already in `text`
@@ -64,11 +65,10 @@ class IncrementalDetokenizer:
 
     def _context(self, prompt_ids: list[int]) -> list[int]:
         """The prompt's last _CONTEXT ids with text, or up to 3 more where those would begin inside a
-        character spelled in byte-fallback pieces: the output's first bytes may continue that run,
-        and transformers decodes a run as a whole, so a context cut inside a character made every
-        byte after it U+FFFD ("🙃" after a prompt ending in two emoji came out as four U+FFFD). A
-        character is at most 4 bytes, so one of those starts is its first byte, unless the prompt's
-        bytes are invalid there anyway."""
+        character spelled in byte-fallback pieces (on a continuation byte): the output's first bytes
+        may continue that run, and transformers decodes a run as a whole, so a context cut inside a
+        character made every byte after it U+FFFD ("🙃" after a prompt ending in two emoji came out
+        as four U+FFFD)."""
         ids = []
         for i in reversed(prompt_ids):
             if len(ids) == _CONTEXT + 3:
@@ -76,13 +76,13 @@ class IncrementalDetokenizer:
             if self._has_text(i):
                 ids.append(i)
         ids.reverse()
-        start = max(0, len(ids) - _CONTEXT)
-        if start > 0 and ids[start] in self._byte_ids and ids[start - 1] in self._byte_ids:
-            end = next((j for j in range(start, len(ids)) if ids[j] not in self._byte_ids), len(ids))
-            for first in range(start, start - 4, -1):
-                if first >= 0 and "\ufffd" not in self._decode(ids[first:end]):
-                    return ids[first:]
-        return ids[start:]
+        first = max(0, len(ids) - _CONTEXT)
+        values = self._byte_values
+        while first > 0 and first > len(ids) - _CONTEXT - 3 and ids[first - 1] in values:
+            if ids[first] not in values or values[ids[first]] & 0xC0 != 0x80:  # not a continuation byte
+                break
+            first -= 1
+        return ids[first:]
 
     def add(self, token_id: int, *, find_stops: bool = True) -> None:
         """Appends one generated token; sets `stopped` if the text now contains a stop string.

@@ -48,6 +48,7 @@ class Tokenizer(Protocol):
     chat_template: str | None  # the "default" one
     chat_templates: dict[str, str]  # all of them by name (optional: a tokenizer of the user's own may lack it)
     byte_ids: frozenset[int]  # byte-fallback pieces "<0xNN>": a run of them decodes as a whole
+    byte_values: dict[int, int]  # each of them -> its byte (optional: a tokenizer of the user's own may lack it)
     # Ids below vocab_size that decode(skip_special_tokens=True) drops (special tokens): no text.
     skipped_ids: frozenset[int]
 
@@ -682,7 +683,8 @@ class HFTokenizer:
             except Exception as e:  # the library's template parser raises bare exceptions
                 raise CheckpointError(f"{path}: bos_token cannot head a post-processor template ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.byte_ids = frozenset(i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None)
+        self.byte_values = {i: b for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None}
+        self.byte_ids = frozenset(self.byte_values)
         self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.special_tokens = dict(settings.special_tokens)
         self.chat_templates = dict(settings.chat_templates)
@@ -817,6 +819,7 @@ class SentencePieceTokenizer:
         )
         byte_ids = ((self._sp.piece_to_id(f"<0x{b:02X}>"), b) for b in range(256))
         self._byte_of = {i: b for i, b in byte_ids if self._sp.is_byte(i)}
+        self.byte_values = dict(self._byte_of)
         self.byte_ids = frozenset(self._byte_of)
         self.skipped_ids = self._skipped
 
@@ -913,6 +916,7 @@ class ByteTokenizer:
         self.chat_template = None
         self.max_token_bytes = 1
         self.byte_ids = frozenset()  # its ids are bytes, but decoded by Python's rules, not ByteFallback's
+        self.byte_values = {}
         self.skipped_ids = frozenset(range(self.OFFSET))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

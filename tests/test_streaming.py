@@ -156,7 +156,7 @@ def test_an_output_continuing_the_prompts_byte_run_comes_out_as_the_whole_decode
     deltas, d = feed(tok, prompt, emoji + tok.encode(" ok", add_special_tokens=False))
     assert "".join(deltas) == d.text == "\U0001f643 ok"
     rng = random.Random(0)
-    chars = ["\U0001f643", "\u00e9", "\u65e5", "\u20ac", "a", " "]
+    chars = ["\U0001f643", "\u00e9", "\u65e5", "\u20ac", "\ufffd", "\uac01", "\n", "a", " "]  # U+FFFD as text too
     for _ in range(200):
         prompt = tok.encode("x " + "".join(rng.choices(chars, k=rng.randrange(1, 12))))
         out = tok.encode("".join(rng.choices(chars, k=rng.randrange(1, 6))), add_special_tokens=False)
