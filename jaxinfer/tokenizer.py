@@ -629,16 +629,10 @@ def _is_byte_level(path: str) -> bool:
     every byte of text has a token (`HFTokenizer.max_token_bytes`). (A file that cannot be read says
     no here; loading it then names what is wrong.)"""
     try:
-        stat = os.stat(path)
-        return _file_is_byte_level(path, stat.st_mtime_ns, stat.st_size)
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
     except (OSError, ValueError, RecursionError):
         return False
-
-
-@functools.lru_cache(maxsize=8)
-def _file_is_byte_level(path: str, mtime_ns: int, size: int) -> bool:  # read once per file version
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
 
     def uses(node) -> bool:  # the component itself, or one inside a Sequence
         if isinstance(node, list):
@@ -818,9 +812,8 @@ class SentencePieceTokenizer:
             | {i for token in named if (i := self._piece_id(token)) is not None}
         )
         byte_ids = ((self._sp.piece_to_id(f"<0x{b:02X}>"), b) for b in range(256))
-        self._byte_of = {i: b for i, b in byte_ids if self._sp.is_byte(i)}
-        self.byte_values = dict(self._byte_of)
-        self.byte_ids = frozenset(self._byte_of)
+        self.byte_values = {i: b for i, b in byte_ids if self._sp.is_byte(i)}
+        self.byte_ids = frozenset(self.byte_values)
         self.skipped_ids = self._skipped
 
     def _piece_id(self, token: str | None) -> int | None:
@@ -837,7 +830,7 @@ class SentencePieceTokenizer:
         if not self._prefix_space or not (at_start or self._prefix_everywhere):
             return self._sp.encode(text, out_type=int)
         if self._prefix_always:
-            return self._sp.encode("▁" + text.replace(" ", "▁"), out_type=int)
+            return self._sp.encode(" " + text, out_type=int)
         return self._sp.encode(text if text.startswith((" ", "▁")) else " " + text, out_type=int)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -879,7 +872,7 @@ class SentencePieceTokenizer:
             elif kind == "special":  # a control piece decodes to nothing in SentencePiece
                 parts.extend(self._sp.id_to_piece(i) for i in run)
             else:
-                data = bytes(self._byte_of[i] for i in run)
+                data = bytes(self.byte_values[i] for i in run)
                 try:
                     parts.append(data.decode("utf-8"))
                 except UnicodeDecodeError:
@@ -888,7 +881,7 @@ class SentencePieceTokenizer:
         return text[1:] if self._strip_decoded and text.startswith(" ") else text
 
     def _kind(self, i: int) -> str:
-        if i in self._byte_of:
+        if i in self.byte_values:
             return "byte"
         return "added" if i in self._added else "special" if i in self._skipped else "piece"
 
@@ -896,7 +889,7 @@ class SentencePieceTokenizer:
     def max_token_bytes(self) -> int | None:
         """The longest piece's UTF-8 length with byte fallback; None without it, where a run of unknown
         characters of any length is one <unk> (the model's normaliser is off: see the class)."""
-        if len(self._byte_of) < 256:
+        if len(self.byte_values) < 256:
             return None
         pieces = (self._sp.id_to_piece(i) for i in range(self._num_pieces))
         return max((len(p.encode("utf-8")) for p in (*pieces, *self._specials)), default=1)

@@ -167,16 +167,7 @@ def test_the_copy_of_a_mistral_tokenizer_encodes_as_the_original(tmp_path):
     config = json.loads((src / "tokenizer_config.json").read_text())
     (src / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
     (src / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    cfg = ModelConfig(
-        family="mistral",
-        vocab_size=512,
-        hidden_size=16,
-        intermediate_size=16,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-    )
+    cfg = dataclasses.replace(SMALL, family="mistral", vocab_size=512)
     checkpoint.save(tmp_path / "out", cfg, init_params(cfg), tokenizer_dir=str(src))
     original, copy = load_tokenizer(str(src)), load_tokenizer(str(tmp_path / "out"))
     theirs = transformers.AutoTokenizer.from_pretrained(str(src))
