@@ -28,8 +28,10 @@ import contextlib
 import hashlib
 import ipaddress
 import json
+import math
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -114,7 +116,7 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
-    initialization_timeout: int = 120,
+    initialization_timeout: float = 120,
 ) -> None:
     """Joins the job. With no arguments, JAX detects the cluster (TPU pod slices, SLURM, ...).
 
@@ -122,6 +124,11 @@ def initialize(
     JAX's coordination service aborts every surviving process (a fatal check failure), and their
     exit blocks in a shutdown barrier on the dead peer. jaxinfer handles a broken job itself: the
     leader fails what is in flight with UNAVAILABLE, reports NOT_SERVING and exits 1 on SIGTERM.
+
+    A job that does not form within `initialization_timeout` seconds (process 0 not started or not
+    reachable, a process missing) ends this process with status 2 and a line saying which
+    (`_JoinGuard`): JAX's own join timeout aborts the process (SIGABRT, a C++ stack trace), and no
+    Python code can catch that.
     """
     if (coordinator_address is None) != (num_processes is None) or (num_processes is None) != (process_id is None):
         raise ValueError("give --coordinator-address, --num-processes and --process-id together, or none of them")
@@ -142,18 +149,75 @@ def initialize(
     jax.config.update("jax_enable_recoverability", True)
     if jax.config.jax_platforms in (None, "", "cpu") or str(jax.config.jax_platforms).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=initialization_timeout,
-        coordinator_bind_address=bind,
-    )
+    with _JoinGuard(initialization_timeout, coordinator_address, num_processes, process_id):
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            # Later than the guard's, so that the guard speaks first: JAX's own timeout is an abort.
+            initialization_timeout=math.ceil(initialization_timeout) + _JAX_JOIN_GRACE,
+            coordinator_bind_address=bind,
+        )
     if num_processes is not None and jax.process_count() != num_processes:
         # The coordinator's count wins: a follower told 3 joined a job of 2 and served without a word.
         raise ValueError(
             f"--num-processes {num_processes} differs from the job's: the coordinator at {coordinator_address} "
             f"counts {jax.process_count()} processes"
+        )
+
+
+_JAX_JOIN_GRACE = 30  # seconds JAX's join timeout runs past the guard's
+
+
+class _JoinGuard:
+    """Bounds `jax.distributed.initialize`, which blocks in C++ until every process has registered
+    and, past its own timeout, aborts the process. A daemon thread ends the process first, with
+    status 2 and a line that says what is missing: nothing answering at the coordinator's address
+    (process 0 not started, or not reachable from here), or the coordinator up but the job not
+    whole (a process not started, or started with another --num-processes)."""
+
+    def __init__(self, timeout: float, address: str | None, num_processes: int | None, process_id: int | None):
+        self._timeout, self._address = timeout, address
+        self._num_processes, self._process_id = num_processes, process_id
+        self._joined = threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._watch, name="jaxinfer-join-guard", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._joined.set()
+
+    def _watch(self) -> None:
+        if self._joined.wait(self._timeout):
+            return
+        # Straight to the file descriptor and out: the main thread is stuck in C++ code.
+        sys.stderr.write(f"error: {self.message()}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(2)
+
+    def message(self) -> str:
+        who = "this process" if self._process_id is None else f"process {self._process_id} of {self._num_processes}"
+        waited = f"{who} waited {self._timeout:g} s to join the multi-host job"
+        if self._address is None:
+            return f"{waited} that JAX detected, and the job did not form"
+        whole = (
+            f"not all {self._num_processes} processes joined (start each with --coordinator-address "
+            f"{self._address} --num-processes {self._num_processes} and its own --process-id)"
+        )
+        if self._process_id == 0:
+            return f"{waited} at {self._address}: {whole}"
+        try:
+            socket.create_connection(_coordinator(self._address), timeout=5).close()
+        except OSError as e:
+            return (
+                f"{waited} at {self._address}: nothing answers there ({e.strerror or e}): is process 0 "
+                "started, and reachable from this machine?"
+            )
+        return (
+            f"{waited} at {self._address}: the coordinator answers, but the job did not form (a process "
+            "missing, or process 0 given another --num-processes)"
         )
 
 

@@ -85,8 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--peer-startup-timeout",
         type=float,
         default=600.0,
-        help="multi-host, loading and warming up: the same bound, larger, as the processes' loading and compiling "
-        "times differ; a process waiting longer exits with status 1",
+        help="multi-host, joining, loading and warming up: the same bound, larger, as the processes' start, loading "
+        "and compiling times differ; a process waiting longer to join exits with status 2, one waiting longer "
+        "while loading with status 1",
     )
 
 
@@ -166,7 +167,12 @@ def run(args) -> int:
         from jaxinfer import distributed
 
         try:
-            distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+            distributed.initialize(
+                args.coordinator_address,
+                args.num_processes,
+                args.process_id,
+                initialization_timeout=args.peer_startup_timeout,
+            )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
