@@ -87,7 +87,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int, *, find_stops: bool = True) -> None:
         """Appends one generated token; sets `stopped` if the text now contains a stop string.
 
-        `find_stops=False` (short of min_tokens): the text is not searched, and a stop string that
+        `find_stops=False` (min_tokens not yet passed): the text is not searched, and a stop string that
         ends in the text taken in meanwhile is never one; one it began and a later token ends is."""
         if self.stopped or not self._has_text(token_id):
             return

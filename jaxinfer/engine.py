@@ -1220,7 +1220,10 @@ class Engine:
             )
         generated = len(seq.tokens) - seq.prompt_len  # (seq.output_ids would copy them)
         if seq.detok is not None:
-            seq.detok.add(token, find_stops=generated >= p.min_tokens)  # (as vLLM counts min_tokens)
+            # Searched only past the first min_tokens tokens' text, as vLLM's V1 detokenizer does: a stop
+            # string may end the output no sooner than EOS or a stop id may (the min_tokens-th token's
+            # text was searched too, so min_tokens=1 could still end with no text).
+            seq.detok.add(token, find_stops=generated > p.min_tokens)
             if seq.detok.stopped:
                 return self._finish(seq, [token], "stop")
         if self._ends_by_length(seq):

@@ -22,8 +22,9 @@ class Logprob:
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample. `token_ids` excludes the prompt and an EOS or stop_token_ids token that ended it;
-    a stop string's tokens stay (the text alone is cut at it), as in vLLM."""
+    """One sample. `token_ids` excludes the prompt and an EOS or stop_token_ids token that ended it
+    (unlike vLLM, whose token_ids, logprobs and cumulative_logprob end with that token; its text
+    leaves it out, as here); a stop string's tokens stay (the text alone is cut at it), as in vLLM."""
 
     index: int
     token_ids: list[int]

@@ -67,9 +67,9 @@ class SamplingParams:
         max_tokens: tokens to generate at most (>= 1); None: up to the model's length limit
             (`max_model_len`, prompt included), as in vLLM.
         min_tokens: tokens to generate before EOS, `stop_token_ids` or a `stop` string may end the
-            output, as in vLLM (HF's min_new_tokens): those ids cannot be drawn before, and a stop
-            string that the text completes before is not one. In [0, max_tokens]; the model's length
-            limit still ends it.
+            output, as in vLLM (HF's min_new_tokens): those ids cannot be drawn among them, and a stop
+            string that ends in their text is not one (one a later token completes is). In [0,
+            max_tokens]; the model's length limit still ends it.
         temperature: logits are divided by it (>= 0); 0, and anything below `GREEDY_TEMPERATURE` (1e-5,
             vLLM's threshold), means greedy.
         top_k: keep the k most likely tokens; 0 or -1 keeps all.

@@ -594,7 +594,7 @@ def test_stats_from_another_thread_while_steps_donate_the_cache(llm):
 
 
 def test_min_tokens_ignores_a_stop_string_the_text_completes_before_it():
-    """As vLLM: with min_tokens=k, a stop string that ends in the text of the first k - 1 tokens does
+    """As vLLM: with min_tokens=k, a stop string that ends in the text of the first k tokens does
     not stop (it is not searched there); the first one ending after that text does, and the text
     and tokens up to it are those of the run without any stop."""
     from jaxinfer import LLM, SamplingParams
@@ -610,14 +610,14 @@ def test_min_tokens_ignores_a_stop_string_the_text_completes_before_it():
     stop = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=["e"])
     early = llm.generate(prompt, stop)[0]
     assert early.text == free.text[: free.text.index("e")] and early.finish_reason == "stop"
-    late = llm.generate(prompt, dataclasses.replace(stop, min_tokens=j + 1))[0]
+    late = llm.generate(prompt, dataclasses.replace(stop, min_tokens=j))[0]
     cut = free.text.index("e", len(texts[j - 1]))  # the first "e" past the unsearched text
     assert late.text == free.text[:cut] and late.finish_reason == "stop" and late.stop_reason == "e"
     assert late.token_ids == free.token_ids[: len(late.token_ids)] and len(late.token_ids) >= j + 1
-    streamed = "".join(d.text for d in llm.stream(prompt, dataclasses.replace(stop, min_tokens=j + 1)))
+    streamed = "".join(d.text for d in llm.stream(prompt, dataclasses.replace(stop, min_tokens=j)))
     assert streamed == late.text
-    # min_tokens = j: the token completing the first "e" is searched, so it stops there, as without.
-    assert llm.generate(prompt, dataclasses.replace(stop, min_tokens=j))[0].text == early.text
+    # min_tokens = j - 1: the token completing the first "e" is searched, so it stops there, as without.
+    assert llm.generate(prompt, dataclasses.replace(stop, min_tokens=j - 1))[0].text == early.text
     # A character made of byte pieces before min_tokens is not searched either, though the byte run
     # it is in is still open then (the text takes it in only when the run ends, past min_tokens).
     tok = llm.tokenizer
@@ -630,13 +630,13 @@ def test_min_tokens_ignores_a_stop_string_the_text_completes_before_it():
             d.add(t, find_stops=k > made)
         d.flush()
         assert not d.stopped and d.text == " \U0001f600,eh"
-    # End to end: only the two byte pieces of "é" allowed, a stop string "é" and min_tokens 3: the
+    # End to end: only the two byte pieces of "é" allowed, a stop string "é" and min_tokens 2: the
     # first "é" (tokens 1-2) does not stop it, the second (tokens 3-4) does.
     pieces = tok.encode("é", add_special_tokens=False)[-2:]
     assert all(t in tok.byte_ids for t in pieces)
     base = SamplingParams(temperature=2.0, seed=1, max_tokens=6, ignore_eos=True, allowed_token_ids=pieces)
     assert llm.generate(prompt, base)[0].text == "ééé"  # (this seed draws the pieces in order)
-    p = dataclasses.replace(base, stop=["é"], min_tokens=3)
+    p = dataclasses.replace(base, stop=["é"], min_tokens=2)
     for include, want in ((False, "é"), (True, "éé")):
         out = llm.generate(prompt, dataclasses.replace(p, include_stop_str_in_output=include))[0]
         assert out.text == want and out.token_ids == [pieces[0], pieces[1]] * 2, (include, out)
