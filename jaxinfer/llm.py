@@ -426,7 +426,7 @@ class LLM:
         defaults, and what the server's ModelInfo.default_sampling_params holds."""
         return dict(self._generation_overrides)
 
-    def _encode(self, text: str, field: str, max_tokens: int | None) -> list[int]:
+    def _encode(self, text: str, field: str, params: SamplingParams) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{field} must be a string, got {type(text).__name__}")
         if not text:
@@ -437,13 +437,19 @@ class LLM:
                 "this model directory has no tokenizer (neither tokenizer.json nor tokenizer.model): pass token ids "
                 "instead (prompt_token_ids=, or --prompt-ids)"
             )
-        return encode_prompt(self.tokenizer, text, max_tokens=max_tokens, field=field)
+        return encode_prompt(
+            self.tokenizer,
+            text,
+            max_tokens=self.engine.prompt_token_limit(params),
+            field=field,
+            truncate_prompt_tokens=params.truncate_prompt_tokens,
+        )
 
-    def _prompt_item(self, p, name: str, max_tokens: int | None) -> tuple[str | None, list[int], str | None]:
+    def _prompt_item(self, p, name: str, params: SamplingParams) -> tuple[str | None, list[int], str | None]:
         """(text, ids, cache salt) of the prompt a refusal calls `name`: a string, or a vLLM-style prompt
         dict ({"prompt": text} or {"prompt_token_ids": [...]}, and optionally "cache_salt")."""
         if not isinstance(p, Mapping):
-            return p, self._encode(p, name, max_tokens), None
+            return p, self._encode(p, name, params), None
         keys = set(p) - {"cache_salt"}
         if unknown := sorted(map(str, keys - {"prompt", "prompt_token_ids"})):
             raise InvalidRequestError(
@@ -455,7 +461,7 @@ class LLM:
         salt = p.get("cache_salt")
         check_cache_salt(salt, f"{name}.cache_salt")
         if "prompt" in p:
-            return p["prompt"], self._encode(p["prompt"], f"{name}.prompt", max_tokens), salt
+            return p["prompt"], self._encode(p["prompt"], f"{name}.prompt", params), salt
         return None, _token_ids(p["prompt_token_ids"], f"{name}.prompt_token_ids"), salt
 
     def _prompts(self, prompts, sampling_params, prompt_token_ids, *, name_of=None):
@@ -474,9 +480,8 @@ class LLM:
             )
         if prompts is not None:
             sampling_params = self._params_list(sampling_params, len(prompts))
-            limits = [self.engine.prompt_token_limit(sp) for sp in sampling_params]
             name_of = name_of or (lambda i: f"prompts[{i}]")
-            items = [self._prompt_item(p, name_of(i), limit) for i, (p, limit) in enumerate(zip(prompts, limits))]
+            items = [self._prompt_item(p, name_of(i), sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
             texts, ids, salts = map(list, zip(*items)) if items else ([], [], [])
         else:
             if (
@@ -645,7 +650,17 @@ class LLM:
             )
             texts.append(text)
             max_tokens = self.engine.prompt_token_limit(params[i])
-            ids.append(encode_prompt(tok, text, max_tokens=max_tokens, field=field, add_special_tokens=False))
+            truncate = params[i].truncate_prompt_tokens
+            ids.append(
+                encode_prompt(
+                    tok,
+                    text,
+                    max_tokens=max_tokens,
+                    field=field,
+                    add_special_tokens=False,
+                    truncate_prompt_tokens=truncate,
+                )
+            )
         name_of = (lambda i: f"messages[{i}]") if batched else (lambda i: "messages")
         outs = self._generate(*self._prompts(None, params, ids, name_of=name_of), use_tqdm=use_tqdm)
         for out, text in zip(outs, texts):

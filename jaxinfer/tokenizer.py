@@ -64,10 +64,17 @@ class Tokenizer(Protocol):
 
 
 def encode_prompt(
-    tok: Tokenizer, text: str, *, max_tokens: int | None, field: str, add_special_tokens: bool = True
+    tok: Tokenizer,
+    text: str,
+    *,
+    max_tokens: int | None,
+    field: str,
+    add_special_tokens: bool = True,
+    truncate_prompt_tokens: int | None = None,
 ) -> list[int]:
     """`tok.encode(text, add_special_tokens=...)` for a prompt that may have at most `max_tokens` tokens
-    (None: any number, as a request that keeps only its last ones may).
+    (None: any number, as a request that keeps only its last ones may). `truncate_prompt_tokens`: the
+    request's, named in a refusal (it keeps more tokens than the limit, so it could not help).
 
     A text that cannot fit under any tokenization (more UTF-8 bytes than max_tokens times the
     longest token's) is refused before the tokenizer runs: encoding megabytes only to refuse the
@@ -81,15 +88,26 @@ def encode_prompt(
     limit = None if per_token is None else max_tokens * per_token
     if limit is not None and (len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit):
         size = len(text.encode("utf-8", "surrogatepass"))  # (chars <= bytes: the first test is cheap)
+        # A request that truncates is refused here only when it keeps more than the limit: say so, or
+        # the caller who asked for truncation is told just that the prompt is too long.
+        keeps = (
+            ""
+            if truncate_prompt_tokens is None
+            else f", and SamplingParams.truncate_prompt_tokens = {truncate_prompt_tokens} keeps more than that"
+        )
         raise InvalidRequestError(
             f"{field}: {size} bytes of text cannot fit in {max_tokens} tokens (the prompt limit, "
             f"max_model_len - 1; no token of this tokenizer stands for more than {per_token} "
-            f"byte{'' if per_token == 1 else 's'})"
+            f"byte{'' if per_token == 1 else 's'}){keeps}"
         )
     ids = tok.encode(text, add_special_tokens=add_special_tokens)
     if len(ids) > max_tokens:
+        count, kept = len(ids), ""
+        if truncate_prompt_tokens is not None:  # as Engine.validate words it for token ids
+            count = min(count, truncate_prompt_tokens)
+            kept = f" (its last SamplingParams.truncate_prompt_tokens = {truncate_prompt_tokens})"
         raise InvalidRequestError(
-            f"{field}: prompt has {len(ids)} tokens; the limit is max_model_len - 1 = {max_tokens}"
+            f"{field}: prompt has {count} tokens{kept}; the limit is max_model_len - 1 = {max_tokens}"
         )
     return ids
 

@@ -433,8 +433,11 @@ class Server:
                 "send token ids instead"
             )
         try:
-            limit = self.llm.engine.prompt_token_limit(params or SamplingParams())
-            return encode_prompt(tok, text, max_tokens=limit, field=field)
+            params = params or SamplingParams()
+            limit = self.llm.engine.prompt_token_limit(params)
+            return encode_prompt(
+                tok, text, max_tokens=limit, field=field, truncate_prompt_tokens=params.truncate_prompt_tokens
+            )
         except InvalidRequestError as e:
             raise _invalid(str(e)) from None
 

@@ -1824,3 +1824,36 @@ def test_help_shows_each_options_default(capsys, argv, shown):
     assert all(s in out for s in shown), [s for s in shown if s not in out]
     assert "[16, 256]" not in out and "(default: the embedded default model) (default" not in out
     assert "(default: {})" not in out
+
+
+def test_a_text_too_long_for_its_truncation_names_truncate_prompt_tokens(llm):
+    """A text refused for its size although its request truncates (truncate_prompt_tokens keeps more
+    than the prompt limit) names that field, as a token-id prompt's refusal does: the caller asked
+    for truncation and must learn why it did not help, not only that the prompt is too long."""
+    keep_64 = SamplingParams(max_tokens=2, truncate_prompt_tokens=64)
+    # Refused unread (200 bytes cannot be 63 tokens), then once tokenized (BOS + 63 bytes = 64 tokens).
+    for text in ("x" * 200, "x" * 63):
+        with pytest.raises(InvalidRequestError, match=r"SamplingParams\.truncate_prompt_tokens = 64"):
+            llm.generate(text, keep_64)
+    with pytest.raises(InvalidRequestError, match=r"prompt has 64 tokens; the limit is max_model_len - 1 = 63$"):
+        llm.generate("x" * 63, SamplingParams(max_tokens=2))  # no truncation asked: nothing to name
+
+
+def test_min_tokens_keeps_a_stop_string_from_ending_its_first_tokens(llm):
+    """vLLM (V1's detokenizer) searches for stop strings only in text past the first min_tokens
+    tokens, as EOS and stop ids can end the output only after them: min_tokens=1 keeps a stop string
+    the first token completes from ending the output with no text (it did: the min_tokens-th token's
+    text was searched)."""
+    a = 3 + ord("a")  # the tiny model's byte tokenizer: byte + 3
+    p = SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=[a], stop=["a"])
+    assert llm.generate("x", p)[0].text == ""  # no min_tokens: the first "a" ends it
+    for k in (1, 3):
+        kept = dataclasses.replace(p, min_tokens=k)
+        out = llm.generate("x", kept)[0]
+        assert out.token_ids == [a] * (k + 1) and out.text == "a" * k, (k, out)
+        assert out.finish_reason == "stop" and out.stop_reason == "a"
+        assert "".join(d.text for d in llm.stream("x", kept)) == out.text
+        shown = llm.generate("x", dataclasses.replace(kept, include_stop_str_in_output=True))[0]
+        assert shown.text == "a" * (k + 1)
+    # min_tokens = max_tokens: no stop string can end it.
+    assert llm.generate("x", dataclasses.replace(p, min_tokens=6))[0].finish_reason == "length"
