@@ -6,7 +6,7 @@ from jaxinfer._xla_flags import apply_defaults as _apply_xla_defaults
 _apply_xla_defaults()  # before anything below can start the JAX backend
 
 from jaxinfer.errors import CheckpointError, InvalidRequestError, JaxinferError, UnsupportedModelError  # noqa: E402
-from jaxinfer.outputs import RequestOutput  # noqa: E402
+from jaxinfer.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
 # isort: on
@@ -29,6 +29,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "LLM",
     "CheckpointError",
+    "CompletionOutput",
     "InvalidRequestError",
     "JaxinferError",
     "RequestOutput",

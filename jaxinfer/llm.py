@@ -580,6 +580,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: Sequence[Mapping | Callable] | None = None,
         documents: Sequence[Mapping] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: Mapping | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -600,6 +601,9 @@ class LLM:
                 `messages` (an assistant message's "tool_calls", a "tool" role message). The model's
                 reply is returned as text: parsing a tool call out of it is the caller's.
             documents: for retrieval-augmented templates, dicts such as {"title": ..., "text": ...}.
+            chat_template: the template to render with instead of the model's: Jinja source, or the
+                name of one of the model's named templates (as transformers' `apply_chat_template`
+                and vLLM's `LLM.chat` take it). For a model without one, or another format.
             chat_template_kwargs: further variables for the template, e.g. {"enable_thinking": False}
                 for Qwen 3.
             use_tqdm: a progress bar over the finished conversations, as in `generate`.
@@ -625,11 +629,20 @@ class LLM:
         named = getattr(tok, "chat_templates", None) or {}
         if tok.chat_template != named.get("default"):  # set by hand: it alone counts, as in transformers
             named = {"default": tok.chat_template}
-        template = choose_chat_template({k: v for k, v in named.items() if v}, tools=tools)
+        named = {k: v for k, v in named.items() if v}
+        if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template.strip():
+                raise InvalidRequestError(
+                    "chat_template must be a non-empty string: Jinja source, or the name of one of the model's "
+                    f"templates {sorted(named)}; got {chat_template!r}"[:300]
+                )
+            template = named.get(chat_template, chat_template)
+        else:
+            template = choose_chat_template(named, tools=tools)
         if not template:
             raise InvalidRequestError(
                 "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
-                "format the prompt yourself and call generate()"
+                "pass chat_template=, or format the prompt yourself and call generate()"
             )
         batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = list(messages) if batched else [messages]
@@ -637,17 +650,22 @@ class LLM:
         texts, ids = [], []
         for i, conv in enumerate(conversations):
             field = f"messages[{i}]" if batched else "messages"
-            text = render_chat_template(
-                template,
-                validate_messages(conv, field),
-                add_generation_prompt=add_generation_prompt,
-                special_tokens=tok.special_tokens,
-                template_kwargs=template_kwargs,
-                continue_final_message=continue_final_message,
-                field=field,
-                tools=tools,
-                documents=documents,
-            )
+            try:
+                text = render_chat_template(
+                    template,
+                    validate_messages(conv, field),
+                    add_generation_prompt=add_generation_prompt,
+                    special_tokens=tok.special_tokens,
+                    template_kwargs=template_kwargs,
+                    continue_final_message=continue_final_message,
+                    field=field,
+                    tools=tools,
+                    documents=documents,
+                )
+            except CheckpointError as e:  # a broken template: the caller's, if they passed it
+                if chat_template is None:
+                    raise
+                raise InvalidRequestError(str(e)) from None
             texts.append(text)
             max_tokens = self.engine.prompt_token_limit(params[i])
             truncate = params[i].truncate_prompt_tokens

@@ -39,6 +39,10 @@ class CompletionOutput:
     # Sum of the chosen tokens' log-probabilities; None unless logprobs were asked for.
     cumulative_logprob: float | None = None
 
+    def finished(self) -> bool:
+        """Whether the sample has ended (vLLM's method): always, in a RequestOutput."""
+        return self.finish_reason is not None
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -77,6 +81,12 @@ class RequestOutput:
     @property
     def cumulative_logprob(self) -> float | None:
         return self.outputs[0].cumulative_logprob
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sample has ended (vLLM's field): always so for what `generate` and `chat`
+        return, as they return a request only then (a stream yields StreamDelta instead)."""
+        return all(o.finish_reason is not None for o in self.outputs)
 
 
 @dataclasses.dataclass

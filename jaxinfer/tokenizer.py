@@ -1067,7 +1067,16 @@ def _jinja_environment():
     return env
 
 
-_TEMPLATES: dict[str, Any] = {}  # compiled templates by source: a model's template compiles once
+@functools.lru_cache(maxsize=32)  # a model's template compiles once; a caller's own, bounded in number
+def _compile_chat_template(template: str):
+    """A chat template's Jinja source compiled in jaxinfer's sandbox. Raises CheckpointError naming
+    the line when it does not compile."""
+    import jinja2
+
+    try:
+        return _jinja_environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
 
 
 @functools.cache
@@ -1311,13 +1320,7 @@ def render_chat_template(
     """
     import jinja2
 
-    compiled = _TEMPLATES.get(template)
-    if compiled is None:
-        try:
-            compiled = _jinja_environment().from_string(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
-        _TEMPLATES[template] = compiled
+    compiled = _compile_chat_template(template)
     if continue_final_message:
         messages = [*messages[:-1], _tag_final(messages[-1])]
     if not _iterates_content(template):
@@ -1334,10 +1337,10 @@ def render_chat_template(
     except jinja2.exceptions.SecurityError as e:
         raise CheckpointError(f"chat_template tried an unsafe operation: {e}") from None
     except jinja2.exceptions.TemplateError as e:
-        raise InvalidRequestError(f"{field}: the model's chat_template refused them: {e}") from None
+        raise InvalidRequestError(f"{field}: the chat template refused them: {e}") from None
     except Exception as e:  # a template written for string content given a list of parts, ...
         raise InvalidRequestError(
-            f"{field}: the model's chat_template failed on them ({type(e).__name__}: {e}); "
-            "check the content types this model's template expects"
+            f"{field}: the chat template failed on them ({type(e).__name__}: {e}); "
+            "check the content types the template expects"
         ) from None
     return _cut_at_tag(rendered) if continue_final_message else rendered

@@ -1147,7 +1147,7 @@ def test_a_template_that_fails_on_the_messages_is_a_request_error():
     from jaxinfer.tokenizer import render_chat_template, validate_messages
 
     messages = validate_messages([{"role": "user", "content": "hi"}])
-    with pytest.raises(InvalidRequestError, match=r"chat_template failed on them \(TypeError: .*str"):
+    with pytest.raises(InvalidRequestError, match=r"chat template failed on them \(TypeError: .*str"):
         render_chat_template("{{ messages[0]['role'] + ': ' + messages[0]['content'] + 1 }}", messages)
 
 
@@ -1281,6 +1281,41 @@ def test_a_checkpoint_whose_templates_have_no_default_loads_and_chats_with_tools
         llm.chat(CONVERSATIONS[0], params)
     out = llm.chat(CONVERSATIONS[0], params, tools=[get_weather])[0]
     assert out.prompt.startswith("(get_weather)")
+
+
+def test_llm_chat_takes_a_template_of_the_callers_or_one_named(tmp_path):
+    """`chat(chat_template=...)`, as vLLM's LLM.chat and transformers' apply_chat_template take it:
+    Jinja source (for a model without a template, or another format), or the name of one of the
+    model's templates; a template that does not compile is the caller's bad request."""
+    d = tmp_path / "m"
+    save_hf_model(make_hf_model("llama2", vocab_size=512), d)
+    _bpe_dir(d, GEMMA_SPECIALS, add_bos_token=True)
+    _edit_config(d, chat_template=[{"name": "tool_use", "template": TOOL_USE_TEMPLATE}])
+    llm = LLM(str(d), num_kv_pages=16, max_model_len=128, warmup=False)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    conv = CONVERSATIONS[0]
+    own = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    for template, tools in ((own, None), ("tool_use", [get_weather])):
+        out = llm.chat(conv, params, chat_template=template, tools=tools)[0]
+        assert out.prompt == theirs.apply_chat_template(
+            conv, chat_template=template, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        ids = llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+        assert out.finished and out.outputs[0].finished()
+    assert llm.chat(conv, params, chat_template=own)[0].prompt.startswith("[user] ")
+    for bad, message in (
+        ("{% for %}", "chat_template does not compile: .* \\(line 1\\)"),
+        ("  ", "chat_template must be a non-empty string: Jinja source, or the name of one of the model's templates"),
+        (5, "chat_template must be a non-empty string"),
+        ("{{ ''.__class__.__mro__ }}", "chat_template tried an unsafe operation"),  # jaxinfer's sandbox
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.chat(conv, params, chat_template=bad)
 
 
 # A tool-use and retrieval template in the manner of Llama 3.1 / Qwen 2.5 (written here): tools as
