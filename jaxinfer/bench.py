@@ -7,7 +7,7 @@ buffer much larger than the caches: `ReadCeiling`), measured right before each t
 median of those pairs, and is printed against the run's best ceiling too. Prefill is compute-bound;
 we report its achieved FLOP/s next to TTFT: 2 x the weights' parameters (the embedding table is a
 lookup, not a product) x tokens, the LM head once (only the last token's logits are computed), and
-attention's own products.
+attention's own products (a sliding-window layer's over its window only).
 
 With --vs-hf, Hugging Face transformers runs `generate` on the same weights in the same process,
 and the ratios are printed side by side. Timings are medians over repeats; compilation is excluded
@@ -673,6 +673,31 @@ def _throughput(args, model_dir, LLM) -> dict:
     return report
 
 
+def causal_pairs(cfg, n: int) -> int:
+    """Query-key pairs of one n-token prompt, summed over the layers: the query at position p sees
+    p + 1 keys, or at most a sliding-window layer's window (its attention skips the tiles before
+    the window, as its decode reads only its window: `ModelConfig.kv_bytes_read`)."""
+    from jaxinfer.config import SlidingWindow
+
+    def pairs(kind) -> int:
+        w = kind.window if isinstance(kind, SlidingWindow) else n
+        m = min(n, w)  # the first m queries see every key before them; each later one sees w
+        return m * (m + 1) // 2 + (n - m) * w
+
+    return sum(pairs(cfg.attention_kind(i)) for i in range(cfg.num_layers))
+
+
+def prefill_flops(cfg, n: int) -> int:
+    """Matmul FLOPs of a batch-1 prefill of n tokens: every body weight once per prompt token (norm
+    weights too: <0.2%), the LM head once (logits only for the last token; the embedding table is a
+    lookup), and attention's QK^T and PV over each layer's causal pairs (`causal_pairs`; as
+    notebooks/anatomy_of_inference.ipynb counts them, there for global layers only)."""
+    head = cfg.vocab_size * cfg.hidden_size
+    body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)
+    attention = 2 * 2 * cfg.num_heads * cfg.head_dim * causal_pairs(cfg, n)
+    return 2 * body * n + 2 * head + attention
+
+
 def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     max_len = max(max(args.prompt_lens), args.context + args.new_tokens) + 1
     max_seqs = max(args.batch_sizes)
@@ -736,13 +761,7 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
             llm.generate(prompt_token_ids=[prompt], sampling_params=sp)  # compile this bucket
         t = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=greedy1), args.repeats)
         t_lp = _median_time(lambda p=prompt: llm.generate(prompt_token_ids=[p], sampling_params=scored), args.repeats)
-        # Matmul FLOPs: every body weight once per prompt token (norm weights too: <0.2%), the LM head
-        # once (logits only for the last token; the embedding table is a lookup), and attention's QK^T
-        # and PV over the causal triangle (as notebooks/anatomy_of_inference.ipynb counts them).
-        head = cfg.vocab_size * cfg.hidden_size
-        body = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2)
-        attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) // 2
-        flops = 2 * body * n + 2 * head + attention
+        flops = prefill_flops(cfg, n)
         print(f"{n:>8} {t * 1e3:>10.1f} {flops / t / 1e9:>10.1f} {t_lp * 1e3:>14.1f} {t_lp / t:>6.2f}")
         report["ttft"].append(
             {"prompt_len": n, "ttft_s": t, "flops": flops, "gflops": flops / t / 1e9, "prompt_logprobs_ttft_s": t_lp}
@@ -755,7 +774,10 @@ def _run(args, model_dir, LLM, SamplingParams, params_nbytes) -> dict:
     )
     print(f"{'batch':>6} {'rows':>6} {'step ms':>9} {'tok/s':>9} {'GB/s':>8} {'ceiling':>8} {'MBU':>6}")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    kv_per_row = cfg.kv_bytes_read(args.context + args.new_tokens / 2)  # at the decode window's mean context
+    # A row's K/V bytes per step, averaged over the decode window's steps (the j-th reads context + j
+    # tokens): a sliding-window layer reads min(context + j, window), and that at the mean context
+    # would overstate the mean where the window ends inside the run.
+    kv_per_row = statistics.fmean(cfg.kv_bytes_read(args.context + j) for j in range(1, args.new_tokens))
     for b in args.batch_sizes:
         prompts = [rng.integers(low, cfg.vocab_size, args.context).tolist() for _ in range(b)]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)  # compile every bucket on the way
