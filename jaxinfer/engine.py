@@ -291,9 +291,12 @@ class Engine:
         channel=None,
         num_window_kv_pages: int | None = None,
         async_scheduling: bool = True,
+        seed: int | None = None,
     ):
         if not isinstance(async_scheduling, bool):
             raise InvalidRequestError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise InvalidRequestError(f"seed must be None or an integer >= 0, got {seed!r}")
         check_capacity(
             page_size=page_size,
             max_num_seqs=max_num_seqs,
@@ -437,9 +440,10 @@ class Engine:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self._compiled_shapes: set[tuple] = set()  # step shapes this engine has compiled (see _donating_call)
-        # Seeds of unseeded requests: the engine's own entropy, so a user's np.random.seed() neither
-        # repeats them nor has its stream advanced by generate().
-        self._seeds = np.random.default_rng()
+        # Seeds of unseeded requests: the engine's own entropy (or `seed`'s stream, vLLM's
+        # LLM(seed=): the same seeds in the order requests arrive, run after run), so a user's
+        # np.random.seed() neither repeats them nor has its stream advanced by generate().
+        self._seeds = np.random.default_rng(seed)
         self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
         # Decode rows must split over a mesh's `data` axis (see scheduler.decode_bucket).
         self._rows_multiple = 1 if mesh is None else dict(mesh.shape).get("data", 1)

@@ -244,6 +244,9 @@ class LLM:
         async_scheduling: dispatch each engine step before reading the results of the one before,
             so the host's bookkeeping overlaps the device's work (same outputs; see
             `Engine._run_ahead`). False: one step at a time.
+        seed: where requests without their own `SamplingParams.seed` get theirs, as vLLM's
+            LLM(seed=): with an integer, a script's unseeded requests draw the same seeds in the
+            order they are submitted, so a rerun samples the same tokens; None: fresh entropy.
 
     One LLM may be used from several threads (a web app's workers, a notebook's): their requests
     join the same continuous batches, each call returning only its own outputs.
@@ -266,6 +269,7 @@ class LLM:
         generation_config: str = "auto",
         warmup: bool = False,
         async_scheduling: bool = True,
+        seed: int | None = None,
     ):
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise InvalidRequestError(f"model must be a directory path or an embedded model's name, got {model!r}")
@@ -277,6 +281,8 @@ class LLM:
             )
         if not isinstance(async_scheduling, bool):
             raise InvalidRequestError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise InvalidRequestError(f"seed must be None or an integer >= 0, got {seed!r}")
         if dtype == "auto" and isinstance(model, (str, os.PathLike, type(None))):
             dtype = _auto_dtype(model)
         if dtype not in DTYPES:
@@ -380,6 +386,7 @@ class LLM:
             mesh=device_mesh,
             channel=_leader_channel(),
             async_scheduling=async_scheduling,
+            seed=seed,
         )
         # Updates of the requests this LLM started, by request id. Whichever call steps the engine
         # (a generate(), or any of several open streams) files every request's updates here, so

@@ -233,6 +233,31 @@ def test_unseeded_requests_leave_numpy_global_random_state_alone(llm):
     assert [o.token_ids for o in runs[0]] != [o.token_ids for o in runs[1]]
 
 
+def test_an_llm_seed_makes_unseeded_requests_repeat_run_after_run():
+    """LLM(seed=S), as vLLM's: unseeded requests draw their seeds from S's stream in the order they
+    arrive, so a rerun of the same script samples the same tokens; another S, or none, does not. A
+    request's own seed still wins."""
+    p = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    prompts = [[1, 50, 60], [1, 50, 60], [1, 7]]
+
+    def script(**kwargs):
+        llm = LLM(default_model.TINY_RANDOM, max_model_len=64, num_kv_pages=64, max_num_seqs=4, **kwargs)
+        first = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p)]
+        second = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=p)[0].token_ids
+        own = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=dataclasses.replace(p, seed=9))
+        return first, second, own[0].token_ids
+
+    a, b, c, free = script(seed=5), script(seed=5), script(seed=6), script()
+    assert a == b
+    first, second, own = a
+    assert first[0] != first[1] and second not in first  # each request its own draw from the stream
+    assert c[0] != first and free[0] != first
+    assert own == c[2] == free[2]  # SamplingParams.seed is the request's own, whatever the LLM's
+    for bad in (-1, 1.5, True, "5"):
+        with pytest.raises(InvalidRequestError, match=f"seed must be None or an integer >= 0, got {bad!r}"):
+            LLM(default_model.TINY_RANDOM, seed=bad)
+
+
 def test_stop_token_ids_and_eos(llm):
     free = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=GREEDY)[0].token_ids
     stop_at = free[3]
