@@ -63,6 +63,10 @@ GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick each generated token, and when to stop.
 
+    Checked when made, and frozen so it stays checked: where a vLLM script sets a field
+    (`sp = llm.get_default_sampling_params(); sp.max_tokens = 64`), write
+    `dataclasses.replace(sp, max_tokens=64)`, which checks the new value.
+
     Attributes:
         max_tokens: tokens to generate at most (>= 1); None: up to the model's length limit
             (`max_model_len`, prompt included), as in vLLM.
