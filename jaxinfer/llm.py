@@ -237,6 +237,8 @@ class LLM:
             devices (a multi-process mesh must use all of them). Tensor parallelism over `model`
             (heads, MLP, vocabulary; KV heads replicated when they do not split evenly), batch rows
             over `data`. None: one device. See jaxinfer.sharding for the rules table.
+        tensor_parallel_size: vLLM's name for `mesh={"model": n}` (1: one device); give one or
+            the other.
         generation_config: "auto": the checkpoint's generation_config.json sets the default
             SamplingParams (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens as
             max_tokens; see `get_default_sampling_params`), as in vLLM; "none": SamplingParams' own.
@@ -266,6 +268,7 @@ class LLM:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         mesh: str | dict | None = None,
+        tensor_parallel_size: int | None = None,
         generation_config: str = "auto",
         warmup: bool = False,
         async_scheduling: bool = True,
@@ -275,6 +278,17 @@ class LLM:
             raise InvalidRequestError(f"model must be a directory path or an embedded model's name, got {model!r}")
         if mesh is not None and not isinstance(mesh, (str, Mapping)):
             raise InvalidRequestError(f"mesh must be a string like 'data=2,model=4' or a mapping, got {mesh!r}")
+        if tensor_parallel_size is not None:
+            if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+                raise InvalidRequestError(
+                    f"tensor_parallel_size must be None or an integer >= 1, got {tensor_parallel_size!r}"
+                )
+            if mesh is not None:
+                raise InvalidRequestError(
+                    f"give mesh or tensor_parallel_size, not both (mesh={mesh!r}, "
+                    f"tensor_parallel_size={tensor_parallel_size!r}): tensor_parallel_size=n is mesh='model=n'"
+                )
+            mesh = None if tensor_parallel_size == 1 else {"model": int(tensor_parallel_size)}
         if not isinstance(enable_prefix_caching, bool) or not isinstance(warmup, bool):
             raise InvalidRequestError(
                 f"enable_prefix_caching and warmup must be True or False, got {enable_prefix_caching!r}, {warmup!r}"

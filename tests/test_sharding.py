@@ -266,6 +266,33 @@ def test_bad_meshes_are_refused_by_name(monkeypatch):
     assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
 
 
+def test_tensor_parallel_size_is_the_model_axis_as_vllm_names_it():
+    """LLM(tensor_parallel_size=n) is LLM(mesh="model=n"): the same mesh, the same tokens; 1 is one
+    device; with a mesh as well, or not a positive integer, it is refused by name."""
+    kw = dict(max_model_len=64, num_kv_pages=32, max_num_seqs=4)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 50, 60], [1, 7, 8, 9, 10]]
+    by_mesh = LLM("embedded:tiny-random", mesh="model=2", **kw)
+    by_size = LLM("embedded:tiny-random", tensor_parallel_size=2, **kw)
+    one = LLM("embedded:tiny-random", tensor_parallel_size=1, **kw)
+    assert dict(by_size.engine.mesh.shape) == dict(by_mesh.engine.mesh.shape) == {"data": 1, "model": 2}
+    assert one.engine.mesh is None
+    tokens = [
+        [o.token_ids for o in m.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+        for m in (by_mesh, by_size, one)
+    ]
+    assert tokens[0] == tokens[1] == tokens[2]
+    with pytest.raises(InvalidRequestError, match="give mesh or tensor_parallel_size, not both"):
+        LLM("embedded:tiny-random", mesh="model=2", tensor_parallel_size=2)
+    for bad in (0, True, 2.0, "2"):
+        with pytest.raises(
+            InvalidRequestError, match=f"tensor_parallel_size must be None or an integer >= 1, got {bad!r}"
+        ):
+            LLM("embedded:tiny-random", tensor_parallel_size=bad)
+    with pytest.raises(InvalidRequestError, match="has 16 devices; only 8 are available"):
+        LLM("embedded:tiny-random", tensor_parallel_size=16)
+
+
 def test_kv_head_copies_only_when_the_model_axis_is_a_multiple():
     from jaxinfer.sharding import kv_head_copies
 
