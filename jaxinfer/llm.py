@@ -30,17 +30,7 @@ from jaxinfer.limits import check_cache_salt, check_capacity
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta  # noqa: F401 - Logprob: its old home
 from jaxinfer.sampling_params import GENERATION_CONFIG_CHOICES, SamplingParams, generation_defaults, is_int
 from jaxinfer.sharding import format_mesh, make_mesh, parse_mesh
-from jaxinfer.tokenizer import (
-    check_chat_options,
-    check_documents,
-    check_tools,
-    choose_chat_template,
-    encode_prompt,
-    load_tokenizer,
-    render_chat_template,
-    require_unicode,
-    validate_messages,
-)
+from jaxinfer.tokenizer import encode_prompt, load_tokenizer, render_chats, require_unicode
 
 
 def _token_ids(p, field: str) -> list[int]:
@@ -641,53 +631,20 @@ class LLM:
             )
         if add_generation_prompt is None:
             add_generation_prompt = continue_final_message is not True
-        template_kwargs = check_chat_options(
-            chat_template_kwargs,
+        texts, batched = render_chats(
+            tok,
+            messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
         )
-        tools, documents = check_tools(tools), check_documents(documents)
-        named = getattr(tok, "chat_templates", None) or {}
-        if tok.chat_template != named.get("default"):  # set by hand: it alone counts, as in transformers
-            named = {"default": tok.chat_template}
-        named = {k: v for k, v in named.items() if v}
-        if chat_template is not None:
-            if not isinstance(chat_template, str) or not chat_template.strip():
-                raise InvalidRequestError(
-                    "chat_template must be a non-empty string: Jinja source, or the name of one of the model's "
-                    f"templates {sorted(named)}; got {chat_template!r}"[:300]
-                )
-            template = named.get(chat_template, chat_template)
-        else:
-            template = choose_chat_template(named, tools=tools)
-        if not template:
-            raise InvalidRequestError(
-                "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
-                "pass chat_template=, or format the prompt yourself and call generate()"
-            )
-        batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
-        conversations = list(messages) if batched else [messages]
-        params = self._params_list(sampling_params, len(conversations))
-        texts, ids = [], []
-        for i, conv in enumerate(conversations):
+        params = self._params_list(sampling_params, len(texts))
+        ids = []
+        for i, text in enumerate(texts):
             field = f"messages[{i}]" if batched else "messages"
-            try:
-                text = render_chat_template(
-                    template,
-                    validate_messages(conv, field),
-                    add_generation_prompt=add_generation_prompt,
-                    special_tokens=tok.special_tokens,
-                    template_kwargs=template_kwargs,
-                    continue_final_message=continue_final_message,
-                    field=field,
-                    tools=tools,
-                    documents=documents,
-                )
-            except CheckpointError as e:  # a broken template: the caller's, if they passed it
-                if chat_template is None:
-                    raise
-                raise InvalidRequestError(str(e)) from None
-            texts.append(text)
             max_tokens = self.engine.prompt_token_limit(params[i])
             truncate = params[i].truncate_prompt_tokens
             ids.append(

@@ -660,7 +660,51 @@ def _is_byte_level(path: str) -> bool:
     return isinstance(spec, dict) and (uses(spec.get("pre_tokenizer")) or uses(spec.get("decoder")))
 
 
-class HFTokenizer:
+class _ChatTemplating:
+    """transformers' `apply_chat_template` on jaxinfer's tokenizers: scripts written for vLLM, whose
+    `LLM.get_tokenizer()` is a transformers tokenizer, render a prompt with
+    `llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`."""
+
+    def apply_chat_template(
+        self,
+        conversation,
+        *,
+        tools=None,
+        documents=None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        **kwargs,
+    ):
+        """As transformers 5's: the rendered text (tokenize=False); else its ids, encoded without
+        adding BOS/EOS (the template writes its own), as {"input_ids", "attention_mask"}
+        (return_dict, transformers 5's default) or a plain list. A list of conversations gives a
+        list of texts, or of id lists (one dict of lists). Further keyword arguments are template
+        variables (e.g. enable_thinking=False), as `LLM.chat`'s `chat_template_kwargs`."""
+        texts, batched = render_chats(
+            self,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            chat_template_kwargs=kwargs,
+        )
+        if not tokenize:
+            return texts if batched else texts[0]
+        ids = [self.encode(t, add_special_tokens=False) for t in texts]
+        if not return_dict:
+            return ids if batched else ids[0]
+        masks = [[1] * len(i) for i in ids]
+        if not batched:
+            return {"input_ids": ids[0], "attention_mask": masks[0]}
+        return {"input_ids": ids, "attention_mask": masks}
+
+
+class HFTokenizer(_ChatTemplating):
     """A `tokenizers` fast tokenizer (tokenizer.json); BOS/EOS come from its own post-processor.
 
     Under a class that transformers 5 rebuilds from the file's vocabulary (`resolve_tokenizer_class`:
@@ -731,7 +775,7 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_ChatTemplating):
     """A SentencePiece model (tokenizer.model), encoding as transformers' Llama/Gemma tokenizers do.
 
     The model's normaliser, whitespace collapsing and dummy prefix are switched off in a copy of its
@@ -913,7 +957,7 @@ class SentencePieceTokenizer:
         return max((len(p.encode("utf-8")) for p in (*pieces, *self._specials)), default=1)
 
 
-class ByteTokenizer:
+class ByteTokenizer(_ChatTemplating):
     """UTF-8 bytes offset by 3 (0 pad, 1 BOS, 2 EOS): for the embedded tiny random model (`embedded:tiny-random`)."""
 
     OFFSET = 3
@@ -1255,7 +1299,7 @@ def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final
             f"chat_template_kwargs must be a dict with string keys, got {type(template_kwargs).__name__}"
         )
     if taken := [k for k in _RESERVED_TEMPLATE_VARIABLES if k in template_kwargs]:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {taken}: pass them as chat()'s own arguments")
+        raise InvalidRequestError(f"chat_template_kwargs may not set {taken}: they are arguments of their own")
     return _json_data(template_kwargs, "chat_template_kwargs")
 
 
@@ -1344,3 +1388,68 @@ def render_chat_template(
             "check the content types the template expects"
         ) from None
     return _cut_at_tag(rendered) if continue_final_message else rendered
+
+
+def render_chats(
+    tok,
+    messages,
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    tools=None,
+    documents=None,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping | None = None,
+) -> tuple[list[str], bool]:
+    """The texts of one conversation (a list of message dicts) or of a list of them, rendered with
+    `tok`'s chat template - or `chat_template`: Jinja source, or the name of one of the tokenizer's
+    templates, as transformers' `apply_chat_template` takes it - and whether `messages` was a list
+    of conversations. Every argument is checked and a refusal names it (`messages[i]` in a list).
+    `LLM.chat` and the tokenizers' `apply_chat_template` render with it."""
+    template_kwargs = check_chat_options(
+        chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    tools, documents = check_tools(tools), check_documents(documents)
+    named = getattr(tok, "chat_templates", None) or {}
+    if tok.chat_template != named.get("default"):  # set by hand: it alone counts, as in transformers
+        named = {"default": tok.chat_template}
+    named = {k: v for k, v in named.items() if v}
+    if chat_template is not None:
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise InvalidRequestError(
+                "chat_template must be a non-empty string: Jinja source, or the name of one of the model's "
+                f"templates {sorted(named)}; got {chat_template!r}"[:300]
+            )
+        template = named.get(chat_template, chat_template)
+    else:
+        template = choose_chat_template(named, tools=tools)
+    if not template:
+        raise InvalidRequestError(
+            "this model has no chat_template (tokenizer_config.json 'chat_template' or chat_template.jinja): "
+            "pass chat_template=, or format the prompt yourself"
+        )
+    batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+    texts = []
+    for i, conv in enumerate(list(messages) if batched else [messages]):
+        field = f"messages[{i}]" if batched else "messages"
+        try:
+            texts.append(
+                render_chat_template(
+                    template,
+                    validate_messages(conv, field),
+                    add_generation_prompt=add_generation_prompt,
+                    special_tokens=tok.special_tokens,
+                    template_kwargs=template_kwargs,
+                    continue_final_message=continue_final_message,
+                    field=field,
+                    tools=tools,
+                    documents=documents,
+                )
+            )
+        except CheckpointError as e:  # a broken template: the caller's, if they passed it
+            if chat_template is None:
+                raise
+            raise InvalidRequestError(str(e)) from None
+    return texts, batched

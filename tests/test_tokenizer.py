@@ -904,6 +904,16 @@ def test_chat_template_matches_apply_chat_template(tmp_path, style, tokenizer, a
         assert text == theirs.apply_chat_template(conv, tokenize=False, **kw)
         expected = theirs.apply_chat_template(conv, tokenize=True, return_dict=False, **kw)
         assert ours.encode(text, add_special_tokens=False) == expected
+        # The tokenizer's own apply_chat_template, for scripts written against vLLM's get_tokenizer():
+        # transformers 5's defaults and forms (a dict of ids and mask unless return_dict=False).
+        assert ours.apply_chat_template(conv, tokenize=False, **kw) == text
+        assert ours.apply_chat_template(conv, return_dict=False, **kw) == expected
+        assert ours.apply_chat_template(conv, **kw) == dict(theirs.apply_chat_template(conv, **kw))
+    both = theirs.apply_chat_template(CONVERSATIONS, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(CONVERSATIONS, tokenize=False, add_generation_prompt=add_generation_prompt) == both
+    assert ours.apply_chat_template(CONVERSATIONS, add_generation_prompt=add_generation_prompt) == dict(
+        theirs.apply_chat_template(CONVERSATIONS, add_generation_prompt=add_generation_prompt)
+    )
     if style == "gemma":  # the template's own "\n" after <start_of_turn>model only with the prompt
         assert text.endswith("<start_of_turn>model\n") == add_generation_prompt
 
@@ -954,6 +964,10 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
         )
         assert text == theirs.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs)
         assert text.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
+        # apply_chat_template's further keyword arguments are the template's variables, as transformers'.
+        assert ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs) == text
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set"):
+        ours.apply_chat_template(conv, messages=[])
 
 
 # Special tokens, tools through tojson, and content parts the template takes apart itself.
@@ -1100,7 +1114,7 @@ def test_chat_data_may_nest_64_deep_and_no_deeper():
         (dict(continue_final_message=1, add_generation_prompt=False), r"continue_final_message must be True or False"),
         (dict(chat_template_kwargs=["x"]), r"chat_template_kwargs must be a dict"),
         (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
-        (dict(chat_template_kwargs={"documents": [], "x": 1}), r"may not set \['documents'\]: pass them as chat"),
+        (dict(chat_template_kwargs={"documents": [], "x": 1}), r"may not set \['documents'\]: they are arguments of their own"),
         (dict(chat_template_kwargs={"date_string": b"x"}), r"chat_template_kwargs\.date_string is a bytes"),
         # Were RecursionError tracebacks:
         (dict(chat_template_kwargs={"x": _nested(5000)}), rf"^chat_template_kwargs\.x {_TOO_DEEP}"),
@@ -1308,6 +1322,12 @@ def test_llm_chat_takes_a_template_of_the_callers_or_one_named(tmp_path):
         assert out.token_ids == llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
         assert out.finished and out.outputs[0].finished()
     assert llm.chat(conv, params, chat_template=own)[0].prompt.startswith("[user] ")
+    ours = llm.get_tokenizer()  # as a vLLM script renders a prompt: the same text, the same template rules
+    for template, tools in ((own, None), ("tool_use", [get_weather])):
+        text = ours.apply_chat_template(
+            conv, chat_template=template, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        assert text == llm.chat(conv, params, chat_template=template, tools=tools)[0].prompt
     for bad, message in (
         ("{% for %}", "chat_template does not compile: .* \\(line 1\\)"),
         ("  ", "chat_template must be a non-empty string: Jinja source, or the name of one of the model's templates"),
