@@ -155,7 +155,7 @@ def initialize(
             num_processes=num_processes,
             process_id=process_id,
             # Later than the guard's, so that the guard speaks first: JAX's own timeout is an abort.
-            initialization_timeout=math.ceil(initialization_timeout) + _JAX_JOIN_GRACE,
+            initialization_timeout=min(math.ceil(initialization_timeout) + _JAX_JOIN_GRACE, 2**31 - 1),
             coordinator_bind_address=bind,
         )
     if num_processes is not None and jax.process_count() != num_processes:
@@ -189,7 +189,7 @@ class _JoinGuard:
         self._joined.set()
 
     def _watch(self) -> None:
-        if self._joined.wait(self._timeout):
+        if self._joined.wait(min(self._timeout, threading.TIMEOUT_MAX)):  # (a huge limit: forever)
             return
         # Straight to the file descriptor and out: the main thread is stuck in C++ code.
         sys.stderr.write(f"error: {self.message()}\n")
@@ -234,8 +234,14 @@ def _coordinator(address) -> tuple[str, int]:
     """HOST and PORT of --coordinator-address, checked: JAX indexes into a malformed one (IndexError),
     wraps a port past 65535, or dies in its gRPC layer."""
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--coordinator-address must be HOST:PORT with a port in [1, 65535], got {address!r}")
+    # An IPv6 host without its brackets passed as HOST:PORT ("::1" as host ":" and port 1), and gRPC
+    # reads "::1:8476" as one address on its default port 443.
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not sep or not host or bare_ipv6 or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"--coordinator-address must be HOST:PORT with a port in [1, 65535] (an IPv6 host in brackets: "
+            f"[::1]:PORT), got {address!r}"
+        )
     return host.strip("[]"), int(port)
 
 

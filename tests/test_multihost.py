@@ -656,3 +656,396 @@ def test_a_loopback_coordinator_listens_on_loopback_only(monkeypatch):
     distributed.initialize(f"{socket.gethostname()}:{port}", 2, 0)
     assert [kw["coordinator_bind_address"] for kw in joined] == [f"127.0.0.1:{port}", None, None]
     assert [(kw["num_processes"], kw["process_id"]) for kw in joined] == [(2, 0), (2, 1), (2, 0)]
+
+
+# -- The host logic in one process: what the two-process jobs above reach only in their children. --
+
+
+@pytest.mark.parametrize("address", ["::1", "fe80::1", "::1:8476", "fe80::1:8476", "[::1", "[::1:8476", "[::1]"])
+def test_an_ipv6_coordinator_address_without_brackets_is_refused(address):
+    """Taken apart at its last colon, "::1" passed as host ":" and port 1; gRPC reads "::1:8476" as
+    one address on its default port 443 (process 0's coordinator then failed to bind)."""
+    from jaxinfer import distributed
+
+    with pytest.raises(ValueError, match=r"--coordinator-address must be HOST:PORT .*\(an IPv6 host in brackets"):
+        distributed._coordinator(address)
+    assert distributed._coordinator("[::1]:8476") == ("::1", 8476)
+    assert distributed._coordinator("node-0.cluster:8476") == ("node-0.cluster", 8476)
+
+
+class _Wire:
+    """`broadcast_one_to_all` between a leader's StepChannel and a follower's, in one process: the
+    leader's calls queue their values; each follower call takes the next one, once its own arrays
+    match it in tree, shapes and dtypes (what the real collective needs of every process)."""
+
+    def __init__(self):
+        self.queue = []
+
+    def leader(self, x):
+        self.queue.append(x)
+        return x
+
+    def follower(self, x):
+        sent = self.queue.pop(0)
+        assert _signature(x) == _signature(sent), (_signature(x), _signature(sent))
+        return sent
+
+
+def _signature(tree):
+    return jax.tree.structure(tree), [(np.shape(a), np.asarray(a).dtype) for a in jax.tree.leaves(tree)]
+
+
+def _channels():
+    from jaxinfer.distributed import StepChannel
+
+    wire, leader, follower = _Wire(), StepChannel(), StepChannel()
+    leader._broadcast, follower._broadcast = wire.leader, wire.follower
+    return wire, leader, follower
+
+
+def _batches():
+    """A one-table step (b=3, t=5, 8 pages a row) and a hybrid model's two-table one with
+    prompt-logprobs targets (b=2, t=4, 6 pages): every number distinct, every array random."""
+    from jaxinfer.kv_cache import Batch
+
+    rng = np.random.default_rng(0)
+
+    def ints(*shape):
+        return rng.integers(0, 1000, shape).astype(np.int32)
+
+    plain = Batch(tokens=ints(3, 5), q_lens=ints(3), kv_lens=ints(3), page_table=ints(3, 8))
+    hybrid = Batch(
+        tokens=ints(2, 4), q_lens=ints(2), kv_lens=ints(2), page_table=ints(2, 6), window_page_table=ints(2, 6)
+    )
+    return plain, hybrid, ints(2, 4)
+
+
+def _assert_same_batch(got, want):
+    for field in ("tokens", "q_lens", "kv_lens", "page_table"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    assert (got.window_page_table is None) == (want.window_page_table is None)
+    if want.window_page_table is not None:
+        np.testing.assert_array_equal(got.window_page_table, want.window_page_table)
+
+
+def test_a_step_channel_carries_each_message_to_a_follower_as_sent():
+    """Every op, its header slots and arrays, and the leader's --peer-timeout (sent in ms) arrive as
+    the leader sent them, the follower's arrays matching the leader's as the collective needs."""
+    from jaxinfer.distributed import OP_HEARTBEAT, OP_POISON, OP_STEP, OP_STOP, PeerFailureError
+
+    wire, leader, follower = _channels()
+    plain, hybrid, targets = _batches()
+    leader.peer_timeout = 4.5
+    leader.last_sent = 0.0
+    leader.send_step(plain, 5)
+    assert leader.last_sent > 0  # an idle leader's next heartbeat counts from here
+    op, (batch, t, got_targets) = follower.recv()
+    assert (op, t, got_targets, follower.leader_peer_timeout) == (OP_STEP, 5, None, 4.5)
+    _assert_same_batch(batch, plain)
+
+    leader.send_step(hybrid, 4, targets)
+    op, (batch, t, got_targets) = follower.recv()
+    assert (op, t) == (OP_STEP, 4)
+    _assert_same_batch(batch, hybrid)
+    np.testing.assert_array_equal(got_targets, targets)
+
+    leader.send_poison(np.array([3, 9, 12, 40]), 2)
+    op, (pages, group) = follower.recv()
+    assert op == OP_POISON and pages.tolist() == [3, 9, 12, 40] and group == 2
+
+    leader.peer_timeout = None  # none sent: the follower keeps the last one it had
+    leader.send_heartbeat()
+    assert follower.recv() == (OP_HEARTBEAT, None) and follower.leader_peer_timeout == 4.5
+    for sent, received in ((1e-5, 0.001), (1e9, (2**31 - 1) / 1000)):  # at least 1 ms; at most an int32
+        leader.peer_timeout = sent
+        leader.send_heartbeat()
+        follower.recv()
+        assert follower.leader_peer_timeout == received
+    leader.send_stop()
+    assert follower.recv() == (OP_STOP, None)
+    leader._send([99], ())
+    with pytest.raises(PeerFailureError, match="unknown step op 99 from the leader"):
+        follower.recv()
+    assert wire.queue == []
+
+
+def test_the_warm_up_broadcasts_what_a_step_of_that_shape_sends(monkeypatch):
+    """JAX compiles a broadcast per set of shapes: the warm-up's must be the very ones a step sends
+    (the header, then the arrays), or each shape compiles again at its first step in service."""
+    from jax.experimental import multihost_utils
+
+    from jaxinfer import distributed
+
+    plain, hybrid, targets = _batches()
+    warmed = []
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: warmed.append(_signature(x)) or x)
+    distributed.warm_step_broadcast(plain, None)
+    distributed.warm_step_broadcast(hybrid, targets)
+    sent = []
+    _, leader, _ = _channels()
+    leader._broadcast = lambda x: sent.append(_signature(x)) or x
+    leader.peer_timeout = 60.0
+    leader.send_step(plain, 5)
+    leader.send_step(hybrid, 4, targets)
+    assert warmed == sent and len(sent) == 4
+
+
+class _FakeEngine:
+    """What a follower calls: records each step and poison, and whether a wait on the peers was in
+    flight (a follower's step is one: the watchdog bounds it)."""
+
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = [], fail
+
+    def _run_step(self, batch, t, targets=None):
+        from jaxinfer.distributed import peer_wait
+
+        if self.fail:
+            raise ValueError("bad step")
+        self.calls.append(
+            ("step", batch.tokens.shape, t, None if targets is None else targets.tolist(), peer_wait.seconds() > 0)
+        )
+        return self  # jax.block_until_ready calls block_until_ready() on a leaf that is no jax.Array
+
+    def block_until_ready(self):
+        self.calls.append("ready")
+        return self
+
+    def _run_poison(self, pages, group):
+        from jaxinfer.distributed import peer_wait
+
+        self.calls.append(("poison", pages.tolist(), group, peer_wait.seconds() > 0))
+
+
+def test_a_follower_replays_the_leaders_steps_until_it_says_stop():
+    import types
+
+    from jaxinfer.distributed import PeerFailureError, run_follower
+
+    wire, leader, follower = _channels()
+    plain, hybrid, targets = _batches()
+    leader.peer_timeout = 4.0
+    leader.send_heartbeat()
+    leader.send_step(hybrid, 4, targets)
+    leader.send_poison(np.array([5, 6]), 1)
+    leader.send_step(plain, 5)
+    leader.send_stop()
+    engine = _FakeEngine()
+    watchdog = types.SimpleNamespace(limit=600.0, phase="startup")
+    assert run_follower(engine, follower, watchdog) == 0
+    assert engine.calls == [
+        ("step", (2, 4), 4, targets.tolist(), True),
+        "ready",  # waited for: the step's time counts in the wait, not the next message's
+        ("poison", [5, 6], 1, True),
+        ("step", (3, 5), 5, None, True),
+        "ready",
+    ]
+    assert wire.queue == []
+    # Its watchdog's bound: from the start-up one to the leader's --peer-timeout.
+    assert (watchdog.limit, watchdog.phase) == (4.0, "serving")
+    # The leader gone, or a step failing: a PeerFailureError that says which.
+    leader.send_step(plain, 5)
+    with pytest.raises(PeerFailureError, match="a step across the processes failed: ValueError: bad step"):
+        run_follower(_FakeEngine(fail=True), follower)
+    follower._broadcast = lambda x: (_ for _ in ()).throw(RuntimeError("gloo: closed"))
+    with pytest.raises(PeerFailureError, match="lost the leader: RuntimeError: gloo: closed"):
+        run_follower(_FakeEngine(), follower)
+
+
+def test_peer_wait_times_the_outermost_wait_only():
+    from jaxinfer.distributed import peer_wait
+
+    assert peer_wait.seconds() == 0.0
+    with peer_wait():
+        outer = peer_wait.since
+        time.sleep(0.05)
+        with peer_wait():
+            assert peer_wait.since == outer
+        assert peer_wait.since == outer and peer_wait.seconds() >= 0.05
+    assert peer_wait.since is None and peer_wait.seconds() == 0.0
+
+
+def test_the_watchdog_fires_once_on_a_wait_past_its_limit_and_follows_a_new_limit():
+    """Not while no wait is in flight; once (it ends the process) for one past the limit; and a limit
+    lowered while it sleeps on a long one (a follower's start-up bound, then the leader's
+    --peer-timeout) counts within half a second, not after a quarter of the old limit."""
+    from jaxinfer.distributed import Watchdog, peer_wait
+
+    fired = []
+    Watchdog(0.1, fired.append)
+    time.sleep(0.4)
+    assert fired == []  # no wait in flight
+    with peer_wait():
+        time.sleep(0.6)
+    assert len(fired) == 1 and fired[0] > 0.1, fired
+    lowered = []
+    dog = Watchdog(100.0, lowered.append)
+    with peer_wait():
+        dog.phase, dog.limit = "serving", 0.2
+        time.sleep(1.5)
+    assert len(lowered) == 1 and lowered[0] > 0.2, lowered
+
+
+def test_lost_peers_names_only_the_runtimes_word_that_the_others_are_gone():
+    from jaxinfer.distributed import lost_peers
+
+    closed = jax.errors.JaxRuntimeError("INTERNAL: Gloo error: Connection closed by peer [127.0.0.1]:4242\nat ...")
+    assert lost_peers(closed) == "INTERNAL: Gloo error: Connection closed by peer [127.0.0.1]:4242"
+    assert lost_peers(jax.errors.JaxRuntimeError("UNAVAILABLE: the coordination service is gone")).startswith("UNAVAIL")
+    assert lost_peers(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: shapes differ\nGloo")) is None  # a bug, not a peer
+    assert lost_peers(ConnectionError("Connection refused by Gloo")) is None  # not from the runtime
+
+
+def _settings(**changes):
+    base = {
+        "dtype": "bfloat16",
+        "mesh": "data=1,model=8",
+        "num_kv_pages": 48,
+        "page_size": 8,
+        "extra": {"a": 1, "b": 2},
+    }
+    return base | changes
+
+
+def test_check_same_job_names_the_settings_and_processes_that_differ(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    from jaxinfer import distributed
+
+    digests = []
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: digests.append(x) or np.stack([x, x]))
+    distributed.check_same_job(_settings())
+    distributed.check_same_job(_settings(extra={"b": 2, "a": 1}))  # a dict's order does not count
+    assert digests[0].dtype == np.int32 and digests[0].tolist() == digests[1].tolist()
+    leader = digests[0]
+    # Process 1 of 3 with another page count and mesh; process 2 like process 0.
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert not distributed.is_leader()
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([leader, x, leader]))
+    with pytest.raises(distributed.JobMismatchError) as e:
+        distributed.check_same_job(_settings(num_kv_pages=40, mesh="data=2,model=4"))
+    message = str(e.value)
+    assert 'mesh (processes [1] differ from process 0; here, on process 1: "data=2,model=4")' in message
+    assert "num_kv_pages (processes [1] differ from process 0; here, on process 1: 40)" in message
+    assert "dtype" not in message and "page_size" not in message and "extra" not in message
+    # Unequal device counts: refused by name before the collective, which needs equal ones.
+    devices = [type("D", (), {"process_index": p})() for p in (0, 0, 0, 0, 1, 1)]
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    with pytest.raises(
+        distributed.JobMismatchError, match=r"different numbers of devices \(process 0: 4, process 1: 2\)"
+    ):
+        distributed.check_same_job(_settings())
+
+
+def test_the_model_fingerprint_ignores_where_the_files_are_but_not_their_names(tmp_path):
+    from jaxinfer.distributed import model_fingerprint
+
+    for host in ("a", "b"):
+        (tmp_path / host / "sub").mkdir(parents=True)
+        (tmp_path / host / "sub" / "weights.bin").write_bytes(b"w" * 1000)
+        (tmp_path / host / "config.json").write_text("{}")
+    assert model_fingerprint(str(tmp_path / "a")) == model_fingerprint(str(tmp_path / "b"))  # paths differ per host
+    (tmp_path / "b" / "sub" / "weights.bin").rename(tmp_path / "b" / "sub" / "other.bin")
+    assert model_fingerprint(str(tmp_path / "a")) != model_fingerprint(str(tmp_path / "b"))
+    assert model_fingerprint("embedded:tiny-random") == "embedded:tiny-random"  # a name, not a directory
+
+
+def test_the_model_fingerprint_does_not_depend_on_the_order_directories_are_listed_in(tmp_path, monkeypatch):
+    """os.walk lists a directory's entries in the filesystem's order, which may differ per host."""
+    from jaxinfer.distributed import model_fingerprint
+
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "shard.bin").write_bytes(sub.encode() * 10)
+    walk = os.walk
+    prints = set()
+    for reverse in (False, True):
+
+        def listed(top, reverse=reverse):
+            for root, dirs, files in walk(top):
+                dirs.sort(reverse=reverse)  # in place: the order os.walk then descends in
+                yield root, dirs, files
+
+        monkeypatch.setattr(os, "walk", listed)
+        prints.add(model_fingerprint(str(tmp_path)))
+    assert len(prints) == 1
+
+
+def test_the_join_guard_says_what_is_missing_and_ends_only_a_process_that_never_joined(monkeypatch, capsys):
+    from jaxinfer.distributed import _JoinGuard
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        up = f"127.0.0.1:{listener.getsockname()[1]}"
+        nobody = f"127.0.0.1:{_free_port()}"
+        assert _JoinGuard(3, None, None, None).message() == (
+            "this process waited 3 s to join the multi-host job that JAX detected, and the job did not form"
+        )
+        assert (
+            _JoinGuard(12, up, 3, 0)
+            .message()
+            .startswith(f"process 0 of 3 waited 12 s to join the multi-host job at {up}: not all 3 processes joined")
+        )
+        assert "the coordinator answers, but the job did not form" in _JoinGuard(3, up, 3, 1).message()
+        assert "nothing answers there (Connection refused)" in _JoinGuard(3, nobody, 2, 1).message()
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    with _JoinGuard(0.1, up, 2, 0):  # joined at once: the guard stands down
+        pass
+    time.sleep(0.3)
+    assert exits == []
+    with _JoinGuard(0.1, up, 2, 0):  # still joining when its time is up: status 2, and why
+        time.sleep(0.5)
+    assert exits == [2]
+    assert "error: process 0 of 2 waited 0.1 s to join the multi-host job" in capsys.readouterr().err
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_initialize_hands_jax_its_settings_and_refuses_a_job_of_another_size(monkeypatch):
+    """The guard's bound is the given one and JAX's own (an abort) well past it; the runtime is put in
+    its recoverable mode with gloo on CPU; a non-loopback address binds JAX's default; a count the
+    coordinator contradicts, or a partial set of flags, is refused."""
+    from jaxinfer import distributed
+
+    joined, updates, guards = [], [], []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    class Guard:
+        def __init__(self, *args):
+            guards.append(args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(distributed, "_JoinGuard", Guard)
+    port = _free_port()
+    distributed.initialize(f"192.0.2.1:{port}", 2, 0, initialization_timeout=2.5)  # not this host's address
+    if _has_ipv6_loopback():
+        distributed.initialize(f"[::1]:{port}", 2, 0)
+        assert joined[-1]["coordinator_bind_address"] == f"[::1]:{port}"
+    assert guards[0] == (2.5, f"192.0.2.1:{port}", 2, 0)
+    assert joined[0]["initialization_timeout"] >= 2.5 + 10 and joined[0]["coordinator_bind_address"] is None
+    assert ("jax_enable_recoverability", True) in updates
+    if jax.config.jax_platforms in (None, "", "cpu"):
+        assert ("jax_cpu_collectives_implementation", "gloo") in updates
+    for told, counted in ((3, 2), (2, 3)):
+        monkeypatch.setattr(jax, "process_count", lambda counted=counted: counted)
+        with pytest.raises(ValueError, match=rf"--num-processes {told} differs from the job's: .* counts {counted}"):
+            distributed.initialize(f"127.0.0.1:{port}", told, 1)
+    for partial in ((f"127.0.0.1:{port}", 2, None), (None, 2, 0), (f"127.0.0.1:{port}", None, None)):
+        with pytest.raises(ValueError, match="give --coordinator-address, --num-processes and --process-id together"):
+            distributed.initialize(*partial)

@@ -1114,7 +1114,10 @@ def test_chat_data_may_nest_64_deep_and_no_deeper():
         (dict(continue_final_message=1, add_generation_prompt=False), r"continue_final_message must be True or False"),
         (dict(chat_template_kwargs=["x"]), r"chat_template_kwargs must be a dict"),
         (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
-        (dict(chat_template_kwargs={"documents": [], "x": 1}), r"may not set \['documents'\]: they are arguments of their own"),
+        (
+            dict(chat_template_kwargs={"documents": [], "x": 1}),
+            r"may not set \['documents'\]: they are arguments of their own",
+        ),
         (dict(chat_template_kwargs={"date_string": b"x"}), r"chat_template_kwargs\.date_string is a bytes"),
         # Were RecursionError tracebacks:
         (dict(chat_template_kwargs={"x": _nested(5000)}), rf"^chat_template_kwargs\.x {_TOO_DEEP}"),
