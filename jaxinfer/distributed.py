@@ -180,22 +180,32 @@ class _JoinGuard:
         self._timeout, self._address = timeout, address
         self._num_processes, self._process_id = num_processes, process_id
         self._joined = threading.Event()
+        # Held from the guard's last look at `_joined` to its exit: a join that completes meanwhile
+        # waits for the exit, and one that completed before it stands the guard down.
+        self._deciding = threading.Lock()
 
     def __enter__(self):
         threading.Thread(target=self._watch, name="jaxinfer-join-guard", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._joined.set()
+        with self._deciding:
+            self._joined.set()
 
     def _watch(self) -> None:
         if self._joined.wait(min(self._timeout, threading.TIMEOUT_MAX)):  # (a huge limit: forever)
             return
-        # Straight to the file descriptor and out: the main thread is stuck in C++ code.
-        sys.stderr.write(f"error: {self.message()}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(2)
+        # Looked at again once the message is made: it may try the coordinator for seconds, and a job
+        # that formed meanwhile must not lose this process (its peers would abort).
+        message = self.message()
+        with self._deciding:
+            if self._joined.is_set():
+                return
+            # Straight to the file descriptor and out: the main thread is stuck in C++ code.
+            sys.stderr.write(f"error: {message}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(2)
 
     def message(self) -> str:
         who = "this process" if self._process_id is None else f"process {self._process_id} of {self._num_processes}"

@@ -285,8 +285,9 @@ class LLM:
             )
         if not isinstance(async_scheduling, bool):
             raise InvalidRequestError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        if seed is not None and (not is_int(seed) or seed < 0):  # NumPy integers too, as elsewhere
             raise InvalidRequestError(f"seed must be None or an integer >= 0, got {seed!r}")
+        seed = None if seed is None else int(seed)
         if dtype == "auto" and isinstance(model, (str, os.PathLike, type(None))):
             dtype = _auto_dtype(model)
         if dtype not in DTYPES:
@@ -325,6 +326,11 @@ class LLM:
         if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
             # The upper limit is the model's (checked once its config is read); the type is not.
             raise InvalidRequestError(f"max_model_len must be None or an integer >= 2, got {max_model_len!r}")
+        if tensor_parallel_size is not None:  # (the device count starts JAX: after the cheap checks)
+            try:  # a refusal names what the caller gave, not the mesh it stands for
+                parse_mesh(mesh)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"tensor_parallel_size={tensor_parallel_size!r}: {e}") from None
         multi_process = jax.process_count() > 1
         if multi_process:  # before loading: a different model or mesh would fail there, unnamed
             from jaxinfer import distributed

@@ -676,13 +676,39 @@ class _ChatTemplating:
         continue_final_message: bool = False,
         tokenize: bool = True,
         return_dict: bool = True,
+        sanitize_control_tokens: bool = False,
+        padding=False,
+        truncation: bool = False,
+        max_length: int | None = None,
+        return_tensors=None,
+        return_assistant_tokens_mask: bool = False,
+        tokenizer_kwargs=None,
         **kwargs,
     ):
         """As transformers 5's: the rendered text (tokenize=False); else its ids, encoded without
         adding BOS/EOS (the template writes its own), as {"input_ids", "attention_mask"}
         (return_dict, transformers 5's default) or a plain list. A list of conversations gives a
         list of texts, or of id lists (one dict of lists). Further keyword arguments are template
-        variables (e.g. enable_thinking=False), as `LLM.chat`'s `chat_template_kwargs`."""
+        variables (e.g. enable_thinking=False), as `LLM.chat`'s `chat_template_kwargs`.
+        transformers' tokenizer options (padding, truncation, tensors, ...) are not implemented:
+        refused by name unless left at their defaults."""
+        # Named here, not left to **kwargs: as template variables they were silently ignored, and a
+        # script asking for tensors, padding, truncation or sanitized control tokens got plain,
+        # unpadded, whole lists, and control tokens in its messages read as control tokens.
+        options = {
+            "sanitize_control_tokens": sanitize_control_tokens,
+            "padding": padding,
+            "truncation": truncation,
+            "max_length": max_length,
+            "return_tensors": return_tensors,
+            "return_assistant_tokens_mask": return_assistant_tokens_mask,
+            "tokenizer_kwargs": tokenizer_kwargs,
+        }
+        if given := [k for k, v in options.items() if v not in (None, False, {}, "do_not_pad")]:
+            raise InvalidRequestError(
+                f"apply_chat_template here does not implement transformers' {given}: render with "
+                "tokenize=False and tokenize the text as you need it"
+            )
         texts, batched = render_chats(
             self,
             conversation,
@@ -1123,7 +1149,7 @@ def _compile_chat_template(template: str):
         raise CheckpointError(f"chat_template does not compile: {e} (line {e.lineno})") from None
 
 
-@functools.cache
+@functools.lru_cache(maxsize=32)  # as _compile_chat_template: a caller's templates, bounded in number
 def _iterates_content(template: str) -> bool:
     """Whether a chat template takes a message's content apart (written for OpenAI-style lists of
     parts, as vision-language templates are) rather than printing it as a string: it loops over the

@@ -258,6 +258,18 @@ def test_an_llm_seed_makes_unseeded_requests_repeat_run_after_run():
             LLM(default_model.TINY_RANDOM, seed=bad)
 
 
+def test_an_llm_seed_may_be_a_numpy_integer():
+    """As every integer setting and request field: np.int64(5) is the seed 5."""
+    p = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    runs = [
+        LLM(default_model.TINY_RANDOM, max_model_len=32, num_kv_pages=16, seed=seed)
+        .generate(prompt_token_ids=[[1, 50]], sampling_params=p)[0]
+        .token_ids
+        for seed in (5, np.int64(5))
+    ]
+    assert runs[0] == runs[1]
+
+
 def test_stop_token_ids_and_eos(llm):
     free = llm.generate(prompt_token_ids=[[1, 70, 71]], sampling_params=GREEDY)[0].token_ids
     stop_at = free[3]

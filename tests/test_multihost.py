@@ -1001,6 +1001,20 @@ def test_the_join_guard_says_what_is_missing_and_ends_only_a_process_that_never_
     assert "error: process 0 of 2 waited 0.1 s to join the multi-host job" in capsys.readouterr().err
 
 
+def test_the_join_guard_spares_a_process_that_joins_while_it_makes_its_message(monkeypatch):
+    """The guard's message may take seconds (it tries the coordinator); a job that forms meanwhile
+    keeps this process: ended after joining, it would abort its peers."""
+    from jaxinfer import distributed
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setattr(distributed._JoinGuard, "message", lambda self: time.sleep(0.5) or "slow")
+    with distributed._JoinGuard(0.1, "127.0.0.1:1", 2, 1):
+        time.sleep(0.3)  # joined while the guard, its time up, is still making its message
+    time.sleep(0.6)
+    assert exits == []
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:

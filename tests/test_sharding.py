@@ -293,6 +293,15 @@ def test_tensor_parallel_size_is_the_model_axis_as_vllm_names_it():
         LLM("embedded:tiny-random", tensor_parallel_size=16)
 
 
+def test_a_tensor_parallel_size_past_the_devices_is_refused_by_its_name():
+    """The refusal names tensor_parallel_size, which the caller gave, not only the mesh it stands for."""
+    n = jax.device_count()
+    with pytest.raises(
+        InvalidRequestError, match=rf"^tensor_parallel_size={2 * n}: mesh data=1,model={2 * n} has {2 * n} devices"
+    ):
+        LLM("embedded:tiny-random", tensor_parallel_size=2 * n)
+
+
 def test_kv_head_copies_only_when_the_model_axis_is_a_multiple():
     from jaxinfer.sharding import kv_head_copies
 

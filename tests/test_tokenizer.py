@@ -5,6 +5,7 @@ import enum
 import itertools
 import json
 import random
+import re
 from typing import Any, Literal
 
 import pytest
@@ -968,6 +969,51 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
         assert ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs) == text
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set"):
         ours.apply_chat_template(conv, messages=[])
+
+
+def test_apply_chat_template_refuses_the_tokenizer_options_it_does_not_implement(tmp_path):
+    """transformers' tokenizer-side options (tensors, padding, truncation, sanitized control tokens,
+    ...) are refused by name: taken as template variables, they were ignored without a word (plain
+    lists for return_tensors="np", every token for truncation=True). Left at their defaults, as
+    scripts spell them out, they change nothing."""
+    d = _chat_dir(tmp_path, "llama3")
+    ours = load_tokenizer(str(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d))
+    conv = CONVERSATIONS[1]
+    defaults = dict(
+        sanitize_control_tokens=False,
+        padding=False,
+        truncation=False,
+        max_length=None,
+        return_tensors=None,
+        return_assistant_tokens_mask=False,
+        tokenizer_kwargs=None,
+    )
+    assert ours.apply_chat_template(conv, **defaults) == dict(theirs.apply_chat_template(conv, **defaults))
+    for given in (
+        {"return_tensors": "np"},
+        {"truncation": True, "max_length": 5},
+        {"padding": True},
+        {"sanitize_control_tokens": True},
+        {"return_assistant_tokens_mask": True},
+        {"tokenizer_kwargs": {"add_special_tokens": True}},
+    ):
+        with pytest.raises(InvalidRequestError, match=re.escape(f"does not implement transformers' {list(given)}")):
+            ours.apply_chat_template(conv, **given)
+
+
+def test_a_callers_chat_templates_are_cached_in_bounded_number():
+    """Every template a caller renders with is remembered (compiled, and whether it takes content
+    apart) up to a bound: a long-running app that builds its templates must not grow without end."""
+    from jaxinfer.tokenizer import ByteTokenizer, _compile_chat_template, _iterates_content
+
+    tok = ByteTokenizer()
+    conv = [{"role": "user", "content": "hi"}]
+    for i in range(40):
+        text = tok.apply_chat_template(conv, chat_template=f"{i}{{{{ messages[0].content }}}}", tokenize=False)
+        assert text == f"{i}hi"
+    assert _compile_chat_template.cache_info().currsize <= 32
+    assert _iterates_content.cache_info().currsize <= 32
 
 
 # Special tokens, tools through tojson, and content parts the template takes apart itself.
