@@ -665,22 +665,21 @@ class _ChatTemplating:
     `LLM.get_tokenizer()` is a transformers tokenizer, render a prompt with
     `llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`."""
 
-    def apply_chat_template(
+    def apply_chat_template(  # transformers' parameters in transformers' order: positional calls work too
         self,
         conversation,
-        *,
         tools=None,
         documents=None,
         chat_template: str | None = None,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         tokenize: bool = True,
-        return_dict: bool = True,
         sanitize_control_tokens: bool = False,
         padding=False,
         truncation: bool = False,
         max_length: int | None = None,
         return_tensors=None,
+        return_dict: bool = True,
         return_assistant_tokens_mask: bool = False,
         tokenizer_kwargs=None,
         **kwargs,
@@ -726,8 +725,18 @@ class _ChatTemplating:
             return ids if batched else ids[0]
         masks = [[1] * len(i) for i in ids]
         if not batched:
-            return {"input_ids": ids[0], "attention_mask": masks[0]}
-        return {"input_ids": ids, "attention_mask": masks}
+            return _Encoding(input_ids=ids[0], attention_mask=masks[0])
+        return _Encoding(input_ids=ids, attention_mask=masks)
+
+
+class _Encoding(dict):
+    """transformers' BatchEncoding as far as scripts read one: its keys, also as attributes."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class HFTokenizer(_ChatTemplating):

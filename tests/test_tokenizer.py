@@ -910,6 +910,9 @@ def test_chat_template_matches_apply_chat_template(tmp_path, style, tokenizer, a
         assert ours.apply_chat_template(conv, tokenize=False, **kw) == text
         assert ours.apply_chat_template(conv, return_dict=False, **kw) == expected
         assert ours.apply_chat_template(conv, **kw) == dict(theirs.apply_chat_template(conv, **kw))
+        assert ours.apply_chat_template(conv, **kw).input_ids == theirs.apply_chat_template(conv, **kw).input_ids
+        # Positional, in transformers' order (conversation, tools, documents, chat_template, ...).
+        assert ours.apply_chat_template(conv, None, None, None, add_generation_prompt, False, False) == text
     both = theirs.apply_chat_template(CONVERSATIONS, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert ours.apply_chat_template(CONVERSATIONS, tokenize=False, add_generation_prompt=add_generation_prompt) == both
     assert ours.apply_chat_template(CONVERSATIONS, add_generation_prompt=add_generation_prompt) == dict(
