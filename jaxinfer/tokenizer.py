@@ -717,6 +717,7 @@ class _ChatTemplating:
             documents=documents,
             chat_template=chat_template,
             chat_template_kwargs=kwargs,
+            kwargs_name="apply_chat_template's template variables (keyword arguments)",
         )
         if not tokenize:
             return texts if batched else texts[0]
@@ -1314,8 +1315,11 @@ def _json_data(value, where: str, depth: int = 0, top: str = ""):
     )
 
 
-def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final_message) -> dict:
-    """Validates chat_template_kwargs (returned as a dict) and the two turn options."""
+def check_chat_options(
+    template_kwargs, *, add_generation_prompt, continue_final_message, kwargs_name: str = "chat_template_kwargs"
+) -> dict:
+    """Validates the template variables (returned as a dict; `kwargs_name` names them in a refusal)
+    and the two turn options."""
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
         ("continue_final_message", continue_final_message),
@@ -1331,11 +1335,11 @@ def check_chat_options(template_kwargs, *, add_generation_prompt, continue_final
         return {}
     if not isinstance(template_kwargs, Mapping) or not all(isinstance(k, str) for k in template_kwargs):
         raise InvalidRequestError(
-            f"chat_template_kwargs must be a dict with string keys, got {type(template_kwargs).__name__}"
+            f"{kwargs_name} must be a dict with string keys, got {type(template_kwargs).__name__}"
         )
     if taken := [k for k in _RESERVED_TEMPLATE_VARIABLES if k in template_kwargs]:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {taken}: they are arguments of their own")
-    return _json_data(template_kwargs, "chat_template_kwargs")
+        raise InvalidRequestError(f"{kwargs_name} may not set {taken}: they are arguments of their own")
+    return _json_data(template_kwargs, kwargs_name)
 
 
 # Appended to the final message's text with continue_final_message; the rendering is cut where it
@@ -1435,16 +1439,19 @@ def render_chats(
     documents=None,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping | None = None,
+    kwargs_name: str = "chat_template_kwargs",
 ) -> tuple[list[str], bool]:
     """The texts of one conversation (a list of message dicts) or of a list of them, rendered with
     `tok`'s chat template - or `chat_template`: Jinja source, or the name of one of the tokenizer's
     templates, as transformers' `apply_chat_template` takes it - and whether `messages` was a list
     of conversations. Every argument is checked and a refusal names it (`messages[i]` in a list).
-    `LLM.chat` and the tokenizers' `apply_chat_template` render with it."""
+    `LLM.chat` and the tokenizers' `apply_chat_template` render with it (`kwargs_name`: what the
+    caller calls the template variables)."""
     template_kwargs = check_chat_options(
         chat_template_kwargs,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        kwargs_name=kwargs_name,
     )
     tools, documents = check_tools(tools), check_documents(documents)
     named = getattr(tok, "chat_templates", None) or {}

@@ -970,7 +970,10 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
         assert text.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
         # apply_chat_template's further keyword arguments are the template's variables, as transformers'.
         assert ours.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs) == text
-    with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"apply_chat_template's template variables \(keyword arguments\) may not set \['messages'\]",
+    ):
         ours.apply_chat_template(conv, messages=[])
 
 
