@@ -295,7 +295,7 @@ class Engine:
     ):
         if not isinstance(async_scheduling, bool):
             raise InvalidRequestError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        if seed is not None and (not is_int(seed) or seed < 0):  # NumPy integers too, as LLM takes them
             raise InvalidRequestError(f"seed must be None or an integer >= 0, got {seed!r}")
         check_capacity(
             page_size=page_size,
@@ -443,7 +443,7 @@ class Engine:
         # Seeds of unseeded requests: the engine's own entropy (or `seed`'s stream, vLLM's
         # LLM(seed=): the same seeds in the order requests arrive, run after run), so a user's
         # np.random.seed() neither repeats them nor has its stream advanced by generate().
-        self._seeds = np.random.default_rng(seed)
+        self._seeds = np.random.default_rng(None if seed is None else int(seed))
         self._min_mp = min(self.max_pages_per_seq, bucket(max(1, 128 // page_size)))
         # Decode rows must split over a mesh's `data` axis (see scheduler.decode_bucket).
         self._rows_multiple = 1 if mesh is None else dict(mesh.shape).get("data", 1)

@@ -268,6 +268,11 @@ def test_an_llm_seed_may_be_a_numpy_integer():
         for seed in (5, np.int64(5))
     ]
     assert runs[0] == runs[1]
+    from jaxinfer.engine import Engine  # built directly, too
+
+    llm = LLM(default_model.TINY_RANDOM, max_model_len=32, num_kv_pages=16)
+    engine = Engine(llm.cfg, llm.params, max_model_len=32, num_kv_pages=16, seed=np.int64(5))
+    assert engine._seeds.integers(2**32) == np.random.default_rng(5).integers(2**32)
 
 
 def test_stop_token_ids_and_eos(llm):
